@@ -1,0 +1,8 @@
+"""flashdraft: an LLM inference engine built around DFlash speculative decoding."""
+
+from flashdraft.engine.llm import LLM
+from flashdraft.engine.sequence import Output
+from flashdraft.sampling_params import SamplingParams
+
+__all__ = ["LLM", "Output", "SamplingParams"]
+__version__ = "0.1.0"

@@ -1,0 +1,44 @@
+"""The attention backend interface. Every attention call in flashdraft reads a paged KV cache
+through one `AttentionBatch`, built once per step by the model runner.
+
+Query rows of sequence s are the last `query_lens[s]` positions of its `seq_lens[s]` keys (the
+tokens of this step are stored before attention runs). Causal: a row at position p sees keys
+[0, p]. Non-causal (the DFlash draft block): every row of s sees all `seq_lens[s]` keys."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionBatch:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (block * block_size + offset)
+    query_start_loc: list[int]  # [S+1] row offsets of each sequence in the flattened batch
+    seq_lens: list[int]  # [S] keys visible to sequence s, this step's tokens included
+    block_tables: list[list[int]]  # [S][n] KV blocks of each sequence
+    block_size: int
+    causal: bool = True
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+class AttentionBackend(ABC):
+    """Stores new K/V into a paged cache and attends over it."""
+
+    def prepare(self, batch: AttentionBatch, device: torch.device) -> None:
+        """Build per-step metadata once, before the layers run."""
+
+    @abstractmethod
+    def store_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, batch: AttentionBatch) -> None:
+        """k, v: [T, n_kv, head_dim]; caches: [num_blocks, block_size, n_kv, head_dim]."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                batch: AttentionBatch, scale: float) -> torch.Tensor:
+        """q: [T, n_heads, head_dim] -> [T, n_heads, head_dim]."""

@@ -1,0 +1,64 @@
+"""Engine configuration. The fields are the flags: the CLI, the server and `LLM(**kwargs)` all
+build this one dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF folder, .gguf file, or None for the embedded SmolLM2 default
+    draft: str | None = "auto"  # DFlash drafter folder, "auto" (shipped drafter if any) or None
+    device: str | None = None  # None: cuda if available else cpu
+    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 64  # running sequences per step
+    max_num_batched_tokens: int = 2048  # tokens per forward; longer prompts are chunked
+    kv_block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit KV budget in blocks (overrides kv_cache_memory_gb)
+    kv_cache_memory_gb: float | None = None  # None: 2 GiB on cpu, 85% of free memory on cuda
+    num_speculative_tokens: int | None = None  # None: block_size - 1 of the drafter
+    seed: int = 0
+    attention_backend: str = "torch"
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(**kwargs)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    def resolved_device(self) -> torch.device:
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"invalid device {self.device!r}: {e}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} requested but CUDA is not available")
+        return dev
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype is None:
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+        if self.dtype not in table:
+            raise ValueError(f"dtype must be one of {sorted(table)}, got {self.dtype!r}")
+        return table[self.dtype]

@@ -1,0 +1,185 @@
+"""LLMEngine: requests in, tokens out, one `step()` at a time. The offline `LLM`, the CLI and the
+server all drive this class."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from flashdraft.config import EngineConfig
+from flashdraft.engine.block_manager import BlockManager
+from flashdraft.engine.model_runner import ModelRunner, plan_num_blocks
+from flashdraft.engine.sampler import sample
+from flashdraft.engine.scheduler import Scheduler
+from flashdraft.engine.sequence import Output, Sequence
+from flashdraft.models.loader import load_model
+from flashdraft.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def shipped_drafter(model: str | None) -> str | None:
+    """The drafter this project trained and ships for `model` (only the embedded default has one)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m-dflash"
+    return str(path) if model is None and (path / "config.json").exists() else None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype(self.device)
+        loaded = load_model(config.model, self.device, self.dtype)
+        self.model_dir = loaded.folder
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        self.vocab_size = loaded.config.vocab_size
+        model_max = int(getattr(loaded.config, "max_position_embeddings", 0) or 4096)
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context window {model_max}")
+        num_blocks = plan_num_blocks(config, loaded.model, self.device, self.dtype)
+        # one sequence can never hold more tokens than the whole cache
+        self.max_model_len = min(config.max_model_len or model_max, num_blocks * config.kv_block_size)
+        self.block_manager = BlockManager(num_blocks, config.kv_block_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = ModelRunner(loaded.model, config, self.device, self.dtype, num_blocks, self.max_model_len)
+        self.spec = None
+        draft = shipped_drafter(config.model) if config.draft == "auto" else config.draft
+        if draft is not None:
+            from flashdraft.spec.dflash import load_speculator
+
+            self.spec = load_speculator(draft, self)
+        self._seed = config.seed
+        self.stats = {"num_steps": 0, "num_preemptions": 0, "num_generated_tokens": 0}
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return self.tokenizer(prompt, add_special_tokens=True).input_ids
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError("prompt must be a string or a list of token ids")
+        return list(prompt)
+
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context window (max_model_len) is "
+                             f"{self.max_model_len}, leaving no room to generate")
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError("a conversation must be a non-empty list of {'role', 'content'} messages")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"the tokenizer of {self.model_dir} has no chat template; pass raw prompts")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt_token_ids: list[int] | None = None) -> Sequence:
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        self.check_prompt(ids)
+        self._seed += 1
+        seq = Sequence(ids, params, prompt if isinstance(prompt, str) else None, request_id,
+                       seed=hash((self.config.seed, self._seed)) & 0x7FFFFFFFFFFFFFFF)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            seq.finish_reason = "abort"
+            seq.finish_time = time.perf_counter()
+            self.scheduler.finish(seq)
+            if self.spec is not None:
+                self.spec.release(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one forward over a scheduled batch; return the sequences that advanced."""
+        if self.spec is not None:
+            return self.spec.step()
+        batch = self.scheduler.schedule()
+        self.stats["num_preemptions"] += len(batch.preempted)
+        if not batch.seqs:
+            return []
+        tokens = [s.token_ids[s.num_computed_tokens: s.num_computed_tokens + n]
+                  for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        hidden, _, qsl = self.runner.forward(batch.seqs, tokens, self.block_manager)
+        ready = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                 if s.num_computed_tokens + n == s.num_tokens]
+        for s, n in zip(batch.seqs, batch.num_new_tokens):
+            s.num_computed_tokens += n
+        if ready:
+            rows = torch.tensor([qsl[i + 1] - 1 for i in ready], device=self.device)
+            logits = self.runner.model.compute_logits(hidden[rows])
+            seqs = [batch.seqs[i] for i in ready]
+            sb = self.runner.sampling_batch(seqs, [s.num_tokens for s in seqs])
+            for seq, tok in zip(seqs, sample(logits, sb).tolist()):
+                self.append_tokens(seq, [tok])
+        self.stats["num_steps"] += 1
+        return [batch.seqs[i] for i in ready]
+
+    def append_tokens(self, seq: Sequence, tokens: list[int]) -> int:
+        """Commit tokens one by one, stopping exactly where plain decoding would. Returns how many
+        were committed (fewer than given when the request finishes inside the run)."""
+        now = time.perf_counter()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        p = seq.params
+        for n, tok in enumerate(tokens, 1):
+            seq.token_ids.append(tok)
+            seq.token_times.append(now)
+            self.stats["num_generated_tokens"] += 1
+            reason, text = None, None
+            if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
+                reason = "stop"
+            elif p.stops and (text := self._text_before_stop(seq)) is not None:
+                reason = "stop"
+            elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
+                    seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                self._finish(seq, reason, text)
+                return n
+        return len(tokens)
+
+    def _text_before_stop(self, seq: Sequence) -> str | None:
+        text = self.detokenize(seq)
+        hits = [i for i in (text.find(s) for s in seq.params.stops) if i >= 0]
+        return text[: min(hits)] if hits else None
+
+    def detokenize(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def _finish(self, seq: Sequence, reason: str, text: str | None = None) -> None:
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        seq.text = text if text is not None else self.detokenize(seq)
+        self.scheduler.finish(seq)
+        if self.spec is not None:
+            self.spec.release(seq)
+
+    def output(self, seq: Sequence) -> Output:
+        out = seq.to_output()
+        if not seq.is_finished:
+            out.text = self.detokenize(seq)
+        if self.spec is not None:
+            out.metrics.update(self.spec.request_metrics(seq))
+        return out

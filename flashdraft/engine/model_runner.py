@@ -1,0 +1,102 @@
+"""Batch -> tensors -> target forward. Owns the model, the paged KV tensors and the attention
+backend. Metadata for a step is built once here and shared by every layer."""
+
+from __future__ import annotations
+
+import torch
+
+from flashdraft.attention.base import AttentionBackend, AttentionBatch
+from flashdraft.attention.torch_ref import TorchAttention
+from flashdraft.config import EngineConfig
+from flashdraft.engine.block_manager import BlockManager
+from flashdraft.engine.sampler import SamplingBatch
+from flashdraft.engine.sequence import Sequence
+from flashdraft.models.transformer import DecoderLM
+
+
+def make_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton":
+        from flashdraft.attention.triton_paged import TritonAttention  # GPU only
+
+        return TritonAttention()
+    raise ValueError(f"unknown attention_backend {name!r}; choose torch or triton")
+
+
+def kv_bytes_per_token(model: DecoderLM, dtype: torch.dtype) -> int:
+    cfg = model.config
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * model.head_dim * torch.finfo(dtype).bits // 8
+
+
+def plan_num_blocks(config: EngineConfig, model: DecoderLM, device: torch.device, dtype: torch.dtype) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = kv_bytes_per_token(model, dtype) * config.kv_block_size
+    if config.kv_cache_memory_gb is not None:
+        budget = config.kv_cache_memory_gb * (1 << 30)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = 0.85 * free
+    else:
+        budget = 2 * (1 << 30)
+    return max(1, int(budget // per_block))
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderLM, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 num_blocks: int, max_model_len: int):
+        self.model = model
+        self.device, self.dtype = device, dtype
+        self.block_size = config.kv_block_size
+        self.attn = make_backend(config.attention_backend)
+        cfg = model.config
+        # max_model_len plus room for draft slots past the end of a sequence
+        model.setup_rope(max_model_len + 64)
+        shape = (cfg.num_hidden_layers, num_blocks, self.block_size, cfg.num_key_value_heads, model.head_dim)
+        self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.kv = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.num_hidden_layers)]
+
+    def build_batch(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
+                    causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """tokens[s] are the new tokens of seqs[s], at positions num_computed_tokens onwards."""
+        ids, pos, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        bs = self.block_size
+        for seq, toks in zip(seqs, tokens):
+            start = seq.num_computed_tokens
+            table = bm.table(seq.seq_id)
+            ids.extend(toks)
+            p = range(start, start + len(toks))
+            pos.extend(p)
+            slots.extend(table[i // bs] * bs + i % bs for i in p)
+            qsl.append(qsl[-1] + len(toks))
+            seq_lens.append(start + len(toks))
+            tables.append(table)
+        dev = self.device
+        batch = AttentionBatch(torch.tensor(slots, dtype=torch.long, device=dev), qsl, seq_lens, tables, bs, causal)
+        self.attn.prepare(batch, dev)
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+                batch)
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
+                tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """Run the target; returns final hidden [T, H], taps [T, n*H] or None, and row offsets."""
+        input_ids, positions, batch = self.build_batch(seqs, tokens, bm)
+        hidden, taps = self.model(input_ids, positions, self.kv, self.attn, batch, tap_layers)
+        return hidden, taps, batch.query_start_loc
+
+    def sampling_batch(self, seqs: list[Sequence], positions: list[int]) -> SamplingBatch:
+        """One row per (seq, position) pair, in order."""
+        vocab = self.model.config.vocab_size
+        dev = self.device
+        temps = [s.params.temperature for s in seqs]
+        return SamplingBatch(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
+            top_k=torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], device=dev),
+            top_p=torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=dev),
+            seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            all_greedy=all(t == 0 for t in temps),
+        )

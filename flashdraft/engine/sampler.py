@@ -1,0 +1,83 @@
+"""Token selection. Greedy is `argmax` (ties go to the lowest token id, on every path). Sampling is
+Gumbel-max with noise that is a pure function of (seed, position, token id): the token at position
+p of a request is drawn with the same noise whether it comes from plain decoding or from a
+speculative verify slot, so a seeded request is reproducible on either path, on CPU or GPU, in any
+batch. Temperature, top-k and top-p act on the logits before the noise, identically for every row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, m: int) -> torch.Tensor:
+    # (x * m) mod 2**32 in int64 without overflow: split x into 16-bit halves.
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * m + (((hi * m) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32 constants); x holds values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, vocab] float32 Gumbel(0, 1) noise keyed by (seed, position, token id)."""
+    seeds = seeds.to(torch.int64)
+    key = _mix32((seeds & _M32) ^ _mix32((seeds >> 32) & _M32 ^ 0x9E3779B9))
+    key = _mix32(key ^ _mix32(positions.to(torch.int64) & _M32))
+    tok = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    h = _mix32(key[:, None] ^ _mix32(tok * 0x9E3779B1 & _M32)[None, :])
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), exact in float32
+    return -torch.log(-torch.log(u))
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings, one row per logits row."""
+
+    temperature: torch.Tensor  # [N] float32; 0 means greedy
+    top_k: torch.Tensor  # [N] int64; vocab size when disabled
+    top_p: torch.Tensor  # [N] float32
+    seeds: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64: position of the token being chosen
+    all_greedy: bool
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """Temperature, then top-k, then top-p; excluded tokens get -inf."""
+    logits = logits / temperature.clamp_min(1e-6)[:, None]
+    vocab = logits.shape[-1]
+    need_k = bool((top_k < vocab).any())
+    need_p = bool((top_p < 1.0).any())
+    if not (need_k or need_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= top_k[:, None]
+    if need_p:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass strictly above this token
+        drop |= before >= top_p[:, None]
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """logits [N, V] float32 -> token ids [N] int64."""
+    greedy = logits.argmax(dim=-1)
+    if sb.all_greedy:
+        return greedy
+    filtered = filter_logits(logits, sb.temperature, sb.top_k, sb.top_p)
+    sampled = (filtered + gumbel_noise(sb.seeds, sb.positions, logits.shape[-1])).argmax(dim=-1)
+    return torch.where(sb.temperature > 0, sampled, greedy)

@@ -1,0 +1,92 @@
+"""Continuous batching. Every step has a token budget; running sequences go first (one token each,
+plus draft tokens when speculating, or their next prefill chunk), then waiting sequences are
+admitted while KV pages and the budget last. When pages run out the most recently admitted
+running sequence is preempted by recompute: its pages are freed and it re-enters the waiting
+queue at the front, to be prefilled again (prompt and output so far)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from flashdraft.config import EngineConfig
+from flashdraft.engine.block_manager import BlockManager
+from flashdraft.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # incl. draft slots when verifying
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, lookahead: Callable[[Sequence], int] = lambda s: 0) -> ScheduledBatch:
+        """`lookahead(seq)`: extra (draft) slots a decoding sequence verifies this step."""
+        out = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(1 + lookahead(seq), budget) if remaining == 1 else min(remaining, budget)
+            while not self.bm.can_fit(seq.seq_id, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.bm.allocate(seq.seq_id, seq.num_computed_tokens + n)
+                out.seqs.append(seq)
+                out.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            room = (self.bm.num_free_blocks + len(self.bm.table(seq.seq_id))) * self.bm.block_size
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, room - seq.num_computed_tokens)
+            if n <= 0:
+                break
+            self.waiting.popleft()
+            self.bm.allocate(seq.seq_id, seq.num_computed_tokens + n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq.seq_id)

@@ -1,0 +1,90 @@
+"""A request as the engine sees it. Lengths live here and nowhere else: `num_computed_tokens` is how
+many of `token_ids` have K/V in the target cache (the block manager owns the pages)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from flashdraft.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Output:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                 request_id: str | None = None, seed: int = 0):
+        self.seq_id = next(_ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.prompt = prompt
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.seed = params.seed if params.seed is not None else seed
+        self.status = SeqStatus.WAITING
+        self.num_computed_tokens = 0
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.num_preemptions = 0
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.token_times: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def metrics(self) -> dict:
+        m = {"num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens,
+             "num_preemptions": self.num_preemptions}
+        if self.first_token_time is not None:
+            m["ttft_s"] = self.first_token_time - self.arrival_time
+        if self.finish_time is not None:
+            m["e2e_s"] = self.finish_time - self.arrival_time
+            if self.num_output_tokens > 1 and self.first_token_time is not None:
+                m["tpot_s"] = (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+        return m
+
+    def to_output(self) -> Output:
+        return Output(self.request_id, self.prompt, self.token_ids[: self.num_prompt_tokens], self.text,
+                      self.output_token_ids, self.finish_reason, self.metrics())

@@ -1,0 +1,104 @@
+"""GGUF -> HF-layout folder (config.json, tokenizer, model.safetensors), done once per file and
+cached under the user cache dir. Config and tokenizer come from transformers' GGUF readers; the
+weights are dequantised here with the `gguf` package (transformers would keep a quantizer marker
+that refuses to serialise)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen3")
+
+
+def cache_root() -> Path:
+    base = os.environ.get("FLASHDRAFT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "flashdraft")
+    return Path(base)
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{path.name}:{st.st_size}".encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def hf_name(gguf_name: str) -> str:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m:
+        if m.group(2) not in _LAYER_NAMES:
+            raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    stem, _, kind = gguf_name.rpartition(".")
+    if stem not in _TOP_NAMES:
+        raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+    return f"{_TOP_NAMES[stem]}.{kind}"
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp's converter interleaves q/k rows for its rotary layout; undo it for rotate_half.
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert_gguf(path: str | os.PathLike, out_dir: Path | None = None) -> Path:
+    """Return a folder holding the dequantised model; builds it on the first call."""
+    import gguf
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = Path(path)
+    out = out_dir or cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}"
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        return out
+    reader = gguf.GGUFReader(str(path))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    if arch not in SUPPORTED_GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; supported: {SUPPORTED_GGUF_ARCHS}")
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"dequantising {path.name}", unit="tensor"):
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
+        name = hf_name(t.name)
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            w = _unpermute(w, n_head)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            w = _unpermute(w, n_kv)
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    gen = {"eos_token_id": config.eos_token_id, "bos_token_id": config.bos_token_id}
+    (tmp / "generation_config.json").write_text(json.dumps(gen))
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": path.name})
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+    tmp.rename(out)
+    log.info("converted %s -> %s", path, out)
+    return out

