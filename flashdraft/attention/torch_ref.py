@@ -1,12 +1,11 @@
 """Pure-torch paged attention: the CPU path and the reference every fast kernel is tested against.
-Per sequence it gathers the K/V pages into a contiguous tensor and calls SDPA with an explicit
-offset-causal mask (SDPA's `is_causal` is top-left aligned, wrong when q_len < kv_len)."""
+Per sequence it gathers the K/V pages into a contiguous tensor and computes softmax(q k^T) v with
+the GQA group folded into the query rows and an explicit offset-causal mask (never SDPA's
+`is_causal`, which is top-left aligned and wrong when q_len < kv_len). Softmax runs in float32."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-
 from flashdraft.attention.base import AttentionBackend, AttentionBatch
 
 
@@ -25,7 +24,7 @@ class TorchAttention(AttentionBackend):
             q_len = batch.query_start_loc[s + 1] - batch.query_start_loc[s]
             if batch.causal and q_len > 1:
                 q_pos = torch.arange(seq_len - q_len, seq_len)
-                self._masks.append((torch.arange(seq_len)[None, :] <= q_pos[:, None]).to(device))
+                self._masks.append((torch.arange(seq_len)[None, :] > q_pos[:, None]).to(device))
             else:
                 self._masks.append(None)
 
@@ -36,16 +35,19 @@ class TorchAttention(AttentionBackend):
     def forward(self, q, k_cache, v_cache, batch, scale):
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
+        n_kv, hd = k_cache.shape[2], k_cache.shape[3]
+        group = q.shape[1] // n_kv
         out = torch.empty_like(q)
-        group = q.shape[1] // k_cache.shape[2]
         for s in range(batch.num_seqs):
             a, b = batch.query_start_loc[s], batch.query_start_loc[s + 1]
-            k = k_flat.index_select(0, self._slots[s]).transpose(0, 1)
+            q_len = b - a
+            k = k_flat.index_select(0, self._slots[s]).transpose(0, 1)  # [n_kv, L, hd]
             v = v_flat.index_select(0, self._slots[s]).transpose(0, 1)
-            if group > 1:
-                k = k.repeat_interleave(group, dim=0)
-                v = v.repeat_interleave(group, dim=0)
-            o = F.scaled_dot_product_attention(
-                q[a:b].transpose(0, 1), k, v, attn_mask=self._masks[s], scale=scale)
-            out[a:b] = o.transpose(0, 1)
+            # rows ordered (group member, query row) inside each kv head
+            qg = q[a:b].view(q_len, n_kv, group, hd).permute(1, 2, 0, 3).reshape(n_kv, group * q_len, hd)
+            scores = torch.matmul(qg, k.transpose(1, 2)).float() * scale
+            if self._masks[s] is not None:
+                scores.masked_fill_(self._masks[s].repeat(group, 1), float("-inf"))
+            o = torch.matmul(scores.softmax(-1).to(v.dtype), v)
+            out[a:b] = o.view(n_kv, group, q_len, hd).permute(2, 0, 1, 3).reshape(q_len, n_kv * group, hd)
         return out

@@ -42,9 +42,10 @@ class LLMEngine:
         model_max = int(getattr(loaded.config, "max_position_embeddings", 0) or 4096)
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context window {model_max}")
-        num_blocks = plan_num_blocks(config, loaded.model, self.device, self.dtype)
+        max_len = config.max_model_len or model_max
+        num_blocks = plan_num_blocks(config, loaded.model, self.device, self.dtype, max_len)
         # one sequence can never hold more tokens than the whole cache
-        self.max_model_len = min(config.max_model_len or model_max, num_blocks * config.kv_block_size)
+        self.max_model_len = min(max_len, num_blocks * config.kv_block_size)
         self.block_manager = BlockManager(num_blocks, config.kv_block_size)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(loaded.model, config, self.device, self.dtype, num_blocks, self.max_model_len)

@@ -29,10 +29,13 @@ def kv_bytes_per_token(model: DecoderLM, dtype: torch.dtype) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * model.head_dim * torch.finfo(dtype).bits // 8
 
 
-def plan_num_blocks(config: EngineConfig, model: DecoderLM, device: torch.device, dtype: torch.dtype) -> int:
+def plan_num_blocks(config: EngineConfig, model: DecoderLM, device: torch.device, dtype: torch.dtype,
+                    max_model_len: int) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_bytes_per_token(model, dtype) * config.kv_block_size
+    # never more than every running sequence at full length could use
+    ceiling = config.max_num_seqs * -(-max_model_len // config.kv_block_size)
     if config.kv_cache_memory_gb is not None:
         budget = config.kv_cache_memory_gb * (1 << 30)
     elif device.type == "cuda":
@@ -40,7 +43,7 @@ def plan_num_blocks(config: EngineConfig, model: DecoderLM, device: torch.device
         budget = 0.85 * free
     else:
         budget = 2 * (1 << 30)
-    return max(1, int(budget // per_block))
+    return max(1, min(ceiling, int(budget // per_block)))
 
 
 class ModelRunner:

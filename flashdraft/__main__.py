@@ -1,0 +1,5 @@
+import sys
+
+from flashdraft.cli import main
+
+sys.exit(main())
