@@ -177,6 +177,13 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.release(seq)
 
+    def spec_totals(self) -> dict:
+        """Engine-wide speculative counters (vLLM's meanings); all zero without a drafter."""
+        if self.spec is None:
+            return {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                    "accepted_per_position": []}
+        return self.spec.totals()
+
     def output(self, seq: Sequence) -> Output:
         out = seq.to_output()
         if not seq.is_finished:
