@@ -65,14 +65,14 @@ def load_config(folder: Path):
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported architecture {model_type!r} in {str(folder)!r}; "
                          f"supported model_type: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+        if not isinstance(data.get(key), int) or data[key] < 1:
+            raise ValueError(f"{str(folder / 'config.json')!r}: {key} must be a positive integer, "
+                             f"got {data.get(key)!r}")
     try:
-        cfg = AutoConfig.from_pretrained(str(folder))
+        return AutoConfig.from_pretrained(str(folder))
     except Exception as e:  # transformers raises many types for malformed configs
         raise ValueError(f"cannot parse {str(folder / 'config.json')!r}: {e}") from None
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
-        if not isinstance(getattr(cfg, key, None), int) or getattr(cfg, key) < 1:
-            raise ValueError(f"{str(folder / 'config.json')!r}: {key} must be a positive integer")
-    return cfg
 
 
 def load_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -1,0 +1,168 @@
+"""Engine behaviour: continuous batching, chunked prefill, preemption, stops, the sampler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashdraft import LLM, SamplingParams
+from flashdraft.engine.block_manager import BlockManager
+from flashdraft.engine.sampler import SamplingBatch, filter_logits, gumbel_noise, sample
+
+PROMPTS = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama):
+    return LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+
+
+def reference(folder, prompts, params, **cfg):
+    llm = LLM(str(folder), draft=None, device="cpu", dtype="float32", **cfg)
+    return [llm.generate([p], params)[0].token_ids for p in prompts]
+
+
+def test_block_manager_append_truncate_free():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    bm.allocate(1, 9)
+    assert len(bm.table(1)) == 3 and bm.num_free_blocks == 3
+    bm.allocate(1, 12)
+    assert len(bm.table(1)) == 3
+    bm.allocate(1, 13)
+    assert len(bm.table(1)) == 4
+    bm.truncate(1, 5)
+    assert len(bm.table(1)) == 2 and bm.num_free_blocks == 4
+    assert not bm.can_fit(2, 17) and bm.can_fit(2, 16)
+    with pytest.raises(RuntimeError, match="out of KV blocks"):
+        bm.allocate(2, 17)
+    bm.free(1)
+    assert bm.num_free_blocks == 6 and bm.table(1) == []
+
+
+def test_chunked_prefill_matches_whole_prefill(tiny_llama):
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    long_prompt = [list(range(3, 200))]
+    whole = reference(tiny_llama, long_prompt, params)
+    chunked = reference(tiny_llama, long_prompt, params, max_num_batched_tokens=24)
+    assert chunked == whole
+
+
+def test_batch_equals_one_by_one_and_order(llama, tiny_llama):
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    solo = reference(tiny_llama, PROMPTS, params)
+    assert [o.token_ids for o in llama.generate(PROMPTS, params)] == solo
+
+
+def test_new_requests_join_running_batch(llama, tiny_llama):
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    solo = reference(tiny_llama, PROMPTS, params)
+    eng = llama.engine
+    first = eng.add_request(None, params, prompt_token_ids=PROMPTS[0])
+    for _ in range(5):
+        eng.step()
+    assert 0 < first.num_output_tokens < 20
+    late = [eng.add_request(None, params, prompt_token_ids=p) for p in PROMPTS[1:]]
+    eng.step()
+    assert all(s.num_output_tokens == 1 for s in late) and first.num_output_tokens == 6  # one shared step
+    while eng.has_unfinished():
+        eng.step()
+    assert [s.output_token_ids for s in [first, *late]] == solo
+
+
+def test_preemption_under_tiny_kv_budget(tiny_llama):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ample = reference(tiny_llama, PROMPTS, params)
+    tight = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32", num_kv_blocks=12, kv_block_size=8)
+    outs = tight.generate(PROMPTS, params)
+    assert tight.engine.stats["num_preemptions"] > 0, "the budget was meant to force preemption"
+    assert [o.token_ids for o in outs] == ample
+    assert tight.engine.block_manager.num_used_blocks == 0
+
+
+def test_preemption_real_model(smollm2):
+    from flashdraft.engine.engine import LLMEngine
+
+    prompts = [smollm2.engine.apply_chat_template([{"role": "user", "content": q}])
+               for q in ("Name three colors.", "Count from one to ten.", "What is a cat?", "Say hello.")]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    ample = [o.token_ids for o in smollm2.generate(prompts, params)]
+    cfg = smollm2.engine.config
+    tight = LLMEngine(type(cfg)(**{**cfg.__dict__, "num_kv_blocks": 14, "kv_block_size": 16}))
+    seqs = [tight.add_request(None, params, prompt_token_ids=p) for p in prompts]
+    while tight.has_unfinished():
+        tight.step()
+    assert tight.stats["num_preemptions"] > 0
+    assert [s.output_token_ids for s in seqs] == ample
+
+
+def test_stop_token_ids_max_tokens_and_ignore_eos(llama):
+    base = llama.generate([PROMPTS[2]], SamplingParams(max_tokens=20, ignore_eos=True))[0].token_ids
+    stop_at = base[7]
+    first = base.index(stop_at)
+    out = llama.generate([PROMPTS[2]], SamplingParams(max_tokens=20, stop_token_ids=[stop_at], ignore_eos=True))[0]
+    assert out.token_ids == base[: first + 1] and out.finish_reason == "stop"
+    out = llama.generate([PROMPTS[2]], SamplingParams(max_tokens=5, ignore_eos=True))[0]
+    assert out.token_ids == base[:5] and out.finish_reason == "length"
+    eos = llama.engine.eos_token_ids[0]
+    forced = llama.generate([PROMPTS[2]], SamplingParams(max_tokens=6, stop_token_ids=[], ignore_eos=False))[0]
+    assert eos not in forced.token_ids[:-1]
+
+
+def test_stop_string_cuts_text(llama):
+    out = llama.generate([PROMPTS[1]], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    assert len(out.text) > 6
+    needle = out.text[3:6]
+    cut = llama.generate([PROMPTS[1]], SamplingParams(max_tokens=30, ignore_eos=True, stop=[needle]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == out.text[: out.text.find(needle)]
+    assert out.token_ids[: len(cut.token_ids)] == cut.token_ids
+
+
+def test_seeded_sampling_reproducible_and_batch_invariant(llama):
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=20, seed=1234, ignore_eos=True)
+    a = llama.generate([PROMPTS[0]], p)[0].token_ids
+    b = llama.generate(PROMPTS, p)[0].token_ids
+    c = llama.generate([PROMPTS[0]], SamplingParams(temperature=1.0, max_tokens=20, seed=99, ignore_eos=True))
+    assert a == b and c[0].token_ids != a
+
+
+def test_filter_logits_against_float64_reference():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    temp = torch.tensor([0.7, 1.0, 1.3, 2.0])
+    top_k = torch.tensor([50, 5, 50, 10])
+    top_p = torch.tensor([0.8, 1.0, 0.5, 0.9])
+    got = filter_logits(logits, temp, top_k, top_p)
+    for i in range(4):
+        x = logits[i].double() / temp[i].item()
+        order = x.argsort(descending=True)
+        keep = torch.zeros(50, dtype=torch.bool)
+        mass = 0.0
+        probs = torch.where(torch.arange(50) < top_k[i], x[order], torch.tensor(float("-inf"))).softmax(0)
+        for r, tok in enumerate(order.tolist()):
+            if r >= top_k[i] or (r > 0 and mass >= top_p[i].item()):
+                break
+            keep[tok] = True
+            mass += probs[r].item()
+        assert torch.equal(torch.isfinite(got[i]), keep), i
+
+
+def test_gumbel_sampling_matches_softmax():
+    """Over many seeds the sampled token frequencies follow softmax(logits / T)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 3.0]])
+    n = 40000
+    sb = SamplingBatch(temperature=torch.full((n,), 0.8), top_k=torch.full((n,), 6), top_p=torch.ones(n),
+                       seeds=torch.arange(n), positions=torch.full((n,), 17), all_greedy=False)
+    toks = sample(logits.expand(n, -1).contiguous(), sb)
+    freq = torch.bincount(toks, minlength=6).double() / n
+    exact = (logits[0].double() / 0.8).softmax(0)
+    assert 0.5 * (freq - exact).abs().sum() < 0.01
+    g = gumbel_noise(torch.tensor([5]), torch.tensor([3]), 1000)
+    assert torch.isfinite(g).all() and torch.equal(g, gumbel_noise(torch.tensor([5]), torch.tensor([3]), 1000))
+
+
+def test_greedy_tie_breaks_to_lowest_id():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 5.0]])
+    sb = SamplingBatch(torch.zeros(1), torch.tensor([4]), torch.ones(1), torch.zeros(1, dtype=torch.long),
+                       torch.zeros(1, dtype=torch.long), True)
+    assert sample(logits, sb).item() == 1
