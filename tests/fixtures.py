@@ -75,3 +75,67 @@ def hf_model(folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def build_random_drafter(folder: Path, target_folder: Path, fmt: str = "z-lab", block_size: int = 4,
+                         num_layers: int = 2, target_layer_ids: list[int] | None = None, mask_token_id: int = 3,
+                         seed: int = 0, block_in_dflash_config: bool = False, own_head: bool = False,
+                         **overrides) -> Path:
+    """A random-weight DFlash drafter for the target in `target_folder`, in either published layout."""
+    from safetensors.torch import save_file
+
+    target = json.loads((target_folder / "config.json").read_text())
+    h, vocab = target["hidden_size"], target["vocab_size"]
+    ids = target_layer_ids if target_layer_ids is not None else [0, target["num_hidden_layers"] - 1]
+    layer = dict(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=num_layers, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=False,
+                 max_position_embeddings=target.get("max_position_embeddings", 512), vocab_size=vocab,
+                 model_type="qwen3")
+    layer.update(overrides)
+    g = torch.Generator().manual_seed(seed)
+    hd, nq, nkv, inter = layer["head_dim"], layer["num_attention_heads"], layer["num_key_value_heads"], \
+        layer["intermediate_size"]
+
+    def rnd(*shape, scale=0.15):
+        return (torch.randn(*shape, generator=g) * scale).contiguous()
+
+    w = {"fc.weight": rnd(layer["hidden_size"], len(ids) * h), "hidden_norm.weight": 1 + rnd(h, scale=0.1),
+         "norm.weight": 1 + rnd(h, scale=0.1)}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        w |= {p + "input_layernorm.weight": 1 + rnd(h, scale=0.1),
+              p + "post_attention_layernorm.weight": 1 + rnd(h, scale=0.1),
+              p + "self_attn.q_proj.weight": rnd(nq * hd, h), p + "self_attn.k_proj.weight": rnd(nkv * hd, h),
+              p + "self_attn.v_proj.weight": rnd(nkv * hd, h), p + "self_attn.o_proj.weight": rnd(h, nq * hd),
+              p + "self_attn.q_norm.weight": 1 + rnd(hd, scale=0.1),
+              p + "self_attn.k_norm.weight": 1 + rnd(hd, scale=0.1),
+              p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+              p + "mlp.down_proj.weight": rnd(h, inter)}
+    folder.mkdir(parents=True, exist_ok=True)
+    if fmt == "z-lab":
+        cfg = {**layer, "architectures": ["DFlashDraftModel"], "num_target_layers": target["num_hidden_layers"],
+               "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": ids}}
+        if block_in_dflash_config:
+            cfg["dflash_config"]["block_size"] = block_size
+        else:
+            cfg["block_size"] = block_size
+    elif fmt == "speculators":
+        cfg = {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
+               "transformer_layer_config": layer, "draft_vocab_size": vocab, "block_size": block_size,
+               "target_hidden_size": h, "aux_hidden_state_layer_ids": [i + 1 for i in ids],
+               "mask_token_id": mask_token_id}
+        if own_head:
+            emb = target_state(target_folder)
+            w["embed_tokens.weight"] = emb["model.embed_tokens.weight"]
+            w["lm_head.weight"] = emb.get("lm_head.weight", emb["model.embed_tokens.weight"])
+    else:
+        raise ValueError(fmt)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file(w, str(folder / "model.safetensors"))
+    return folder
+
+
+def target_state(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(next(folder.glob("*.safetensors"))))

@@ -6,6 +6,7 @@ the GQA group folded into the query rows and an explicit offset-causal mask (nev
 from __future__ import annotations
 
 import torch
+
 from flashdraft.attention.base import AttentionBackend, AttentionBatch
 
 

@@ -63,7 +63,8 @@ class ModelRunner:
 
     def build_batch(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
                     causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
-        """tokens[s] are the new tokens of seqs[s], at positions num_computed_tokens onwards."""
+        """tokens[s] are the new tokens of seqs[s], at positions num_computed_tokens onwards.
+        The drafter builds its blocks with this too: same positions, same pages."""
         ids, pos, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
         bs = self.block_size
         for seq, toks in zip(seqs, tokens):
@@ -78,7 +79,6 @@ class ModelRunner:
             tables.append(table)
         dev = self.device
         batch = AttentionBatch(torch.tensor(slots, dtype=torch.long, device=dev), qsl, seq_lens, tables, bs, causal)
-        self.attn.prepare(batch, dev)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 batch)
 
@@ -87,6 +87,7 @@ class ModelRunner:
                 tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         """Run the target; returns final hidden [T, H], taps [T, n*H] or None, and row offsets."""
         input_ids, positions, batch = self.build_batch(seqs, tokens, bm)
+        self.attn.prepare(batch, self.device)
         hidden, taps = self.model(input_ids, positions, self.kv, self.attn, batch, tap_layers)
         return hidden, taps, batch.query_start_loc
 

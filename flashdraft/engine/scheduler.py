@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from flashdraft.config import EngineConfig
 from flashdraft.engine.block_manager import BlockManager
-from flashdraft.engine.sequence import Sequence, SeqStatus
+from flashdraft.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass

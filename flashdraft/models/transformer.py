@@ -125,40 +125,45 @@ class DecoderLM(nn.Module):
         return F.linear(hidden, self.lm_head_weight).float()
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load HF-named tensors, packing q/k/v and gate/up."""
-        own = dict(self.named_parameters())
-        loaded: set[str] = set()
-        packs = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-        pending: dict[str, dict[int, torch.Tensor]] = {}
-        for name, w in weights.items():
-            name = name.removeprefix("model.")
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if self.tied and name == "lm_head.weight":
-                continue
-            parts = name.split(".")
-            if len(parts) >= 2 and parts[-2] in packs:
-                fused, idx = packs[parts[-2]]
-                key = ".".join(parts[:-2] + [fused, parts[-1]])
-                pending.setdefault(key, {})[idx] = w
-                continue
-            if name not in own:
-                raise ValueError(f"unexpected weight {name!r} for {self.config.model_type}")
-            self._copy(own[name], w, name)
-            loaded.add(name)
-        for key, chunks in pending.items():
-            if key not in own or len(chunks) != (3 if "qkv" in key else 2):
-                raise ValueError(f"incomplete packed weight {key!r}")
-            self._copy(own[key], torch.cat([chunks[i] for i in sorted(chunks)], 0), key)
-            loaded.add(key)
-        missing = sorted(set(own) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        """Load HF-named tensors (model.* prefix), packing q/k/v and gate/up."""
+        skip = {"lm_head.weight"} if self.tied else set()
+        load_packed(self, {k.removeprefix("model."): w for k, w in weights.items()
+                           if not k.endswith("rotary_emb.inv_freq") and k not in skip})
 
-    @staticmethod
-    def _copy(param: torch.Tensor, w: torch.Tensor, name: str) -> None:
-        if tuple(param.shape) != tuple(w.shape):
-            raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(w.to(param.dtype))
+
+_PACKS = {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),
+          "gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2)}
+
+
+def load_packed(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy HF-named weights into `module`, concatenating q/k/v and gate/up into their packed
+    matrices. Unknown, missing or mis-shaped tensors are errors that name the tensor."""
+    own = dict(module.named_parameters()) | dict(module.named_buffers())
+    loaded: set[str] = set()
+    pending: dict[str, dict[int, torch.Tensor]] = {}
+    for name, w in weights.items():
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _PACKS:
+            fused, idx, _ = _PACKS[parts[-2]]
+            pending.setdefault(".".join(parts[:-2] + [fused, parts[-1]]), {})[idx] = w
+            continue
+        if name not in own:
+            raise ValueError(f"unexpected weight {name!r}")
+        _copy(own[name], w, name)
+        loaded.add(name)
+    for key, chunks in pending.items():
+        want = 3 if ".qkv_proj." in key else 2
+        if key not in own or len(chunks) != want:
+            raise ValueError(f"incomplete packed weight {key!r}")
+        _copy(own[key], torch.cat([chunks[i] for i in range(want)], 0), key)
+        loaded.add(key)
+    missing = sorted(n for n in own if n not in loaded and n in dict(module.named_parameters()))
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+
+def _copy(param: torch.Tensor, w: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(w.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(w.to(param.dtype))

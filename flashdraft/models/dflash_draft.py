@@ -1,0 +1,78 @@
+"""The DFlash drafter: fc + hidden_norm over concatenated target taps, Qwen3-style layers whose
+attention is non-causal over [cached context K/V | the block], and a final norm. Embeddings and
+lm_head are the target's unless the checkpoint (speculators format) ships its own."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flashdraft.attention.base import AttentionBackend, AttentionBatch
+from flashdraft.models.rope import RotaryTable, apply_rope
+from flashdraft.models.transformer import DecoderLayer, RMSNorm, load_packed
+from flashdraft.spec.formats import DraftSpec
+
+# tensors some checkpoints carry that serving does not use
+_IGNORED = ("t2d", "verifier_norm.weight", "verifier_lm_head.weight")
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, spec: DraftSpec, has_embed: bool = False, has_lm_head: bool = False):
+        super().__init__()
+        cfg = spec.layer_config
+        self.spec = spec
+        self.config = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(len(spec.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm=True, bias=bool(cfg.attention_bias))
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        vocab = spec.draft_vocab_size or cfg.vocab_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if has_embed else None
+        self.lm_head = nn.Linear(h, vocab, bias=False) if has_lm_head else None
+        self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.long) if spec.draft_vocab_size else None)
+        self.rope: RotaryTable | None = None
+        self._ctx_kv_weight: torch.Tensor | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].self_attn.head_dim
+
+    def setup(self, max_len: int) -> None:
+        p = self.fc.weight
+        self.rope = RotaryTable(self.config, self.head_dim, max_len, p.device, p.dtype)
+        # every layer's k and v rows stacked: one GEMM projects the context for all layers
+        att = [layer.self_attn for layer in self.layers]
+        self._ctx_kv_weight = torch.cat([a.qkv_proj.weight[a.q_size:] for a in att], 0)
+        biases = [a.qkv_proj.bias[a.q_size:] for a in att if a.qkv_proj.bias is not None]
+        self._ctx_kv_bias = torch.cat(biases) if biases else None
+
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        weights = {k.removeprefix("model."): w for k, w in weights.items() if k not in _IGNORED}
+        load_packed(self, weights)
+
+    def write_context(self, taps: torch.Tensor, positions: torch.Tensor, kv_cache, attn: AttentionBackend,
+                      batch: AttentionBatch) -> None:
+        """Context K/V for committed positions: K = rope(k_norm(k_proj(f))), V = v_proj(f) with
+        f = hidden_norm(fc(taps)), for every layer, stored at batch.slot_mapping."""
+        f = self.hidden_norm(self.fc(taps))
+        kv = F.linear(f, self._ctx_kv_weight, self._ctx_kv_bias)
+        cos, sin = self.rope.lookup(positions)
+        per_layer = kv.split(2 * self.layers[0].self_attn.kv_size, dim=-1)
+        for i, (layer, chunk) in enumerate(zip(self.layers, per_layer)):
+            a = layer.self_attn
+            k, v = chunk.view(-1, 2 * a.n_kv, a.head_dim).split(a.n_kv, dim=1)
+            k = apply_rope(a.k_norm(k), cos, sin)
+            attn.store_kv(kv_cache[i][0], kv_cache[i][1], k, v.contiguous(), batch)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv_cache, attn: AttentionBackend,
+                batch: AttentionBatch) -> torch.Tensor:
+        """Draft blocks (batch.causal is False): the block's K/V are written to scratch slots past
+        the committed context, which the next context write overwrites; nothing of it is kept."""
+        cos, sin = self.rope.lookup(positions)
+        h = embeds
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_cache[i][0], kv_cache[i][1], attn, batch)
+        return self.norm(h)

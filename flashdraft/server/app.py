@@ -1,0 +1,205 @@
+"""The FastAPI app (`build_app`) and `run_server`, which `flashdraft serve` calls.
+
+Safe by default: binds 127.0.0.1, and with an API key every /v1 route needs
+`Authorization: Bearer KEY`. Request bodies are capped (413) and every malformed request gets a
+400 with OpenAI's error object naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from flashdraft.config import EngineConfig
+from flashdraft.engine.engine import LLMEngine
+from flashdraft.server.async_engine import AsyncEngine
+from flashdraft.server.metrics import ServerMetrics
+from flashdraft.server.protocol import APIError, bad_request, parse_json
+from flashdraft.server.serving import Serving
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+
+
+def default_model_name(model: str | None) -> str:
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def error_response(e: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class Guard:
+    """API-key check for /v1 routes, and request counting by endpoint and status."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.metrics = metrics
+
+    def authorized(self, scope: Scope) -> bool:
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path in ENDPOINTS else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+        started = False
+
+        async def counting_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.metrics.http_requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        if self.api_key is not None and path.startswith("/v1") and not self.authorized(scope):
+            err = APIError(401, "invalid or missing API key; send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+            await error_response(err)(scope, receive, counting_send)
+            return
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:
+                self.metrics.http_requests.labels(endpoint, "500").inc()
+            raise
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    too_large = APIError(413, f"the request body is larger than the limit of {limit} bytes")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return parse_json(bytes(body))
+
+
+def build_app(engine: LLMEngine | AsyncEngine, api_key: str | None = None, served_model_name: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_tokens: int | None = None) -> FastAPI:
+    """An app serving `engine`. Several apps may share one engine: they share its loop thread."""
+    aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine.of(engine)
+    name = served_model_name or default_model_name(aengine.engine.config.model)
+    max_model_len = aengine.engine.max_model_len
+    metrics = ServerMetrics(aengine, name)
+    serving = Serving(aengine, name, metrics, max_prompt_tokens)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        aengine.acquire()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(aengine.release)
+
+    app = FastAPI(title="flashdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, api_key=api_key, metrics=metrics)
+    app.state.async_engine = aengine
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = (e.errors() or [{}])[0]
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header")]
+        param = loc[0] if loc else None
+        return error_response(bad_request(f"{param}: {err.get('msg', 'invalid value')}", param))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(e.status_code, str(e.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(APIError(500, "internal server error", type="server_error"))
+
+    def model_card() -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "flashdraft",
+                "max_model_len": max_model_len}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not aengine.alive:
+            return JSONResponse({"status": "engine thread is not running"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != name:
+            raise APIError(404, f"The model `{model_id}` does not exist", "model", code="model_not_found")
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completions(request, await read_json(request, max_body_bytes))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat(request, await read_json(request, max_body_bytes))
+
+    return app
+
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+               served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_prompt_tokens: int | None = None, log_level: str = "info") -> None:
+    """Load the engine (so load errors surface before anything binds), then serve until interrupted."""
+    import uvicorn
+
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
+    if api_key is None and host not in LOOPBACK:
+        log.warning("serving on %s without an API key: anyone who can reach this port can use it", host)
+    engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
+    name = served_model_name or default_model_name(engine.config.model)
+    app = build_app(engine, api_key=api_key, served_model_name=name, max_body_bytes=max_body_bytes,
+                    max_prompt_tokens=max_prompt_tokens)
+    log.info("serving %s on http://%s:%d (max_model_len %d)", name, host, port, engine.max_model_len)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,264 @@
+"""The LLMEngine is not thread-safe, so one dedicated thread owns it: it drains a queue of commands
+(add, abort, stop), runs `step()` while there is work, and hands each request's progress back to
+the asyncio loop that asked for it. Requests from every client join the same running batch."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from flashdraft.engine.engine import LLMEngine
+from flashdraft.engine.sequence import Output, Sequence
+from flashdraft.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Update:
+    text: str  # text new since the previous update
+    finished: bool = False
+    output: Output | None = None  # on the final update
+    error: BaseException | None = None  # the engine failed; the request is gone
+
+
+class RequestStream:
+    """One request as its HTTP handler sees it. `seq`, `shown` and `num_seen` belong to the engine
+    thread; the handler only reads `queue`."""
+
+    def __init__(self, request_id: str, streaming: bool):
+        self.request_id = request_id
+        self.streaming = streaming
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[Update] = asyncio.Queue()
+        self.seq: Sequence | None = None
+        self.shown = ""
+        self.num_seen = 0
+        self.abort_requested = False
+        self.done = False  # the handler has seen the final update
+
+    def push(self, update: Update) -> None:
+        _call_in_loop(self.loop, self.queue.put_nowait, update)
+
+    async def updates(self) -> AsyncIterator[Update]:
+        while not self.done:
+            u = await self.queue.get()
+            self.done = u.finished
+            yield u
+
+    async def final(self) -> Update:
+        """Wait for the end; returns the final update with the whole text."""
+        async for u in self.updates():
+            if u.finished:
+                return u
+        raise RuntimeError("request stream ended twice")
+
+
+def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass  # that loop is closed: nobody is listening any more
+
+
+def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
+    if fut.done():  # the caller was cancelled meanwhile
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
+def visible_text(text: str, stops: list[str]) -> str:
+    """The part of an unfinished request's text that is safe to stream: without a trailing
+    incomplete UTF-8 sequence, and without a tail that may turn into a stop string (which the final
+    text will not contain)."""
+    text = text.rstrip("\ufffd")
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return text[: len(text) - hold]
+
+
+_shared: weakref.WeakKeyDictionary[LLMEngine, AsyncEngine] = weakref.WeakKeyDictionary()
+_shared_lock = threading.Lock()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[int, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._users = 0
+        self._finished: dict[str, int] = {}
+        self._prompt_tokens = 0
+        self.snapshot = self._take_snapshot()
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> AsyncEngine:
+        """The one AsyncEngine of `engine`: two loop threads on one engine would corrupt it."""
+        with _shared_lock:
+            if engine not in _shared:
+                _shared[engine] = cls(engine)
+            return _shared[engine]
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        with self._lock:
+            if not self.alive:
+                self._thread = threading.Thread(target=self._run, name="flashdraft-engine", daemon=True)
+                self._thread.start()
+
+    def acquire(self) -> None:
+        """An app starts using the engine (apps may share one engine)."""
+        with self._lock:
+            self._users += 1
+        self.start()
+
+    def release(self) -> None:
+        """An app is done; the last one stops the thread, aborting whatever is still running."""
+        with self._lock:
+            self._users -= 1
+            last = self._users <= 0
+        if last:
+            self.stop()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._lock:
+            thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._inbox.put(("stop",))
+            thread.join(timeout)
+
+    # ---- called from asyncio --------------------------------------------------------------------
+    async def add(self, make_ids: Callable[[LLMEngine], list[int]], params: SamplingParams, request_id: str,
+                  streaming: bool) -> RequestStream:
+        """Queue a request. `make_ids(engine)` runs on the engine thread (tokenizing is an engine call);
+        its exceptions and add_request's (ValueError for a bad prompt) are raised here."""
+        self.start()
+        stream = RequestStream(request_id, streaming)
+        fut = stream.loop.create_future()
+        self._inbox.put(("add", stream, make_ids, params, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.abort(stream)
+            raise
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Finish the request and free its KV pages; a no-op once it has finished."""
+        if not stream.done:
+            stream.abort_requested = True
+            self._inbox.put(("abort", stream))
+
+    # ---- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        log.debug("engine thread started")
+        while True:
+            cmds = [] if self.engine.has_unfinished() else [self._inbox.get()]
+            while True:
+                try:
+                    cmds.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in cmds:
+                if cmd[0] == "stop":
+                    self._shutdown()
+                    return
+                self._handle(cmd)
+            if self.engine.has_unfinished():
+                try:
+                    self.engine.step()
+                except Exception as e:
+                    log.exception("engine step failed; failing all running requests")
+                    self._fail_all(e)
+            self._publish()
+            self.snapshot = self._take_snapshot()
+
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, stream, make_ids, params, fut = cmd
+            try:
+                ids = make_ids(self.engine)
+                seq = self.engine.add_request(None, params, stream.request_id, prompt_token_ids=ids)
+            except Exception as e:
+                _call_in_loop(stream.loop, _resolve, fut, e)
+                return
+            stream.seq = seq
+            self._streams[seq.seq_id] = stream
+            if stream.abort_requested:
+                self.engine.abort(seq)
+            _call_in_loop(stream.loop, _resolve, fut, None)
+        elif cmd[0] == "abort":
+            seq = cmd[1].seq
+            if seq is not None and not seq.is_finished:
+                self.engine.abort(seq)
+
+    def _publish(self) -> None:
+        for sid, stream in list(self._streams.items()):
+            seq = stream.seq
+            if seq.is_finished:
+                del self._streams[sid]
+                out = self.engine.output(seq)
+                if seq.finish_reason == "abort":  # abort() leaves seq.text empty
+                    out.text = self.engine.detokenize(seq)
+                delta = out.text[len(stream.shown):] if out.text.startswith(stream.shown) else ""
+                stream.push(Update(delta, True, out))
+                self._finished[seq.finish_reason] = self._finished.get(seq.finish_reason, 0) + 1
+                self._prompt_tokens += seq.num_prompt_tokens
+            elif stream.streaming and seq.num_output_tokens != stream.num_seen:
+                stream.num_seen = seq.num_output_tokens
+                text = visible_text(self.engine.detokenize(seq), seq.params.stops)
+                if len(text) > len(stream.shown) and text.startswith(stream.shown):
+                    stream.push(Update(text[len(stream.shown):]))
+                    stream.shown = text
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            try:
+                self.engine.abort(stream.seq)
+            except Exception:
+                log.exception("abort after a failed step failed too")
+            stream.push(Update("", True, error=error))
+        self._streams.clear()
+
+    def _shutdown(self) -> None:
+        for stream in self._streams.values():
+            self.engine.abort(stream.seq)
+        self._publish()
+        while True:  # requests queued behind the stop: refuse them rather than leave them hanging
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                _call_in_loop(cmd[1].loop, _resolve, cmd[4], RuntimeError("the server is shutting down"))
+        self.snapshot = self._take_snapshot()
+        log.debug("engine thread stopped")
+
+    def _take_snapshot(self) -> dict:
+        """Engine counters for /metrics, copied here so that scrapes never touch the engine."""
+        e = self.engine
+        spec = dict(e.spec_totals())
+        spec["accepted_per_position"] = list(spec.get("accepted_per_position", []))
+        return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
+                "kv_used_blocks": e.block_manager.num_used_blocks, "kv_total_blocks": e.block_manager.num_blocks,
+                "stats": dict(e.stats), "spec": spec, "finished": dict(self._finished),
+                "prompt_tokens": self._prompt_tokens}

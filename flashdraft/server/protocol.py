@@ -1,0 +1,241 @@
+"""OpenAI request bodies: validation, the policy for fields we do not support, and the mapping onto
+SamplingParams. Every problem becomes an `APIError` that names the offending field.
+
+Defaults follow OpenAI, not the offline API: temperature 1.0, and 16 tokens for /v1/completions."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flashdraft.sampling_params import SamplingParams
+
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # seeds and top_k end up in int64 tensors
+
+
+class APIError(Exception):
+    """An error returned to the client as OpenAI's `{"error": {...}}` object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError too
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    return data
+
+
+def validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    loc = [str(p) for p in err.get("loc", ())]
+    param = loc[0] if loc else None
+    if err.get("type") == "missing":
+        return bad_request(f"{param} is required", param)
+    return bad_request(f"{param}: {err.get('msg', 'invalid value')}", param)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class _Request(BaseModel):
+    # strict: no "1" -> 1 or true -> 1 coercions; unknown fields are collected, then refused in check()
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    model: str | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # accepted and ignored: they do not change what is generated
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # extensions (vLLM's names)
+    top_k: Int64 | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    speculative: bool | None = None
+
+    def check(self) -> None:
+        """Refuse unknown fields and features we would otherwise silently ignore."""
+        unknown = sorted(self.model_extra or {})
+        if unknown:
+            raise bad_request(f"unknown field(s): {', '.join(unknown)}", unknown[0])
+        if self.n not in (None, 1):
+            raise bad_request("n > 1 is not supported; send one request per sample", "n")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0):
+                raise bad_request(f"{name} is not supported (only 0)", name)
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+    def default_max_tokens(self) -> int | None:
+        return None
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
+
+    def sampling_params(self) -> SamplingParams:
+        max_tokens, max_name = self.requested_max_tokens()
+        fields = dict(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            max_tokens=self.default_max_tokens() if max_tokens is None else max_tokens,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos),
+            seed=self.seed, speculative=True if self.speculative is None else self.speculative,
+            skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+        )
+        try:
+            return SamplingParams(**fields)
+        except ValueError as e:
+            # SamplingParams' messages start with the field name
+            param = str(e).split(" ", 1)[0]
+            param = max_name if param == "max_tokens" else param
+            raise bad_request(str(e), param if param in fields else None) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    suffix: str | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.best_of not in (None, 1):
+            raise bad_request("best_of > 1 is not supported", "best_of")
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.logprobs is not None:
+            raise bad_request("logprobs are not supported", "logprobs")
+
+    def default_max_tokens(self) -> int | None:
+        return 16  # OpenAI's default for the legacy completions endpoint
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise bad_request("a list of several prompts is not supported; send one request per prompt",
+                                  "prompt")
+            p = p[0]
+        if not p:
+            raise bad_request("prompt is empty", "prompt")
+        return p
+
+
+ROLES = {"system", "user", "assistant", "developer"}
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[Any]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.logprobs:
+            raise bad_request("logprobs are not supported", "logprobs")
+        if self.top_logprobs not in (None, 0):
+            raise bad_request("top_logprobs is not supported", "top_logprobs")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise bad_request(f"{name} (function calling) is not supported", name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise bad_request(f"{name} is not supported", name)
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise bad_request("response_format other than {'type': 'text'} is not supported", "response_format")
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def conversation(self) -> list[dict]:
+        """`messages` as the chat template wants them: role and plain-text content."""
+        if not self.messages:
+            raise bad_request("messages must be a non-empty list", "messages")
+        out = []
+        for i, m in enumerate(self.messages):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict):
+                raise bad_request(f"{where} must be an object with role and content", where)
+            extra = sorted(set(m) - {"role", "content", "name"})
+            if extra:
+                raise bad_request(f"{where}.{extra[0]} is not supported", f"{where}.{extra[0]}")
+            role = m.get("role")
+            if role not in ROLES:
+                raise bad_request(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", f"{where}.role")
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _text_content(m.get("content"), f"{where}.content")})
+        return out
+
+
+def _text_content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad_request(f"{where}: only text content parts are supported", where)
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad_request(f"{where} must be a string or a list of text parts", where)
+
+
+def parse_request(cls: type[_Request], data: dict) -> _Request:
+    try:
+        req = cls.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    req.check()
+    return req

@@ -1,0 +1,48 @@
+"""Speculative-decoding counters with vLLM's and SGLang's definitions: acceptance length
+tau = (accepted drafts + drafts) / drafts, i.e. the mean tokens committed per verify step,
+bonus included; per-position acceptance = fraction of drafts whose position i was accepted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    num_draft_slots: int  # B - 1
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    histogram: list[int] = field(default_factory=list)  # histogram[a] = verify steps that accepted a
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = self.accepted_per_position or [0] * self.num_draft_slots
+        self.histogram = self.histogram or [0] * (self.num_draft_slots + 1)
+
+    def record(self, accepted: int, drafted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.histogram[accepted] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def merge(self, other: SpecStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.histogram = [a + b for a, b in zip(self.histogram, other.histogram)]
+        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
+
+    @property
+    def acceptance_length(self) -> float:
+        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict:
+        n = self.num_drafts
+        return {"acceptance_length": self.acceptance_length, "num_drafts": n,
+                "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
+                "accepted_per_position": list(self.accepted_per_position),
+                "acceptance_rate_per_position": [c / n if n else 0.0 for c in self.accepted_per_position],
+                "acceptance_histogram": list(self.histogram)}

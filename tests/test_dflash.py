@@ -1,0 +1,264 @@
+"""DFlash: checkpoint formats and validation, the acceptance rule, losslessness against plain
+decoding, oracle drafts, rollback hygiene."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fixtures import build_random_drafter
+
+from flashdraft import LLM, SamplingParams
+from flashdraft.spec.formats import default_target_layer_ids
+from flashdraft.spec.verify import accepted_lengths
+
+MIXED = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12], [9], [250, 251] * 9,
+         list(range(3, 60, 2)), [42, 43, 44], [12, 99, 12, 99, 12], [300, 1, 301], list(range(100, 140)),
+         [66] * 3, [5, 6], [17, 18, 19, 20, 21, 22, 23], [88, 77, 66, 55], [123, 45, 67, 89, 10, 11]]
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_llama, tmp_path_factory):
+    return build_random_drafter(tmp_path_factory.mktemp("draft"), tiny_llama, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    return LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_llama, drafter):
+    return LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32")
+
+
+def install_oracle(llm, futures: dict[tuple, list[int]], corrupt=None):
+    """Replace the drafter's proposals with the target's own future tokens (optionally corrupted)."""
+    sp = llm.engine.spec
+
+    def propose(seqs):
+        out = []
+        for s in seqs:
+            fut = futures[tuple(s.token_ids[: s.num_prompt_tokens])]
+            k = s.num_output_tokens
+            d = (fut[k: k + sp.block_size - 1] + [0] * sp.block_size)[: sp.block_size - 1]
+            out.append(corrupt(s, d) if corrupt else d)
+        return out
+
+    sp.propose = propose
+
+
+# ---- the acceptance rule ---------------------------------------------------------------------
+@pytest.mark.parametrize("drafts, target, a", [
+    ([5, 6, 7], [5, 6, 7, 8], 3),  # full accept: 3 drafts + bonus 8
+    ([5, 6, 9], [5, 6, 7, 8], 2),  # partial: the third draft is wrong, bonus is 7
+    ([1, 6, 7], [5, 6, 7, 8], 0),  # immediate reject: later matches do not count
+    ([5, 1, 7], [5, 6, 7, 8], 1),
+])
+def test_acceptance_truth_table(drafts, target, a):
+    assert accepted_lengths(torch.tensor([drafts]), torch.tensor([target])).item() == a
+
+
+def test_acceptance_rows_are_independent():
+    d = torch.tensor([[5, 6, 7], [1, 2, 3], [5, 6, 0]])
+    t = torch.tensor([[5, 6, 7, 8], [9, 9, 9, 9], [5, 6, 7, 8]])
+    assert accepted_lengths(d, t).tolist() == [3, 0, 2]
+
+
+def test_oracle_full_accept_equals_plain_with_tau_b(plain, spec):
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = plain.generate(MIXED, SamplingParams(max_tokens=60, ignore_eos=True))
+    install_oracle(spec, {tuple(p): o.token_ids for p, o in zip(MIXED, ref)})
+    outs = spec.generate(MIXED, params)
+    assert [o.token_ids for o in outs] == [o.token_ids[:30] for o in ref]
+    B = spec.engine.spec.block_size
+    for o in outs:
+        m = o.metrics
+        assert m["acceptance_length"] == B and m["num_accepted_tokens"] == m["num_draft_tokens"]
+        assert m["acceptance_histogram"][-1] == m["num_drafts"]
+    del spec.engine.spec.propose
+
+
+def test_oracle_partial_accepts_per_request(plain, spec):
+    """Requests accept different lengths in one batch; request r's drafts go wrong at slot r % B."""
+    ref = plain.generate(MIXED, SamplingParams(max_tokens=60, ignore_eos=True))
+    B = spec.engine.spec.block_size
+    wrong_at = {tuple(p): i % B for i, p in enumerate(MIXED)}
+
+    def corrupt(s, d):
+        j = wrong_at[tuple(s.token_ids[: s.num_prompt_tokens])]
+        return [t if i < j else (t + 1) % 300 + 3 for i, t in enumerate(d)]
+
+    install_oracle(spec, {tuple(p): o.token_ids for p, o in zip(MIXED, ref)}, corrupt)
+    outs = spec.generate(MIXED, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [o.token_ids[:30] for o in ref]
+    for p, o in zip(MIXED, outs):
+        j = wrong_at[tuple(p)]
+        h = o.metrics["acceptance_histogram"]
+        assert h[j] == o.metrics["num_drafts"] and sum(h) == h[j], (j, h)
+    del spec.engine.spec.propose
+
+
+def test_stop_and_max_tokens_inside_accepted_run(plain, spec):
+    ref = plain.generate(MIXED, SamplingParams(max_tokens=60, ignore_eos=True))
+    futures = {tuple(p): o.token_ids for p, o in zip(MIXED, ref)}
+    install_oracle(spec, futures)
+    # max_tokens lands inside a fully accepted block for most lengths
+    for n in (1, 2, 5, 7, 13):
+        outs = spec.generate(MIXED[:4], SamplingParams(max_tokens=n, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [o.token_ids[:n] for o in ref[:4]]
+        assert all(o.finish_reason == "length" for o in outs)
+    # a stop token in the middle of an accepted run ends the request right there
+    for p, r in zip(MIXED[:6], ref[:6]):
+        stop = r.token_ids[9]
+        want = plain.generate([p], SamplingParams(max_tokens=40, stop_token_ids=[stop], ignore_eos=True))[0]
+        got = spec.generate([p], SamplingParams(max_tokens=40, stop_token_ids=[stop], ignore_eos=True))[0]
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
+    # EOS inside an accepted run: stops there unless ignore_eos, exactly as plain decoding does
+    for llm in (plain, spec):
+        llm.engine.eos_token_ids.append(ref[2].token_ids[6])
+    try:
+        for ignore in (False, True):
+            p = SamplingParams(max_tokens=20, ignore_eos=ignore)
+            want = plain.generate(MIXED[:4], p)
+            got = spec.generate(MIXED[:4], p)
+            assert [o.token_ids for o in got] == [o.token_ids for o in want]
+            assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+            if not ignore:
+                assert want[2].finish_reason == "stop" and len(want[2].token_ids) <= 7
+        assert want[2].finish_reason == "length" and len(want[2].token_ids) == 20
+    finally:
+        for llm in (plain, spec):
+            llm.engine.eos_token_ids.pop()
+    del spec.engine.spec.propose
+
+
+def test_greedy_lossless_tiny_random_drafter(plain, spec):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = [plain.generate([p], params)[0].token_ids for p in MIXED]
+    single = [spec.generate([p], params)[0].token_ids for p in MIXED]
+    batched = [o.token_ids for o in spec.generate(MIXED, params)]
+    total = sum(len(r) for r in ref)
+    match_single = sum(a == b for r, s in zip(ref, single) for a, b in zip(r, s))
+    match_batched = sum(a == b for r, s in zip(ref, batched) for a, b in zip(r, s))
+    print(f"tiny random drafter: token match single {match_single}/{total}, batched {match_batched}/{total}")
+    assert match_single == total and match_batched == total
+
+
+def test_greedy_lossless_smollm2_random_drafter(smollm2, tmp_path):
+    from flashdraft.models.loader import resolve_model_dir
+
+    target = resolve_model_dir(None)
+    draft = build_random_drafter(tmp_path / "d", target, block_size=8, num_layers=1, target_layer_ids=[1, 14, 27],
+                                 head_dim=64, num_attention_heads=9, num_key_value_heads=3, mask_token_id=0)
+    spec = LLM(draft=str(draft), device="cpu", dtype="float32")
+    qs = ["Name a fruit.", "What is 2+2?", "Say hi.", "Who wrote Hamlet?", "Define gravity.", "Count to five.",
+          "What color is the sky?", "Give me a synonym for happy.", "What is Python?", "Name a planet.",
+          "Translate 'cat' to French.", "What is the opposite of hot?", "Write one word.", "Spell 'dog'.",
+          "What day comes after Monday?", "How many legs does a spider have?"]
+    prompts = [spec.engine.apply_chat_template([{"role": "user", "content": q}]) for q in qs]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = [o.token_ids for o in smollm2.generate(prompts, params)]
+    got = [o.token_ids for o in spec.generate(prompts, params)]
+    total = sum(len(r) for r in ref)
+    match = sum(a == b for r, g in zip(ref, got) for a, b in zip(r, g))
+    print(f"SmolLM2 + random drafter: token match {match}/{total}")
+    assert match == total
+    assert spec.engine.spec_totals()["num_drafts"] > 0
+
+
+def test_per_request_speculative_switch(plain, spec):
+    params_on = SamplingParams(max_tokens=20, ignore_eos=True)
+    params_off = SamplingParams(max_tokens=20, ignore_eos=True, speculative=False)
+    ref = [o.token_ids for o in plain.generate(MIXED[:4], params_on)]
+    outs = spec.generate(MIXED[:4], [params_on, params_off, params_on, params_off])
+    assert [o.token_ids for o in outs] == ref
+    assert outs[0].metrics["num_drafts"] > 0 and "num_drafts" not in outs[1].metrics
+
+
+def test_rejected_state_is_never_read(plain, spec):
+    """NaN into every K/V slot a rejected draft or a draft block wrote, target and drafter caches:
+    any read of them would turn logits into NaN and change the tokens."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = [o.token_ids for o in plain.generate(MIXED, params)]
+    spec.engine.spec.poison_rejected = True
+    try:
+        outs = spec.generate(MIXED, params)
+    finally:
+        spec.engine.spec.poison_rejected = False
+    assert [o.token_ids for o in outs] == ref
+    assert spec.engine.spec_totals()["num_drafts"] > 0
+
+
+def test_preemption_with_speculation(tiny_llama, drafter, plain):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = [o.token_ids for o in plain.generate(MIXED[:6], params)]
+    tight = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32", num_kv_blocks=16,
+                kv_block_size=8)
+    outs = tight.generate(MIXED[:6], params)
+    assert tight.engine.stats["num_preemptions"] > 0
+    assert [o.token_ids for o in outs] == ref
+
+
+# ---- checkpoint formats ----------------------------------------------------------------------
+def test_default_tap_ids():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(24, 5) == [1, 6, 11, 16, 21]
+
+
+def _drafts(llm):
+    return [o.token_ids for o in llm.generate(MIXED[:4], SamplingParams(max_tokens=8, ignore_eos=True))], \
+        llm.engine.spec_totals()
+
+
+def test_formats_load_and_agree(tiny_llama, tmp_path):
+    """The same weights in every layout give the same drafter, hence the same acceptance."""
+    a = build_random_drafter(tmp_path / "zlab", tiny_llama, block_size=4, seed=3)
+    b = build_random_drafter(tmp_path / "zlab-nested", tiny_llama, block_size=4, seed=3, block_in_dflash_config=True)
+    c = build_random_drafter(tmp_path / "spec", tiny_llama, fmt="speculators", block_size=4, seed=3)
+    d = build_random_drafter(tmp_path / "spec-head", tiny_llama, fmt="speculators", block_size=4, seed=3,
+                             own_head=True)
+    runs = [_drafts(LLM(str(tiny_llama), draft=str(x), device="cpu", dtype="float32")) for x in (a, b, c, d)]
+    assert all(r == runs[0] for r in runs[1:])
+    llm = LLM(str(tiny_llama), draft=str(c), device="cpu", dtype="float32")
+    assert llm.engine.spec.tap_layers == (0, 2) and llm.engine.spec.block_size == 4
+
+
+def test_default_taps_when_missing(tiny_llama, tmp_path):
+    d = build_random_drafter(tmp_path / "d", tiny_llama, num_layers=1)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["dflash_config"]["target_layer_ids"]
+    cfg["fc_taps"] = 1
+    (d / "config.json").write_text(json.dumps(cfg))
+    # one draft layer and no ids: [L // 2] of the 3-layer target; fc expects one tap
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(d / "model.safetensors"))
+    w["fc.weight"] = w["fc.weight"][:, :64].contiguous()
+    save_file(w, str(d / "model.safetensors"))
+    llm = LLM(str(tiny_llama), draft=str(d), device="cpu", dtype="float32")
+    assert llm.engine.spec.tap_layers == (1,)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.update(hidden_size=32), "hidden_size 32 does not match"),
+    (lambda c: c["dflash_config"].update(target_layer_ids=[0, 3]), r"tap layer id\(s\) \[3\] outside"),
+    (lambda c: c["dflash_config"].update(mask_token_id=10**6), "mask_token_id 1000000 is outside"),
+    (lambda c: c.update(architectures=["EagleModel"], dflash_config=None), "unknown drafter architecture"),
+])
+def test_validation_errors(tiny_llama, tmp_path, change, message):
+    d = build_random_drafter(tmp_path / "d", tiny_llama)
+    cfg = json.loads((d / "config.json").read_text())
+    change(cfg)
+    if cfg.get("dflash_config") is None:
+        cfg.pop("dflash_config")
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_llama), draft=str(d), device="cpu", dtype="float32")
+
+
+def test_missing_drafter_path(tiny_llama, tmp_path):
+    with pytest.raises(FileNotFoundError, match="drafter path"):
+        LLM(str(tiny_llama), draft=str(tmp_path / "none"), device="cpu")
