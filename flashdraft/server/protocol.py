@@ -123,8 +123,11 @@ class _Request(BaseModel):
         except ValueError as e:
             # SamplingParams' messages start with the field name
             param = str(e).split(" ", 1)[0]
-            param = max_name if param == "max_tokens" else param
-            raise bad_request(str(e), param if param in fields else None) from None
+            if param not in fields:
+                param = None
+            elif param == "max_tokens":
+                param = max_name
+            raise bad_request(str(e), param) from None
 
     @property
     def include_usage(self) -> bool:

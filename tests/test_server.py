@@ -1,0 +1,293 @@
+"""`flashdraft serve` end to end: the official openai client against a real uvicorn server on a local
+port, backed by the embedded SmolLM2-135M (plain decoding, float32, CPU). Greedy outputs must equal
+the offline engine's, streamed or not, alone or 64 at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from flashdraft.config import EngineConfig
+from flashdraft.engine.engine import LLMEngine
+from flashdraft.sampling_params import SamplingParams
+from flashdraft.server.app import DEFAULT_MODEL_NAME, build_app
+from flashdraft.server.async_engine import visible_text
+
+MODEL = DEFAULT_MODEL_NAME
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+COMPLETION = "The three primary colors are"
+NUM_CONCURRENT = 64
+CONCURRENT_TOKENS = 12
+
+
+def concurrent_prompt(i: int) -> str:
+    return f"Write one short sentence about the number {i}."
+
+
+def offline(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[str]:
+    """Greedy reference outputs from the engine itself, run before the server starts."""
+    seqs = [engine.add_request(None, params, prompt_token_ids=ids) for ids in prompts]
+    while any(not s.is_finished for s in seqs):
+        engine.step()
+    return [engine.output(s).text for s in seqs]
+
+
+class Served:
+    def __init__(self, app):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(model=None, draft=None, device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def reference(engine) -> dict:
+    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    short = SamplingParams(temperature=0.0, max_tokens=CONCURRENT_TOKENS)
+    chat_ids = [engine.apply_chat_template([{"role": "user", "content": concurrent_prompt(i)}])
+                for i in range(0, NUM_CONCURRENT, 2)]
+    completion_ids = [engine.tokenize(concurrent_prompt(i)) for i in range(1, NUM_CONCURRENT, 2)]
+    chat_out = offline(engine, chat_ids, short)
+    completion_out = offline(engine, completion_ids, short)
+    return {
+        "chat": offline(engine, [engine.apply_chat_template(CHAT)], greedy)[0],
+        "completion": offline(engine, [engine.tokenize(COMPLETION)], greedy)[0],
+        "concurrent": [chat_out[i // 2] if i % 2 == 0 else completion_out[i // 2] for i in range(NUM_CONCURRENT)],
+    }
+
+
+@pytest.fixture(scope="module")
+def server(engine, reference):
+    served = Served(build_app(engine))
+    yield served
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_chat_matches_offline(client, reference):
+    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=24)
+    r = client.chat.completions.create(**kw)
+    assert r.object == "chat.completion" and r.model == MODEL
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == reference["chat"] == "The capital of France is Paris."
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.model_extra["metrics"]["num_output_tokens"] == r.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference["chat"]
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == "stop"
+    assert finals[0].usage == r.usage and "metrics" in finals[0].model_extra
+    assert chunks[-1].choices == [] and chunks[-1].usage == r.usage
+
+
+def test_completion_matches_offline(client, reference):
+    kw = dict(model=MODEL, prompt=COMPLETION, temperature=0, max_tokens=24)
+    r = client.completions.create(**kw)
+    assert r.object == "text_completion"
+    assert r.choices[0].text == reference["completion"]
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 24
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert len(chunks) > 2
+    assert "".join(c.choices[0].text for c in chunks) == reference["completion"]
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage == r.usage
+
+
+def test_stream_never_shows_stop_string(client):
+    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=24, stop=[" Paris"])
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True))
+    assert full == streamed == "The capital of France is"
+
+
+def test_visible_text_holds_back():
+    assert visible_text("abc\ufffd", []) == "abc"
+    assert visible_text("The capital is Pa", [" Paris"]) == "The capital is"
+    assert visible_text("The capital is", [" Paris"]) == "The capital is"
+
+
+def test_concurrent_streams_share_batches(server, engine, reference):
+    steps_before = engine.stats["num_steps"]
+
+    async def one(aclient: openai.AsyncOpenAI, i: int) -> str:
+        kw = dict(model=MODEL, temperature=0, max_tokens=CONCURRENT_TOKENS, stream=True)
+        if i % 2 == 0:
+            stream = await aclient.chat.completions.create(
+                messages=[{"role": "user", "content": concurrent_prompt(i)}], **kw)
+            return "".join([c.choices[0].delta.content or "" async for c in stream])
+        stream = await aclient.completions.create(prompt=concurrent_prompt(i), **kw)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def main() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as aclient:
+            return await asyncio.gather(*(one(aclient, i) for i in range(NUM_CONCURRENT)))
+
+    got = asyncio.run(main())
+    assert got == reference["concurrent"]
+    # one request alone would need CONCURRENT_TOKENS steps; 64 of them in shared batches need few more
+    assert engine.stats["num_steps"] - steps_before < NUM_CONCURRENT * CONCURRENT_TOKENS // 4
+
+
+def wait_until_idle(engine: LLMEngine, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.block_manager.num_used_blocks or engine.has_unfinished():
+        assert time.monotonic() < deadline, "the engine kept the request"
+        time.sleep(0.05)
+
+
+def test_disconnect_mid_stream_frees_kv(client, engine, monkeypatch):
+    added = []
+    real_add = engine.add_request
+    monkeypatch.setattr(engine, "add_request", lambda *a, **k: added.append(real_add(*a, **k)) or added[-1])
+    stream = client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    for _, _chunk in zip(range(3), stream):
+        pass
+    assert engine.block_manager.num_used_blocks > 0
+    stream.close()
+    wait_until_idle(engine)
+    (seq,) = added
+    assert seq.finish_reason == "abort" and seq.num_output_tokens < 200
+
+
+def test_disconnect_while_waiting_frees_kv(server, engine, monkeypatch):
+    added = []
+    real_add = engine.add_request
+    monkeypatch.setattr(engine, "add_request", lambda *a, **k: added.append(real_add(*a, **k)) or added[-1])
+    body = {"model": MODEL, "prompt": COMPLETION, "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
+    wait_until_idle(engine)
+    (seq,) = added
+    assert seq.finish_reason == "abort" and seq.num_output_tokens < 200
+
+
+COMPLETIONS, CHATS = "/v1/completions", "/v1/chat/completions"
+BAD = [
+    (COMPLETIONS, {"prompt": "hi", "temperature": -1}, "temperature"),
+    (COMPLETIONS, {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    (COMPLETIONS, {"prompt": "hi", "top_p": 0}, "top_p"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "top_k": 0}, "top_k"),
+    (COMPLETIONS, {"prompt": "hi", "seed": 2**70}, "seed"),
+    (COMPLETIONS, {"prompt": "hi", "stop": [""]}, "stop"),
+    (COMPLETIONS, {"prompt": ""}, "prompt"),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
+    (COMPLETIONS, {"prompt": [10**9]}, "prompt"),
+    (COMPLETIONS, {}, "prompt"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 1}, "logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "echo": True}, "echo"),
+    (COMPLETIONS, {"prompt": "hi", "n": 2}, "n"),
+    (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of"),
+    (COMPLETIONS, {"prompt": "hi", "suffix": "x"}, "suffix"),
+    (COMPLETIONS, {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "hi", "frobnicate": 1}, "frobnicate"),
+    (CHATS, {}, "messages"),
+    (CHATS, {"messages": []}, "messages"),
+    (CHATS, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    (CHATS, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    (CHATS, {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (CHATS, {"messages": CHAT, "logprobs": True}, "logprobs"),
+    (CHATS, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHATS, {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    (CHATS, {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD, ids=[f"{p.split('/')[-1]}-{k}" for p, _, k in BAD])
+def test_bad_request_names_the_field(server, path, body, param):
+    r = httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] is None
+    assert err["message"]
+
+
+def test_malformed_and_oversized_bodies(server, engine):
+    r = httpx.post(server.url + COMPLETIONS, content=b'{"prompt": "hi",', timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.url + COMPLETIONS, content=b"[" * 100_000, timeout=30)
+    assert r.status_code == 400
+    r = httpx.post(server.url + COMPLETIONS, json={"prompt": "x" * (2 << 20)}, timeout=30)
+    assert r.status_code == 413 and "error" in r.json()
+    long_prompt = "hello " * engine.max_model_len
+    r = httpx.post(server.url + COMPLETIONS, json={"prompt": long_prompt}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "max_model_len" in r.json()["error"]["message"]
+
+
+def test_openai_client_errors(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-0.5)
+    assert e.value.param == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", n=2)
+    assert e.value.param == "n"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="hi")
+    assert e.value.code == "model_not_found"
+
+
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(server.url + "/health").status_code == 200
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("flashdraft:spec_decode_num_drafts_total", "flashdraft:spec_decode_num_draft_tokens_total",
+                 "flashdraft:spec_decode_num_accepted_tokens_total",
+                 "flashdraft:spec_decode_num_accepted_tokens_per_pos", "flashdraft:num_requests_running",
+                 "flashdraft:num_requests_waiting", "flashdraft:kv_cache_used_blocks",
+                 "flashdraft:generation_tokens_total", 'flashdraft:request_success_total{finished_reason="length"',
+                 'flashdraft:http_requests_total{endpoint="/v1/completions",status="200"}'):
+        assert name in text, name
+
+
+def test_api_key(engine, server):
+    keyed = Served(build_app(engine, api_key="sesame"))  # shares the engine thread with `server`
+    try:
+        assert httpx.get(keyed.url + "/health").status_code == 200
+        r = httpx.get(keyed.url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(keyed.url + COMPLETIONS, json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=keyed.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=keyed.url + "/v1", api_key="sesame", max_retries=0)
+        r = good.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert r.usage.completion_tokens == 2
+    finally:
+        keyed.close()
+    # the unkeyed server still works after the keyed one shut down
+    assert httpx.post(server.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 1}, timeout=30).status_code == 200
