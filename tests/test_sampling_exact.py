@@ -74,7 +74,8 @@ def test_speculative_sampling_matches_exact_marginals(tiny_llama, tmp_path):
     noise = [0.5 * (2 * x * (1 - x) / (torch.pi * N)).sqrt().sum().item() for x in exact]
     tot = spec.engine.spec_totals()
     accept = tot["num_accepted_tokens"] / tot["num_draft_tokens"]
-    print(f"T={TEMP} top_k={TOP_K}, {N} samples: TV of first-3-token marginals {tv} (sampling noise alone ~{noise}), draft acceptance {accept:.2f}")
+    print(f"T={TEMP} top_k={TOP_K}, {N} samples: TV of first-3-token marginals {tv} "
+          f"(sampling noise alone ~{noise}), draft acceptance {accept:.2f}")
     assert max(tv) < 0.02, tv
     assert 0.2 < accept < 0.95, "the test needs both accepted and rejected drafts"
     # same seeds, plain decoding: the same distribution (and, by construction of the sampler, the same tokens)
