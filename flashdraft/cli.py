@@ -68,6 +68,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from flashdraft.train.trainer import TrainConfig, train
+
+    ids = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
+    cfg = TrainConfig(model=args.model, out=args.out, data=args.data, prompts=args.prompts,
+                      num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                      max_prompt_tokens=args.max_prompt_tokens, num_layers=args.num_layers,
+                      intermediate_size=args.intermediate_size, block_size=args.block_size, target_layer_ids=ids,
+                      mask_token_id=args.mask_token_id, epochs=args.epochs, max_steps=args.max_steps,
+                      batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr, seed=args.seed,
+                      device=args.device, dtype=args.dtype, save_every=args.save_every, resume=args.resume,
+                      gen_batch=args.gen_batch)
+    out = train(cfg)
+    print(f"drafter written to {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashdraft", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -84,6 +101,32 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser("train-drafter", help="self-distil data from a target and train a DFlash drafter for it")
+    t.add_argument("--model", default=None, help="target: HF folder or .gguf (default: embedded SmolLM2-135M)")
+    t.add_argument("--out", required=True, help="output folder (z-lab checkpoint, data, logs, trainer state)")
+    t.add_argument("--data", default=None, help="existing jsonl of {prompt_ids, response_ids}; skips generation")
+    t.add_argument("--prompts", default=None, help="jsonl of {prompt} or {messages} (default: ShareGPT train split)")
+    t.add_argument("--num-prompts", type=int, default=None)
+    t.add_argument("--max-new-tokens", type=int, default=256)
+    t.add_argument("--max-prompt-tokens", type=int, default=512)
+    t.add_argument("--num-layers", type=int, default=3)
+    t.add_argument("--intermediate-size", type=int, default=None)
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--target-layer-ids", default=None, help="comma-separated 0-based target layers to tap")
+    t.add_argument("--mask-token-id", type=int, default=None)
+    t.add_argument("--epochs", type=int, default=6)
+    t.add_argument("--max-steps", type=int, default=None)
+    t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--num-anchors", type=int, default=512)
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default=None)
+    t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    t.add_argument("--save-every", type=int, default=200)
+    t.add_argument("--gen-batch", type=int, default=256)
+    t.add_argument("--resume", action="store_true")
+    t.set_defaults(func=cmd_train_drafter)
 
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,116 @@
+"""The DFlash training objective (DFLASH.md): blocks anchored at response positions p, input
+[x_p, MASK x (B-1)] at positions p..p+B-1, seeing the context features of positions strictly
+before p and their own B slots bidirectionally, never other blocks; slot k is scored against
+x[p+k] (same position) with weight exp(-(k-1)/gamma), slot 0 unweighted."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from flashdraft.models.dflash_draft import DFlashDraftModel
+from flashdraft.models.rope import apply_rope
+
+GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def gamma_for(block_size: int) -> float:
+    # published values for B = 16 / 10 / 8, linear in between and beyond
+    return GAMMA.get(block_size, max(1.0, 7.0 * block_size / 16))
+
+
+def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: int,
+                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to num_anchors sorted anchor positions per sequence among response tokens that have at
+    least one token after them. -> anchors [b, N] (long), valid [b, N] (bool)."""
+    b, s = loss_mask.shape
+    pos = torch.arange(s)
+    ok = loss_mask.bool().cpu() & (pos[None, :] < (lengths.cpu()[:, None] - 1))
+    n = min(num_anchors, int(ok.sum(1).max()))
+    anchors = torch.zeros(b, max(n, 1), dtype=torch.long)
+    valid = torch.zeros(b, max(n, 1), dtype=torch.bool)
+    for i in range(b):
+        cand = ok[i].nonzero().flatten()
+        pick = cand[torch.randperm(len(cand), generator=gen)[:n]].sort().values
+        anchors[i, : len(pick)] = pick
+        valid[i, : len(pick)] = True
+    return anchors, valid
+
+
+def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block: int) -> torch.Tensor:
+    """[b, N*B, ctx_len + N*B] bool, True = visible."""
+    b, n = anchors.shape
+    q_anchor = anchors.repeat_interleave(block, dim=1)  # [b, NB]
+    q_block = torch.arange(n, device=anchors.device).repeat_interleave(block)
+    ctx = torch.arange(ctx_len, device=anchors.device)[None, None, :] < q_anchor[:, :, None]
+    own = q_block[:, None] == q_block[None, :]
+    own = own[None].expand(b, -1, -1) & valid.repeat_interleave(block, dim=1)[:, None, :]
+    mask = torch.cat([ctx, own], dim=-1)
+    mask[..., 0] |= ~valid.repeat_interleave(block, dim=1)  # padded blocks see one key, no loss
+    return mask
+
+
+def draft_hidden(drafter: DFlashDraftModel, taps: torch.Tensor, embed: torch.Tensor, anchors: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """Dense training forward. taps [b, S, n*H]; embed [b, N*B, H] -> normed hidden [b, N*B, H]."""
+    b, s, _ = taps.shape
+    block = embed.shape[1] // anchors.shape[1]
+    ctx = drafter.hidden_norm(drafter.fc(taps))
+    ctx_pos = torch.arange(s, device=taps.device)
+    q_pos = (anchors[:, :, None] + torch.arange(block, device=taps.device)).flatten(1)  # [b, NB]
+    cos_c, sin_c = drafter.rope.lookup(ctx_pos)
+    cos_q, sin_q = drafter.rope.lookup(q_pos.flatten())
+    h = embed
+    for layer in drafter.layers:
+        a = layer.self_attn
+        x = layer.input_layernorm(h)
+        q, kb, vb = a.qkv_proj(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        _, kc, vc = a.qkv_proj(ctx).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+        q = apply_rope(a.q_norm(q.reshape(-1, a.n_heads, a.head_dim)), cos_q, sin_q)
+        kb = apply_rope(a.k_norm(kb.reshape(-1, a.n_kv, a.head_dim)), cos_q, sin_q)
+        kc = apply_rope(a.k_norm(kc.reshape(-1, a.n_kv, a.head_dim)), cos_c.repeat(b, 1), sin_c.repeat(b, 1))
+        dt = vb.dtype  # autocast leaves norms/rope in float32; attention runs in the matmul dtype
+        q, kc, kb, vc = q.to(dt), kc.to(dt), kb.to(dt), vc.to(dt)
+        k = torch.cat([kc.view(b, s, a.n_kv, -1), kb.view(b, -1, a.n_kv, a.head_dim)], 1)
+        v = torch.cat([vc.view(b, s, a.n_kv, -1), vb.view(b, -1, a.n_kv, a.head_dim)], 1)
+        group = a.n_heads // a.n_kv
+        k = k.transpose(1, 2).repeat_interleave(group, 1)
+        v = v.transpose(1, 2).repeat_interleave(group, 1)
+        o = F.scaled_dot_product_attention(q.view(b, -1, a.n_heads, a.head_dim).transpose(1, 2), k, v,
+                                           attn_mask=mask[:, None], scale=a.scale)
+        h = h + a.o_proj(o.transpose(1, 2).reshape(b, -1, a.q_size))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return drafter.norm(h)
+
+
+def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: torch.Tensor, taps: torch.Tensor,
+                ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+                mask_token_id: int, gamma: float) -> tuple[torch.Tensor, dict]:
+    """Weighted same-position cross-entropy; also per-slot accuracy and the acceptance length a
+    greedy verify would see on these blocks (leading correct slots + 1)."""
+    b, s = ids.shape
+    block = drafter.spec.block_size
+    dev = ids.device
+    blocks = torch.full((b, anchors.shape[1], block), mask_token_id, device=dev)
+    blocks[:, :, 0] = ids.gather(1, anchors)
+    label_pos = anchors[:, :, None] + torch.arange(block, device=dev)  # [b, N, B]
+    in_seq = label_pos < lengths[:, None, None]
+    labels = ids.gather(1, label_pos.clamp_max(s - 1).flatten(1)).view_as(label_pos)
+    k = torch.arange(block, device=dev, dtype=torch.float32)
+    w = torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
+    weight = w[None, None, :] * (in_seq & valid[:, :, None]).float()
+    mask = block_attention_mask(anchors, valid, s, block)
+    hidden = draft_hidden(drafter, taps, F.embedding(blocks.flatten(1), embed_table), anchors, mask)
+    logits = F.linear(hidden, lm_head).float().view(b, -1, block, lm_head.shape[0])
+    ce = F.cross_entropy(logits[:, :, 1:].flatten(0, 2), labels[:, :, 1:].flatten(), reduction="none")
+    wt = weight[:, :, 1:].flatten()
+    loss = (ce * wt).sum() / wt.sum().clamp_min(1e-6)
+    with torch.no_grad():
+        correct = (logits[:, :, 1:].argmax(-1) == labels[:, :, 1:]) & (weight[:, :, 1:] > 0)
+        scored = weight[:, :, 1:] > 0
+        acc = correct.float().sum((0, 1)) / scored.float().sum((0, 1)).clamp_min(1)
+        full = valid & in_seq[:, :, -1]  # blocks whose every slot lies inside the sequence
+        tau = (correct.long().cumprod(-1).sum(-1) + 1).float()[full].mean() if full.any() else torch.tensor(math.nan)
+    return loss, {"acc_per_slot": acc.tolist(), "tau": float(tau)}

@@ -1,0 +1,247 @@
+"""`flashdraft train-drafter`: self-distillation data from the target, then the DFlash recipe;
+writes a z-lab-format checkpoint (config.json + model.safetensors) that flashdraft loads and
+that follows the published layout (unpacked q/k/v and gate/up, no embed_tokens, no lm_head)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from flashdraft.models.dflash_draft import DFlashDraftModel
+from flashdraft.models.loader import load_config, load_weights, resolve_model_dir
+from flashdraft.spec.formats import DraftSpec, default_target_layer_ids
+from flashdraft.train.loss import dflash_loss, gamma_for, sample_anchors
+
+
+@dataclass
+class TrainConfig:
+    model: str | None = None
+    out: str = "drafter"
+    data: str | None = None  # jsonl of {"prompt_ids", "response_ids"}; generated when missing
+    prompts: str | None = None  # jsonl of prompts/messages; default: ShareGPT train split
+    num_prompts: int | None = None
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 512
+    num_layers: int = 3
+    intermediate_size: int | None = None
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None
+    mask_token_id: int | None = None
+    epochs: int = 6
+    max_steps: int | None = None
+    batch_size: int = 8
+    num_anchors: int = 512
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    device: str | None = None
+    dtype: str = "bfloat16"
+    save_every: int = 200
+    resume: bool = False
+    gen_batch: int = 256
+    log: list = field(default_factory=list, repr=False)
+
+
+def _mask_token(tokenizer, explicit: int | None) -> int:
+    if explicit is not None:
+        return explicit
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return tokenizer.mask_token_id
+    raise ValueError("the tokenizer has no mask token: pass --mask-token-id (an id that never occurs in text)")
+
+
+def drafter_spec(target_cfg, cfg: TrainConfig, mask_token_id: int) -> DraftSpec:
+    n_taps = len(cfg.target_layer_ids) if cfg.target_layer_ids else max(cfg.num_layers, 2)
+    ids = cfg.target_layer_ids or default_target_layer_ids(target_cfg.num_hidden_layers, n_taps)
+    layer = SimpleNamespace(
+        hidden_size=target_cfg.hidden_size, intermediate_size=cfg.intermediate_size or target_cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=target_cfg.num_attention_heads,
+        num_key_value_heads=target_cfg.num_key_value_heads,
+        head_dim=getattr(target_cfg, "head_dim", None) or target_cfg.hidden_size // target_cfg.num_attention_heads,
+        rms_norm_eps=target_cfg.rms_norm_eps, attention_bias=False, rope_theta=_rope_theta(target_cfg),
+        rope_scaling=None, rope_parameters=None, max_position_embeddings=target_cfg.max_position_embeddings,
+        vocab_size=target_cfg.vocab_size, model_type="qwen3")
+    return DraftSpec(layer, cfg.block_size, mask_token_id, list(ids), None, "z-lab")
+
+
+def _rope_theta(cfg) -> float:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    return float(params.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0)
+
+
+def init_drafter(spec: DraftSpec, device, seed: int) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(spec).to(device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+            else:
+                p.fill_(1.0)  # RMSNorm weights
+    return model
+
+
+def save_checkpoint(model: DFlashDraftModel, target_cfg, out: Path, dtype=torch.bfloat16) -> None:
+    """z-lab layout: unpacked projections, a Qwen3 config with the DFlash keys."""
+    spec, c = model.spec, model.spec.layer_config
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name == "d2t":
+            continue
+        t = t.detach().to("cpu", dtype)
+        if ".qkv_proj." in name:
+            a = model.layers[0].self_attn
+            for part, chunk in zip(("q_proj", "k_proj", "v_proj"), t.split([a.q_size, a.kv_size, a.kv_size])):
+                tensors[name.replace("qkv_proj", part)] = chunk.contiguous()
+        elif ".gate_up_proj." in name:
+            for part, chunk in zip(("gate_proj", "up_proj"), t.chunk(2)):
+                tensors[name.replace("gate_up_proj", part)] = chunk.contiguous()
+        else:
+            tensors[name] = t.contiguous()
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": spec.block_size,
+        "num_target_layers": target_cfg.num_hidden_layers,
+        "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": spec.target_layer_ids,
+                          "block_size": spec.block_size},
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+        "attention_bias": False, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_scaling": None,
+        "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
+        "tie_word_embeddings": False, "layer_types": ["full_attention"] * c.num_hidden_layers,
+        "use_sliding_window": False, "sliding_window": None, "dtype": str(dtype).removeprefix("torch."),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _batches(samples, batch_size: int, rng: random.Random):
+    order = list(range(len(samples)))
+    rng.shuffle(order)
+    # similar lengths together keeps padding low
+    order = sorted(order, key=lambda i: len(samples[i][0]) // 64 + rng.random())
+    groups = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+    rng.shuffle(groups)
+    return groups
+
+
+def train(cfg: TrainConfig) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    from flashdraft.train.data import read_samples
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
+    folder = resolve_model_dir(cfg.model)
+    target_cfg = load_config(folder)
+    data_path = Path(cfg.data) if cfg.data else out / "data.jsonl"
+    if not data_path.exists():
+        make_data(cfg, data_path, device)
+    samples = read_samples(data_path)
+    from flashdraft.models.loader import load_tokenizer
+
+    mask_id = _mask_token(load_tokenizer(folder), cfg.mask_token_id)
+    spec = drafter_spec(target_cfg, cfg, mask_id)
+    # the frozen target: HF transformers, taps = hidden_states[l + 1]
+    target = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval().requires_grad_(False)
+    weights = load_weights(folder)
+    embed = weights["model.embed_tokens.weight"].to(device, dtype)
+    lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).to(device, dtype)
+    drafter = init_drafter(spec, device, cfg.seed)
+    max_len = max(len(s[0]) for s in samples) + cfg.block_size + 1
+    drafter.setup(max_len)
+    drafter.rope.cos, drafter.rope.sin = drafter.rope.cos.float(), drafter.rope.sin.float()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    steps_per_epoch = math.ceil(len(samples) / cfg.batch_size)
+    total = cfg.max_steps or steps_per_epoch * cfg.epochs
+    warm = max(1, int(cfg.warmup_ratio * total))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm))))
+    step, start_epoch = 0, 0
+    ckpt = out / "trainer_state.pt"
+    if cfg.resume and ckpt.exists():
+        st = torch.load(ckpt, map_location=device, weights_only=False)
+        drafter.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        sched.load_state_dict(st["sched"])
+        step, start_epoch = st["step"], st["epoch"]
+    gen = torch.Generator().manual_seed(cfg.seed + step)
+    gamma = gamma_for(cfg.block_size)
+    tap_idx = [i + 1 for i in spec.target_layer_ids]
+    log_f = open(out / "train_log.jsonl", "a")
+    t0 = time.time()
+    bar = tqdm(total=total, initial=step, desc="training drafter", unit="step")
+    epoch = start_epoch
+    while step < total:
+        rng = random.Random(cfg.seed * 1000 + epoch)  # anchors and order resampled every epoch
+        for group in _batches(samples, cfg.batch_size, rng)[step % steps_per_epoch if epoch == start_epoch else 0:]:
+            seqs = [samples[i] for i in group]
+            s_max = max(len(s) for s, _ in seqs)
+            ids = torch.zeros(len(seqs), s_max, dtype=torch.long)
+            loss_mask = torch.zeros(len(seqs), s_max, dtype=torch.bool)
+            for r, (s, p) in enumerate(seqs):
+                ids[r, : len(s)] = torch.tensor(s)
+                loss_mask[r, p: len(s)] = True
+            lengths = torch.tensor([len(s) for s, _ in seqs])
+            anchors, valid = sample_anchors(loss_mask, lengths, cfg.num_anchors, gen)
+            ids, lengths, anchors, valid = ids.to(device), lengths.to(device), anchors.to(device), valid.to(device)
+            with torch.no_grad():
+                hs = target(ids, attention_mask=(torch.arange(s_max, device=device) < lengths[:, None]).long(),
+                            output_hidden_states=True).hidden_states
+                taps = torch.cat([hs[i] for i in tap_idx], -1)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss, stats = dflash_loss(drafter, lm_head, embed, taps, ids, lengths, anchors, valid, mask_id, gamma)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            sched.step()
+            step += 1
+            rec = {"step": step, "epoch": epoch, "loss": loss.item(), "grad_norm": float(gnorm),
+                   "lr": sched.get_last_lr()[0], "tau": stats["tau"],
+                   "acc_slot1": stats["acc_per_slot"][0], "elapsed_s": time.time() - t0}
+            log_f.write(json.dumps(rec) + "\n")
+            cfg.log.append(rec)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau']:.2f}")
+            bar.update(1)
+            if step % cfg.save_every == 0 or step == total:
+                torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                            "step": step, "epoch": epoch, "config": asdict(cfg) | {"log": []}}, ckpt)
+                save_checkpoint(drafter, target_cfg, out)
+            if step >= total:
+                break
+        epoch += 1
+    bar.close()
+    log_f.close()
+    save_checkpoint(drafter, target_cfg, out)
+    return out
+
+
+def make_data(cfg: TrainConfig, data_path: Path, device: torch.device) -> int:
+    from flashdraft import LLM
+    from flashdraft.train.data import generate_responses, read_prompt_file, sharegpt_prompts
+
+    if cfg.prompts:
+        convs = read_prompt_file(cfg.prompts)
+    else:
+        convs = [[{"role": "user", "content": p}] for p in sharegpt_prompts("train")]
+    if cfg.num_prompts:
+        convs = convs[: cfg.num_prompts]
+    llm = LLM(cfg.model, draft=None, device=str(device), max_num_seqs=cfg.gen_batch,
+              max_num_batched_tokens=max(4096, cfg.gen_batch * 2))
+    return generate_responses(llm, convs, data_path, cfg.max_new_tokens, cfg.max_prompt_tokens, cfg.gen_batch)
