@@ -84,7 +84,7 @@ def init_drafter(spec: DraftSpec, device, seed: int) -> DFlashDraftModel:
     torch.manual_seed(seed)
     model = DFlashDraftModel(spec).to(device)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.02)
             else:
@@ -170,8 +170,10 @@ def train(cfg: TrainConfig) -> Path:
     steps_per_epoch = math.ceil(len(samples) / cfg.batch_size)
     total = cfg.max_steps or steps_per_epoch * cfg.epochs
     warm = max(1, int(cfg.warmup_ratio * total))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm))))
+    def lr_factor(s: int) -> float:  # linear warm-up, then cosine to zero
+        return (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     step, start_epoch = 0, 0
     ckpt = out / "trainer_state.pt"
     if cfg.resume and ckpt.exists():
