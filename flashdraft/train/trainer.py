@@ -48,6 +48,7 @@ class TrainConfig:
     device: str | None = None
     dtype: str = "bfloat16"
     save_every: int = 200
+    time_budget_s: float | None = None  # shorten the schedule to fit (measured after 10 steps)
     resume: bool = False
     gen_batch: int = 256
     log: list = field(default_factory=list, repr=False)
@@ -168,9 +169,11 @@ def train(cfg: TrainConfig) -> Path:
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(len(samples) / cfg.batch_size)
-    total = cfg.max_steps or steps_per_epoch * cfg.epochs
-    warm = max(1, int(cfg.warmup_ratio * total))
-    def lr_factor(s: int) -> float:  # linear warm-up, then cosine to zero
+    plan = {"total": cfg.max_steps or steps_per_epoch * cfg.epochs}
+    plan["warm"] = max(1, int(cfg.warmup_ratio * plan["total"]))
+
+    def lr_factor(s: int) -> float:  # linear warm-up, then cosine to zero over the (possibly shortened) plan
+        warm, total = plan["warm"], plan["total"]
         return (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
@@ -187,9 +190,9 @@ def train(cfg: TrainConfig) -> Path:
     tap_idx = [i + 1 for i in spec.target_layer_ids]
     log_f = open(out / "train_log.jsonl", "a")
     t0 = time.time()
-    bar = tqdm(total=total, initial=step, desc="training drafter", unit="step")
+    bar = tqdm(total=plan["total"], initial=step, desc="training drafter", unit="step")
     epoch = start_epoch
-    while step < total:
+    while step < plan["total"]:
         rng = random.Random(cfg.seed * 1000 + epoch)  # anchors and order resampled every epoch
         for group in _batches(samples, cfg.batch_size, rng)[step % steps_per_epoch if epoch == start_epoch else 0:]:
             seqs = [samples[i] for i in group]
@@ -221,11 +224,17 @@ def train(cfg: TrainConfig) -> Path:
             cfg.log.append(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau']:.2f}")
             bar.update(1)
-            if step % cfg.save_every == 0 or step == total:
+            if cfg.time_budget_s and step == 10:
+                fit = int(10 + (cfg.time_budget_s - (time.time() - t0)) * 10 / (time.time() - t0))
+                if fit < plan["total"]:
+                    plan["total"] = max(fit, 11)
+                    plan["warm"] = max(1, int(cfg.warmup_ratio * plan["total"]))
+                    bar.total = plan["total"]
+            if step % cfg.save_every == 0 or step == plan["total"]:
                 torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
                             "step": step, "epoch": epoch, "config": asdict(cfg) | {"log": []}}, ckpt)
                 save_checkpoint(drafter, target_cfg, out)
-            if step >= total:
+            if step >= plan["total"]:
                 break
         epoch += 1
     bar.close()

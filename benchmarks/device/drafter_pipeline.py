@@ -1,0 +1,122 @@
+"""Make the shipped SmolLM2 drafter on one GPU, within a time budget: self-distillation data with
+flashdraft, the DFlash training recipe, then acceptance on the evaluation sets. Every output
+lands in --out (config, weights split in parts, logs, eval.json).
+
+    python benchmarks/device/drafter_pipeline.py --gguf smollm2.gguf --data-dir .device/data --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from flashdraft import LLM, SamplingParams
+from flashdraft.train.data import generate_responses, read_prompt_file
+from flashdraft.train.trainer import TrainConfig, train
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def gen_data(args, work: Path) -> Path:
+    data = work / "data.jsonl"
+    convs = read_prompt_file(Path(args.data_dir) / "train_prompts.jsonl")[: args.num_prompts]
+    llm = LLM(args.gguf, draft=None, device="cuda", dtype="bfloat16", max_num_seqs=256,
+              max_num_batched_tokens=16384, kv_cache_memory_gb=12, max_model_len=1024)
+    t0 = time.time()
+    n_tok, n_seq, chunk = 0, 0, 512
+    with open(data, "w") as f:
+        for i in range(0, len(convs), chunk):
+            part = work / "part.jsonl"
+            n_seq += generate_responses(llm, convs[i: i + chunk], part, args.max_new_tokens, 512, chunk)
+            text = part.read_text()
+            n_tok += sum(len(json.loads(x)["response_ids"]) for x in text.splitlines())
+            f.write(text)
+            f.flush()
+            if time.time() - t0 > args.gen_seconds:
+                break
+    dt = time.time() - t0
+    log(f"self-distillation: {n_seq} samples, {n_tok} response tokens in {dt:.0f}s ({n_tok / dt:.0f} tok/s)")
+    del llm
+    torch.cuda.empty_cache()
+    return data
+
+
+def evaluate(args, drafter: Path) -> dict:
+    llm = LLM(args.gguf, draft=str(drafter), device="cuda", dtype="bfloat16", max_num_seqs=256,
+              kv_cache_memory_gb=12, max_model_len=2048)
+    eng = llm.engine
+    res = {}
+    for name in ("humaneval", "mt_bench", "sharegpt_heldout"):
+        convs = read_prompt_file(Path(args.data_dir) / f"{name}.jsonl")
+        for temp in (0.0, 1.0):
+            before = eng.spec_totals()
+            params = [SamplingParams(temperature=temp, max_tokens=256, seed=i) for i in range(len(convs))]
+            t0 = time.time()
+            outs = llm.chat(convs, params)
+            after = eng.spec_totals()
+            drafts = after["num_drafts"] - before["num_drafts"]
+            acc = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+            per_pos = [(a - b) / drafts
+                       for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])]
+            res[f"{name}@T{temp:g}"] = {"prompts": len(convs), "tau": (acc + drafts) / drafts, "drafts": drafts,
+                                        "output_tokens": sum(len(o.token_ids) for o in outs),
+                                        "accept_rate_per_position": per_pos, "wall_s": time.time() - t0}
+            log(f"{name} T={temp:g}: tau {(acc + drafts) / drafts:.2f} over {drafts} verify steps")
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--data-dir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--work", default="/root/fd/work")
+    ap.add_argument("--num-prompts", type=int, default=100000)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--gen-seconds", type=float, default=180)
+    ap.add_argument("--train-seconds", type=float, default=240)
+    ap.add_argument("--num-layers", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--data", default=None, help="reuse an existing data.jsonl")
+    args = ap.parse_args()
+    out, work = Path(args.out), Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    data = Path(args.data) if args.data else gen_data(args, work)
+    cfg = TrainConfig(model=args.gguf, out=str(work / "drafter"), data=str(data), num_layers=args.num_layers,
+                      block_size=16, target_layer_ids=[1, 14, 27], mask_token_id=16, epochs=args.epochs,
+                      batch_size=args.batch_size, num_anchors=512, lr=6e-4, device="cuda", dtype="bfloat16",
+                      save_every=100000, time_budget_s=args.train_seconds)
+    t0 = time.time()
+    drafter = train(cfg)
+    last = cfg.log[-1]
+    log(f"training: {last['step']} steps, {last['epoch'] + 1} epochs, {time.time() - t0:.0f}s, "
+        f"final loss {last['loss']:.3f}, train tau {last['tau']:.2f}")
+    # results leave the machine before the evaluation, in case the run hits its time limit
+    (out / "config.json").write_text((drafter / "config.json").read_text())
+    (out / "train_log.jsonl").write_text((drafter / "train_log.jsonl").read_text())
+    subprocess.run(["split", "-b", "15M", "-d", str(drafter / "model.safetensors"), str(out / "model.safetensors.")],
+                   check=True)
+    with open(work / "data.jsonl.gz", "wb") as gz:
+        subprocess.run(["gzip", "-c", str(data)], stdout=gz, check=True)
+    if os.path.getsize(work / "data.jsonl.gz") < 15 * 2**20:
+        os.replace(work / "data.jsonl.gz", out / "data.jsonl.gz")
+    summary = {"train_steps": last["step"], "train_s": time.time() - t0, "samples": sum(1 for _ in open(data)),
+               "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    (out / "eval.json").write_text(json.dumps(summary, indent=1))
+    summary["eval"] = evaluate(args, drafter)
+    (out / "eval.json").write_text(json.dumps(summary, indent=1))
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
