@@ -28,10 +28,10 @@ def log(msg: str) -> None:
 def gen_data(args, work: Path) -> Path:
     data = work / "data.jsonl"
     convs = read_prompt_file(Path(args.data_dir) / "train_prompts.jsonl")[: args.num_prompts]
-    llm = LLM(args.gguf, draft=None, device="cuda", dtype="bfloat16", max_num_seqs=256,
-              max_num_batched_tokens=16384, kv_cache_memory_gb=12, max_model_len=1024)
+    llm = LLM(args.gguf, draft=None, device="cuda", dtype="bfloat16", max_num_seqs=512,
+              max_num_batched_tokens=16384, kv_cache_memory_gb=16, max_model_len=1024)
     t0 = time.time()
-    n_tok, n_seq, chunk = 0, 0, 512
+    n_tok, n_seq, chunk = 0, 0, 1024
     with open(data, "w") as f:
         for i in range(0, len(convs), chunk):
             part = work / "part.jsonl"
@@ -49,9 +49,9 @@ def gen_data(args, work: Path) -> Path:
     return data
 
 
-def evaluate(args, drafter: Path) -> dict:
+def evaluate(args, drafter: Path, summary: dict, out: Path) -> dict:
     llm = LLM(args.gguf, draft=str(drafter), device="cuda", dtype="bfloat16", max_num_seqs=256,
-              kv_cache_memory_gb=12, max_model_len=2048)
+              kv_cache_memory_gb=12, max_model_len=4096)
     eng = llm.engine
     res = {}
     for name in ("humaneval", "mt_bench", "sharegpt_heldout"):
@@ -70,6 +70,8 @@ def evaluate(args, drafter: Path) -> dict:
                                         "output_tokens": sum(len(o.token_ids) for o in outs),
                                         "accept_rate_per_position": per_pos, "wall_s": time.time() - t0}
             log(f"{name} T={temp:g}: tau {(acc + drafts) / drafts:.2f} over {drafts} verify steps")
+            summary["eval"] = res
+            (out / "eval.json").write_text(json.dumps(summary, indent=1))
     return res
 
 
@@ -113,8 +115,7 @@ def main() -> None:
     summary = {"train_steps": last["step"], "train_s": time.time() - t0, "samples": sum(1 for _ in open(data)),
                "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     (out / "eval.json").write_text(json.dumps(summary, indent=1))
-    summary["eval"] = evaluate(args, drafter)
-    (out / "eval.json").write_text(json.dumps(summary, indent=1))
+    evaluate(args, drafter, summary, out)
     log("done")
 
 

@@ -21,43 +21,41 @@ class TorchAttention(AttentionBackend):
         self.padded = False
 
     def prepare(self, batch: AttentionBatch, device: torch.device) -> None:
+        # everything is built on the device from one host->device copy of the tables and lengths
         bs = batch.block_size
         qsl = batch.query_start_loc
-        q_lens = [qsl[s + 1] - qsl[s] for s in range(batch.num_seqs)]
+        S = batch.num_seqs
+        q_lens = [qsl[s + 1] - qsl[s] for s in range(S)]
         q_max, l_max = max(q_lens), max(batch.seq_lens)
-        self.padded = batch.num_seqs > 1 and batch.num_seqs * q_max * l_max <= self.padded_max_elements
-        slots = []
-        for s, seq_len in enumerate(batch.seq_lens):
-            blocks = torch.tensor(batch.block_tables[s][: -(-seq_len // bs)], dtype=torch.long)
-            slots.append((blocks[:, None] * bs + torch.arange(bs)).flatten()[:seq_len])
+        n_blk = -(-l_max // bs)
+        rows = [t[: n_blk] + [0] * (n_blk - len(t[: n_blk])) for t in batch.block_tables]
+        host = torch.tensor([r + [n, q, o] for r, n, q, o in zip(rows, batch.seq_lens, q_lens, qsl[:-1])],
+                            dtype=torch.long).to(device, non_blocking=True)
+        table, lens, ql, q_off = host[:, :n_blk], host[:, n_blk], host[:, n_blk + 1], host[:, n_blk + 2]
+        key_pos = torch.arange(l_max, device=device)
+        key_slots = table[:, key_pos // bs] * bs + key_pos % bs  # [S, L]
+        self.key_valid = key_pos[None, :] < lens[:, None]
+        self.padded = S > 1 and S * q_max * l_max <= self.padded_max_elements
         if self.padded:
-            S = batch.num_seqs
-            lens = torch.tensor(batch.seq_lens)
-            ql = torch.tensor(q_lens)
-            self.key_slots = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True).to(device)
-            key_pos = torch.arange(l_max)
-            q_idx = torch.arange(q_max)
-            visible = key_pos[None, None, :] < lens[:, None, None]  # [S, 1, L]
+            q_idx = torch.arange(q_max, device=device)
+            visible = self.key_valid[:, None, :].expand(S, q_max, l_max)
             if batch.causal:
                 q_pos = lens[:, None] - ql[:, None] + q_idx[None, :]  # [S, Q]
                 visible = visible & (key_pos[None, None, :] <= q_pos[:, :, None])
-            visible = visible.expand(S, q_max, l_max).clone()
-            visible[:, :, 0] = True  # padded query rows attend to something; their output is dropped
-            self.mask = ~visible  # True = hidden
-            rows = torch.tensor(qsl[:-1])[:, None] + q_idx[None, :]
+            # padded query rows attend to key 0; their output is dropped
+            self.mask = ~(visible | (key_pos == 0)[None, None, :])
             valid = q_idx[None, :] < ql[:, None]
-            self.q_gather = torch.where(valid, rows, 0).flatten().to(device)  # padded layout <- flat rows
-            self.out_rows = (torch.arange(S)[:, None] * q_max + q_idx[None, :])[valid].to(device)
-            self.mask = self.mask.to(device)
-            self.q_max = q_max
+            self.q_gather = torch.where(valid, q_off[:, None] + q_idx[None, :], 0).flatten()
+            self.out_rows = (torch.arange(S, device=device)[:, None] * q_max + q_idx[None, :])[valid]
+            self.key_slots, self.q_max = key_slots, q_max
         else:
-            self.slots = [s.to(device) for s in slots]
+            self.slots = [key_slots[s, :n] for s, n in enumerate(batch.seq_lens)]
             self.masks = []
             for s, seq_len in enumerate(batch.seq_lens):
                 q_len = q_lens[s]
                 if batch.causal and q_len > 1:
-                    q_pos = torch.arange(seq_len - q_len, seq_len)
-                    self.masks.append((torch.arange(seq_len)[None, :] > q_pos[:, None]).to(device))
+                    pos = torch.arange(seq_len, device=device)
+                    self.masks.append(pos[None, :] > pos[seq_len - q_len:, None])
                 else:
                     self.masks.append(None)
 
@@ -93,7 +91,10 @@ class TorchAttention(AttentionBackend):
         S, L = self.key_slots.shape
         Q = self.q_max
         k = k_cache.view(-1, n_kv, hd)[self.key_slots].permute(0, 2, 1, 3)  # [S, n_kv, L, hd]
-        v = v_cache.view(-1, n_kv, hd)[self.key_slots].permute(0, 2, 1, 3)
+        v = v_cache.view(-1, n_kv, hd)[self.key_slots]
+        # padding keys point at other sequences' pages: zero them so a non-finite value there
+        # cannot leak through a zero attention weight (0 * inf = nan)
+        v = torch.where(self.key_valid[:, :, None, None], v, 0).permute(0, 2, 1, 3)
         qp = q[self.q_gather].view(S, Q, n_kv, group, hd).permute(0, 2, 3, 1, 4).reshape(S, n_kv, group * Q, hd)
         scores = torch.matmul(qp, k.transpose(-1, -2)).float() * scale  # [S, n_kv, group*Q, L]
         scores.masked_fill_(self.mask.repeat(1, group, 1)[:, None], float("-inf"))

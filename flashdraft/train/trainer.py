@@ -224,10 +224,12 @@ def train(cfg: TrainConfig) -> Path:
             cfg.log.append(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau']:.2f}")
             bar.update(1)
-            if cfg.time_budget_s and step == 10:
-                fit = int(10 + (cfg.time_budget_s - (time.time() - t0)) * 10 / (time.time() - t0))
+            if step == 10:
+                t10 = time.time()
+            if cfg.time_budget_s and step == 30:  # rate measured after warm-up
+                fit = int(30 + (cfg.time_budget_s - (time.time() - t0)) * 20 / (time.time() - t10))
                 if fit < plan["total"]:
-                    plan["total"] = max(fit, 11)
+                    plan["total"] = max(fit, 31)
                     plan["warm"] = max(1, int(cfg.warmup_ratio * plan["total"]))
                     bar.total = plan["total"]
             if step % cfg.save_every == 0 or step == plan["total"]:
