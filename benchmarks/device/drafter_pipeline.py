@@ -56,6 +56,7 @@ def evaluate(args, drafter: Path, summary: dict, out: Path) -> dict:
     res = {}
     for name in ("humaneval", "mt_bench", "sharegpt_heldout"):
         convs = read_prompt_file(Path(args.data_dir) / f"{name}.jsonl")
+        convs = [c for c in convs if len(eng.apply_chat_template(c)) + 256 <= eng.max_model_len]
         for temp in (0.0, 1.0):
             before = eng.spec_totals()
             params = [SamplingParams(temperature=temp, max_tokens=256, seed=i) for i in range(len(convs))]
