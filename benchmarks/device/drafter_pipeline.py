@@ -31,7 +31,7 @@ def gen_data(args, work: Path) -> Path:
     llm = LLM(args.gguf, draft=None, device="cuda", dtype="bfloat16", max_num_seqs=512,
               max_num_batched_tokens=16384, kv_cache_memory_gb=16, max_model_len=1024)
     t0 = time.time()
-    n_tok, n_seq, chunk = 0, 0, 1024
+    n_tok, n_seq, chunk = 0, 0, 512
     with open(data, "w") as f:
         for i in range(0, len(convs), chunk):
             part = work / "part.jsonl"

@@ -3,8 +3,9 @@ It gathers each sequence's K/V pages into a contiguous tensor and computes softm
 GQA group folded into the query rows and an explicit offset-causal mask (never SDPA's `is_causal`,
 which is top-left aligned and wrong when q_len < kv_len). Softmax runs in float32.
 
-Two layouts, same math: many short sequences are padded into one [S, Q, L] batch (Python per
-sequence would dominate); large ones loop over sequences so padding never blows up memory."""
+Two layouts, same math: sequences with few query rows (decode, verify, draft) are padded into one
+[S, Q, L] batch (Python per sequence would dominate); long prefill chunks loop over sequences so
+padding never blows up memory. A mixed step uses both."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch
 
-PADDED_MAX_ELEMENTS = 1 << 22  # S * Q_max * L_max above this: loop per sequence
+PADDED_MAX_ELEMENTS = 1 << 24  # S * Q * L of the padded group above this: loop per sequence
+SHORT_QUERY = 32  # sequences with at most this many query rows this step may be padded together
 
 
 class TorchAttention(AttentionBackend):
@@ -26,7 +28,7 @@ class TorchAttention(AttentionBackend):
         qsl = batch.query_start_loc
         S = batch.num_seqs
         q_lens = [qsl[s + 1] - qsl[s] for s in range(S)]
-        q_max, l_max = max(q_lens), max(batch.seq_lens)
+        l_max = max(batch.seq_lens)
         n_blk = -(-l_max // bs)
         rows = [t[: n_blk] + [0] * (n_blk - len(t[: n_blk])) for t in batch.block_tables]
         host = torch.tensor([r + [n, q, o] for r, n, q, o in zip(rows, batch.seq_lens, q_lens, qsl[:-1])],
@@ -34,44 +36,55 @@ class TorchAttention(AttentionBackend):
         table, lens, ql, q_off = host[:, :n_blk], host[:, n_blk], host[:, n_blk + 1], host[:, n_blk + 2]
         key_pos = torch.arange(l_max, device=device)
         key_slots = table[:, key_pos // bs] * bs + key_pos % bs  # [S, L]
-        self.key_valid = key_pos[None, :] < lens[:, None]
-        self.padded = S > 1 and S * q_max * l_max <= self.padded_max_elements
-        if self.padded:
+        # short queries (decode, verify, draft blocks) go through one padded batch; long prefill
+        # chunks loop, so one new prompt never drags hundreds of decoding sequences into the loop
+        short = [s for s in range(S) if q_lens[s] <= SHORT_QUERY]
+        if len(short) < 2 or len(short) * SHORT_QUERY * l_max > self.padded_max_elements:
+            short = []
+        self.looped = [s for s in range(S) if s not in set(short)]
+        self.padded = bool(short)
+        if short:
+            idx = torch.tensor(short, device=device) if len(short) < S else torch.arange(S, device=device)
+            q_max = max(q_lens[s] for s in short)
+            g_lens, g_ql, g_off = lens[idx], ql[idx], q_off[idx]
             q_idx = torch.arange(q_max, device=device)
-            visible = self.key_valid[:, None, :].expand(S, q_max, l_max)
+            self.key_valid = key_pos[None, :] < g_lens[:, None]
+            visible = self.key_valid[:, None, :].expand(len(short), q_max, l_max)
             if batch.causal:
-                q_pos = lens[:, None] - ql[:, None] + q_idx[None, :]  # [S, Q]
+                q_pos = g_lens[:, None] - g_ql[:, None] + q_idx[None, :]  # [S, Q]
                 visible = visible & (key_pos[None, None, :] <= q_pos[:, :, None])
             # padded query rows attend to key 0; their output is dropped
             self.mask = ~(visible | (key_pos == 0)[None, None, :])
-            valid = q_idx[None, :] < ql[:, None]
-            self.q_gather = torch.where(valid, q_off[:, None] + q_idx[None, :], 0).flatten()
-            self.out_rows = (torch.arange(S, device=device)[:, None] * q_max + q_idx[None, :])[valid]
-            self.key_slots, self.q_max = key_slots, q_max
-        else:
-            self.slots = [key_slots[s, :n] for s, n in enumerate(batch.seq_lens)]
-            self.masks = []
-            for s, seq_len in enumerate(batch.seq_lens):
-                q_len = q_lens[s]
-                if batch.causal and q_len > 1:
-                    pos = torch.arange(seq_len, device=device)
-                    self.masks.append(pos[None, :] > pos[seq_len - q_len:, None])
-                else:
-                    self.masks.append(None)
+            valid = q_idx[None, :] < g_ql[:, None]
+            self.q_gather = torch.where(valid, g_off[:, None] + q_idx[None, :], 0).flatten()
+            self.out_rows = (torch.arange(len(short), device=device)[:, None] * q_max + q_idx[None, :])[valid]
+            self.dest_rows = (g_off[:, None] + q_idx[None, :])[valid]
+            self.key_slots, self.q_max = key_slots[idx], q_max
+        self.slots, self.masks = {}, {}
+        for s in self.looped:
+            seq_len, q_len = batch.seq_lens[s], q_lens[s]
+            self.slots[s] = key_slots[s, :seq_len]
+            if batch.causal and q_len > 1:
+                pos = torch.arange(seq_len, device=device)
+                self.masks[s] = pos[None, :] > pos[seq_len - q_len:, None]
+            else:
+                self.masks[s] = None
 
     def store_kv(self, k_cache, v_cache, k, v, batch):
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, batch.slot_mapping, k)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, batch.slot_mapping, v)
 
     def forward(self, q, k_cache, v_cache, batch, scale):
+        out = torch.empty_like(q)
         if self.padded:
-            return self._forward_padded(q, k_cache, v_cache, scale)
+            out[self.dest_rows] = self._forward_padded(q, k_cache, v_cache, scale)
+        if not self.looped:
+            return out
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
         n_kv, hd = k_cache.shape[2], k_cache.shape[3]
         group = q.shape[1] // n_kv
-        out = torch.empty_like(q)
-        for s in range(batch.num_seqs):
+        for s in self.looped:
             a, b = batch.query_start_loc[s], batch.query_start_loc[s + 1]
             q_len = b - a
             k = k_flat.index_select(0, self.slots[s]).transpose(0, 1)  # [n_kv, L, hd]
