@@ -54,10 +54,10 @@ def evaluate(args, drafter: Path, summary: dict, out: Path) -> dict:
               kv_cache_memory_gb=12, max_model_len=4096)
     eng = llm.engine
     res = {}
-    for name in ("humaneval", "mt_bench", "sharegpt_heldout"):
-        convs = read_prompt_file(Path(args.data_dir) / f"{name}.jsonl")
-        convs = [c for c in convs if len(eng.apply_chat_template(c)) + 256 <= eng.max_model_len]
-        for temp in (0.0, 1.0):
+    for temp in (0.0, 1.0):
+        for name in ("humaneval", "mt_bench", "sharegpt_heldout"):
+            convs = read_prompt_file(Path(args.data_dir) / f"{name}.jsonl")
+            convs = [c for c in convs if len(eng.apply_chat_template(c)) + 256 <= eng.max_model_len]
             before = eng.spec_totals()
             params = [SamplingParams(temperature=temp, max_tokens=256, seed=i) for i in range(len(convs))]
             t0 = time.time()

@@ -163,6 +163,8 @@ def train(cfg: TrainConfig) -> Path:
     embed = weights["model.embed_tokens.weight"].to(device, dtype)
     lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).to(device, dtype)
     drafter = init_drafter(spec, device, cfg.seed)
+    with torch.no_grad():  # drafter output feeds the target's lm_head: start at the target's final-norm scale
+        drafter.norm.weight.copy_(weights["model.norm.weight"])
     max_len = max(len(s[0]) for s in samples) + cfg.block_size + 1
     drafter.setup(max_len)
     drafter.rope.cos, drafter.rope.sin = drafter.rope.cos.float(), drafter.rope.sin.float()
