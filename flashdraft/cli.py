@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -68,6 +69,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from flashdraft.server.app import run_server
+
+    run_server(engine_kwargs(args), host=args.host, port=args.port, api_key=args.api_key or None,
+               served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+               max_prompt_tokens=args.max_prompt_tokens, log_level=args.log_level)
+    return 0
+
+
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     from flashdraft.train.trainer import TrainConfig, train
 
@@ -101,6 +111,24 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("FLASHDRAFT_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $FLASHDRAFT_API_KEY)")
+    s.add_argument("--served-model-name", default=None, help="model id clients send (default: from --model)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    s.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the context window")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=cmd_serve)
+
+    from flashdraft.bench import add_bench_args, cmd_bench
+
+    b = sub.add_parser("bench", help="plain vs DFlash throughput, latency and acceptance over a concurrency sweep")
+    add_bench_args(b)
+    b.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("train-drafter", help="self-distil data from a target and train a DFlash drafter for it")
     t.add_argument("--model", default=None, help="target: HF folder or .gguf (default: embedded SmolLM2-135M)")

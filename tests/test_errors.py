@@ -69,7 +69,9 @@ def test_unknown_engine_option(tiny_llama):
 @pytest.mark.parametrize("kwargs, field", [
     ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"), ({"top_k": 0}, "top_k"), ({"stop": [""]}, "stop"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"seed": "x"}, "seed"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"seed": "x"}, "seed"), ({"seed": 2**64}, "seed"),
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": True}, "temperature"),
+    ({"top_k": 2**40}, "top_k"), ({"max_tokens": 2.5}, "max_tokens"),
 ])
 def test_invalid_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):

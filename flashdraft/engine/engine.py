@@ -104,6 +104,7 @@ class LLMEngine:
         if not seq.is_finished:
             seq.finish_reason = "abort"
             seq.finish_time = time.perf_counter()
+            seq.text = self.detokenize(seq)
             self.scheduler.finish(seq)
             if self.spec is not None:
                 self.spec.release(seq)

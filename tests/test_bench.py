@@ -1,0 +1,284 @@
+"""`flashdraft bench`: prompt sets, timing conventions, bad input, and the whole harness end to end on
+CPU (SmolLM2-135M + a random DFlash drafter, one engine for both arms), in process and over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import threading
+import time
+
+import pytest
+from fixtures import build_random_drafter
+
+from flashdraft.bench import add_bench_args, cmd_bench
+from flashdraft.bench.command import parse_arms, parse_concurrency
+from flashdraft.bench.datasets import first_human_turn, load_prompts, sharegpt_split
+from flashdraft.bench.remote import parse_prometheus
+from flashdraft.bench.stats import per_token_intervals, spec_delta, sum_spec
+
+
+def bench_args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_bench_args(p)
+    return p.parse_args(list(argv))
+
+
+# ---- prompt sets -----------------------------------------------------------------------------
+def test_humaneval_has_164_problems_in_reference_wording():
+    prompts = load_prompts("humaneval")
+    assert len(prompts) == 164 and len({p.id for p in prompts}) == 164
+    p = prompts[0]
+    assert p.id == "HumanEval/0" and p.text.startswith("from typing import List")
+    content = p.messages[0]["content"]
+    assert p.messages[0]["role"] == "user" and f"```python\n{p.text}\n```" in content
+    assert load_prompts("humaneval", 4) == prompts[:4]
+
+
+def test_mt_bench_has_80_first_turns():
+    prompts = load_prompts("mt-bench")
+    assert len(prompts) == 80 and len({p.id for p in prompts}) == 80
+    assert prompts[0].text.startswith("Compose an engaging travel blog post about a recent trip to Hawaii")
+    assert all(p.messages == [{"role": "user", "content": p.text}] for p in prompts)
+
+
+def test_sharegpt_heldout_is_the_last_1000_and_disjoint():
+    rest, heldout = sharegpt_split()
+    assert len(heldout) == 1000 and len(rest) > 10000
+    assert heldout[-1]["id"] == "hlWUIwT_0"  # the last complete record: the file is cut off inside the next
+    assert {r["id"] for r in rest}.isdisjoint({r["id"] for r in heldout})
+    prompts = load_prompts("sharegpt")
+    usable = [r for r in heldout if first_human_turn(r) is not None]
+    assert len(prompts) == len(usable) > 950
+    assert [(p.id, p.text) for p in prompts] == [(r["id"], first_human_turn(r)) for r in usable]
+    assert {p.id for p in prompts}.isdisjoint({r["id"] for r in rest})
+
+
+def test_jsonl_prompts(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "Say hi."}\n\n{"id": "x", "messages": [{"role": "user", "content": "Hello"}]}\n')
+    a, b = load_prompts(str(f))
+    assert (a.text, a.messages) == ("Say hi.", [{"role": "user", "content": "Say hi."}])
+    assert (b.id, b.text, b.messages) == ("x", None, [{"role": "user", "content": "Hello"}])
+
+
+@pytest.mark.parametrize("content, match", [
+    ("", "has no prompts"),
+    ("\n  \n", "has no prompts"),
+    ('{"prompt": 3}\n', r"p\.jsonl:1: needs a non-empty 'prompt'"),
+    ('{"prompt": "ok"}\nnot json\n', r"p\.jsonl:2: not valid JSON"),
+    ('["a"]\n', "expected an object"),
+])
+def test_bad_jsonl(tmp_path, content, match):
+    f = tmp_path / "p.jsonl"
+    f.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        load_prompts(str(f))
+
+
+def test_bad_dataset_names_and_paths(tmp_path):
+    with pytest.raises(ValueError, match="unknown dataset 'humaneva'.*humaneval, mt-bench, sharegpt"):
+        load_prompts("humaneva")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="--num-prompts must be >= 1"):
+        load_prompts("mt-bench", 0)
+
+
+@pytest.mark.parametrize("text", ["", "1,,2", "1,x", "0,1", "-2", "1,2,1", "1.5"])
+def test_bad_concurrency_lists(text):
+    with pytest.raises(ValueError, match="--concurrency"):
+        parse_concurrency(text)
+
+
+def test_concurrency_and_arms_parsing():
+    assert parse_concurrency(" 1, 2,4 ") == [1, 2, 4]
+    assert parse_arms(None, True) == ["plain", "dflash"] and parse_arms(None, False) == ["plain"]
+    assert parse_arms("dflash,plain", True) == ["plain", "dflash"]
+    with pytest.raises(ValueError, match="needs a drafter"):
+        parse_arms("dflash", False)
+    with pytest.raises(ValueError, match="--arms"):
+        parse_arms("plain,eagle", True)
+
+
+def test_bad_input_fails_before_any_model_loads(tmp_path):
+    for argv, err, match in [
+        (["--dataset", "nope"], ValueError, "unknown dataset"),
+        (["--dataset", str(tmp_path / "none.jsonl")], FileNotFoundError, "does not exist"),
+        (["--concurrency", "1,two"], ValueError, "--concurrency"),
+        (["--max-tokens", "0"], ValueError, "--max-tokens"),
+        (["--arms", "plain,plain"], ValueError, "--arms"),
+    ]:
+        with pytest.raises(err, match=match):
+            cmd_bench(bench_args(*argv))
+    f = tmp_path / "chat.jsonl"
+    f.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(ValueError, match="--raw needs text prompts"):
+        cmd_bench(bench_args("--dataset", str(f), "--raw"))
+
+
+# ---- timing conventions ----------------------------------------------------------------------
+def test_per_token_itl_splits_bursts_evenly():
+    # first token at 1.0, then a burst of 3 at 1.6, then 1 at 1.7
+    itl = per_token_intervals([1.0, 1.6, 1.7], [1, 3, 1])
+    assert itl == pytest.approx([0.2, 0.2, 0.2, 0.1])
+    assert per_token_intervals([1.0, 2.0], [2, 1]) == pytest.approx([0.0, 1.0])
+    assert per_token_intervals([], []) == []
+
+
+def test_spec_counters_delta_and_sum():
+    before = {"num_drafts": 2, "num_draft_tokens": 14, "num_accepted_tokens": 3,
+              "accepted_per_position": [2, 1, 0], "acceptance_histogram": [0, 1, 1, 0]}
+    after = {"num_drafts": 6, "num_draft_tokens": 42, "num_accepted_tokens": 9,
+             "accepted_per_position": [6, 2, 1], "acceptance_histogram": [1, 1, 3, 1]}
+    d = spec_delta(before, after)
+    assert d["num_drafts"] == 4 and d["acceptance_length"] == pytest.approx((6 + 4) / 4)
+    assert d["acceptance_rate_per_position"] == [1.0, 0.25, 0.25] and d["acceptance_histogram"] == [1, 0, 2, 1]
+    s = sum_spec([before, d])
+    assert s["num_accepted_tokens"] == 9 and s["accepted_per_position"] == [6, 2, 1]
+    assert spec_delta({}, {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0})[
+        "acceptance_length"] is None
+
+
+def test_prometheus_spec_counters():
+    text = "\n".join([
+        "# TYPE vllm:spec_decode_num_drafts counter",
+        'vllm:spec_decode_num_drafts_total{model_name="m"} 10.0',
+        'vllm:spec_decode_num_drafts_created{model_name="m"} 1.7e9',
+        'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 70.0',
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 25.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 7.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 9.0',
+    ])
+    assert parse_prometheus(text) == {"num_drafts": 10, "num_draft_tokens": 70, "num_accepted_tokens": 25,
+                                      "accepted_per_position": [9, 7]}
+    assert parse_prometheus("# nothing\nfoo_total 3\n") is None
+
+
+# ---- end to end ------------------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    """Small CPU machines run several test processes at once; two processes with one OpenMP thread
+    per core each slow each other down several-fold, one thread here degrades gracefully instead."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def spec_engine(tmp_path_factory):
+    from flashdraft import LLM
+    from flashdraft.models.loader import resolve_model_dir
+
+    draft = build_random_drafter(tmp_path_factory.mktemp("bench-draft"), resolve_model_dir(None), block_size=8,
+                                 num_layers=1, target_layer_ids=[1, 14, 27], head_dim=64, num_attention_heads=9,
+                                 num_key_value_heads=3, mask_token_id=0)
+    return LLM(draft=str(draft), device="cpu", dtype="float32", num_kv_blocks=256).engine
+
+
+def test_end_to_end_in_process(spec_engine, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = bench_args("--dataset", "humaneval", "--num-prompts", "4", "--max-tokens", "8", "--concurrency", "1,2",
+                      "--out", str(out))
+    assert cmd_bench(args, engine=spec_engine) == 0
+    printed = capsys.readouterr().out
+    print(printed)
+    assert "| conc | plain tok/s | DFlash tok/s | speedup |  tau |" in printed
+    assert "DFlash per-position acceptance rate" in printed and "pos 7" in printed
+
+    result = json.loads((out / "bench.json").read_text())
+    cfg = result["config"]
+    assert cfg["dataset"] == "humaneval" and cfg["num_prompts"] == 4 and cfg["concurrency"] == [1, 2]
+    assert cfg["arms"] == ["plain", "dflash"] and cfg["block_size"] == 8 and cfg["dtype"] == "float32"
+    for key in ("model", "draft", "device", "torch_version", "date", "git_commit"):
+        assert key in cfg
+    assert [r["concurrency"] for r in result["results"]] == [1, 2]
+    for row in result["results"]:
+        plain, dflash = row["arms"]["plain"], row["arms"]["dflash"]
+        for arm in (plain, dflash):
+            assert arm["num_requests"] == 4 and arm["completion_tokens"] > 0 and arm["output_tok_s"] > 0
+            assert arm["ttft_ms"]["p50"] > 0 and arm["itl_convention"] == "per-token"
+            reqs = arm["requests"]
+            assert [r["index"] for r in reqs] == [0, 1, 2, 3]
+            assert all(sum(r["chunk_tokens"]) == r["output_tokens"] == len(r["output"]) for r in reqs)
+        assert row["speedup"] == pytest.approx(dflash["output_tok_s"] / plain["output_tok_s"])
+        # T=0 on the same engine and prompts: speculation must not change a single token
+        assert row["same_output"] == {"matched": 4, "total": 4, "fraction": 1.0, "differing_prompts": []}
+        assert [r["output"] for r in plain["requests"]] == [r["output"] for r in dflash["requests"]]
+        assert plain["spec"] is None
+        spec = dflash["spec"]
+        assert spec["num_drafts"] > 0 and len(spec["acceptance_rate_per_position"]) == 7
+        assert sum(spec["acceptance_histogram"]) == spec["num_drafts"]
+        assert spec["num_drafts"] == sum(r["spec"]["num_drafts"] for r in dflash["requests"])  # no warm-up
+        assert spec["acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"])
+    for name in ("bench.json", "throughput.png", "speedup.png", "tau.png", "acceptance.png"):
+        assert (out / name).stat().st_size > 1000, name
+    assert (out / "speedup.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plain_arm_only(spec_engine, tmp_path, capsys):
+    prompts = tmp_path / "short.jsonl"
+    prompts.write_text('{"prompt": "Name a fruit."}\n{"prompt": "Say hi."}\n')
+    args = bench_args("--dataset", str(prompts), "--raw", "--max-tokens", "4", "--concurrency", "2", "--arms", "plain",
+                      "--out", str(tmp_path / "plain"))
+    assert cmd_bench(args, engine=spec_engine) == 0
+    assert "|    2 |" in capsys.readouterr().out
+    (row,) = json.loads((tmp_path / "plain" / "bench.json").read_text())["results"]
+    assert list(row["arms"]) == ["plain"] and row["speedup"] is None and row["same_output"] is None
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["bench.json", "throughput.png"]
+
+
+class Served:
+    def __init__(self, app):
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def test_end_to_end_over_http(spec_engine, tmp_path, capsys):
+    from flashdraft.server.app import build_app
+
+    prompts = tmp_path / "short.jsonl"
+    prompts.write_text('{"prompt": "Name a fruit."}\n{"prompt": "What is 2+2?"}\n')
+    served = Served(build_app(spec_engine))
+    try:
+        args = bench_args("--url", served.url, "--dataset", str(prompts), "--max-tokens", "6", "--ignore-eos",
+                          "--concurrency", "2", "--out", str(tmp_path / "http"))
+        assert cmd_bench(args) == 0
+    finally:
+        served.close()
+    print(capsys.readouterr().out)
+    result = json.loads((tmp_path / "http" / "bench.json").read_text())
+    assert result["config"]["mode"] == "http" and result["config"]["model"] == "smollm2-135m-instruct"
+    (row,) = result["results"]
+    assert row["same_output"]["fraction"] == 1.0
+    for arm in row["arms"].values():
+        assert arm["completion_tokens"] == 12 and arm["itl_convention"] == "chunk"
+        assert all(r["output"] and r["ttft_s"] > 0 for r in arm["requests"])
+    assert row["arms"]["dflash"]["spec"]["num_drafts"] > 0 and row["arms"]["plain"]["spec"] is None
+
+
+def test_unreachable_server_is_a_clear_error(capsys):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    assert cmd_bench(bench_args("--url", f"http://127.0.0.1:{port}", "--dataset", "mt-bench")) == 1
+    assert "cannot list models" in capsys.readouterr().err
