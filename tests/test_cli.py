@@ -19,3 +19,20 @@ def test_generate_raw_prompt():
                         "--max-tokens", "4", "--no-spec"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "finish=length" in r.stderr and r.stdout.strip()
+
+
+def test_generate_with_drafter_prints_tau(tmp_path):
+    from fixtures import build_random_drafter
+
+    from flashdraft.models.loader import resolve_model_dir
+
+    draft = build_random_drafter(tmp_path / "d", resolve_model_dir(None), block_size=4, num_layers=1,
+                                 target_layer_ids=[1, 27], head_dim=64, num_attention_heads=9,
+                                 num_key_value_heads=3, mask_token_id=16)
+    plain = subprocess.run([sys.executable, "-m", "flashdraft", "generate", "Name a fruit.", "--max-tokens", "12",
+                            "--no-spec"], capture_output=True, text=True, timeout=300)
+    spec = subprocess.run([sys.executable, "-m", "flashdraft", "generate", "Name a fruit.", "--max-tokens", "12",
+                           "--draft", str(draft)], capture_output=True, text=True, timeout=300)
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    assert "tau=" in spec.stderr and "drafts=" in spec.stderr and "accepted=" in spec.stderr
