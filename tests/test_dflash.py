@@ -160,11 +160,13 @@ def test_greedy_lossless_smollm2_random_drafter(smollm2, tmp_path):
     prompts = [spec.engine.apply_chat_template([{"role": "user", "content": q}]) for q in qs]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref = [o.token_ids for o in smollm2.generate(prompts, params)]
-    got = [o.token_ids for o in spec.generate(prompts, params)]
+    batched = [o.token_ids for o in spec.generate(prompts, params)]
+    single = [spec.generate([p], params)[0].token_ids for p in prompts]
     total = sum(len(r) for r in ref)
-    match = sum(a == b for r, g in zip(ref, got) for a, b in zip(r, g))
-    print(f"SmolLM2 + random drafter: token match {match}/{total}")
-    assert match == total
+    match_b = sum(a == b for r, g in zip(ref, batched) for a, b in zip(r, g))
+    match_s = sum(a == b for r, g in zip(ref, single) for a, b in zip(r, g))
+    print(f"SmolLM2 + random drafter: token match batched {match_b}/{total}, single {match_s}/{total}")
+    assert match_b == total and match_s == total
     assert spec.engine.spec_totals()["num_drafts"] > 0
 
 
