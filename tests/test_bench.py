@@ -6,11 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import threading
-import time
 
 import pytest
-from fixtures import build_random_drafter
+from fixtures import Served, build_random_drafter
 
 from flashdraft.bench import add_bench_args, cmd_bench
 from flashdraft.bench.command import parse_arms, parse_concurrency
@@ -230,26 +228,6 @@ def test_plain_arm_only(spec_engine, tmp_path, capsys):
     (row,) = json.loads((tmp_path / "plain" / "bench.json").read_text())["results"]
     assert list(row["arms"]) == ["plain"] and row["speedup"] is None and row["same_output"] is None
     assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["bench.json", "throughput.png"]
-
-
-class Served:
-    def __init__(self, app):
-        import uvicorn
-
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 def test_end_to_end_over_http(spec_engine, tmp_path, capsys):

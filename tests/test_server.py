@@ -5,14 +5,12 @@ the offline engine's, streamed or not, alone or 64 at a time."""
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from fixtures import Served
 
 from flashdraft.config import EngineConfig
 from flashdraft.engine.engine import LLMEngine
@@ -37,24 +35,6 @@ def offline(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams)
     while any(not s.is_finished for s in seqs):
         engine.step()
     return [engine.output(s).text for s in seqs]
-
-
-class Served:
-    def __init__(self, app):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")
