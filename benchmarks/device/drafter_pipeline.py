@@ -2,7 +2,8 @@
 flashdraft, the DFlash training recipe, then acceptance on the evaluation sets. Every output
 lands in --out (config, weights split in parts, logs, eval.json).
 
-    python benchmarks/device/drafter_pipeline.py --gguf smollm2.gguf --data-dir .device/data --out $OUT
+    python benchmarks/device/make_prompt_files.py prompts          # on a machine with the prompt packages
+    python benchmarks/device/drafter_pipeline.py --gguf smollm2.gguf --data-dir prompts --out results
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import json
 import os
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -81,7 +83,7 @@ def main() -> None:
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--data-dir", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--work", default="/root/fd/work")
+    ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "flashdraft-drafter-work"))
     ap.add_argument("--num-prompts", type=int, default=100000)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--gen-seconds", type=float, default=180)

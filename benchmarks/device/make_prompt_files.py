@@ -1,0 +1,33 @@
+"""Write the prompt files the GPU pipeline reads (the prompt packages are not installed there):
+train_prompts.jsonl (ShareGPT training split, first turns of at most 1,500 characters),
+humaneval.jsonl, mt_bench.jsonl (first turns) and sharegpt_heldout.jsonl (first 200 held-out).
+
+    python benchmarks/device/make_prompt_files.py DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from flashdraft.bench.datasets import load_prompts
+from flashdraft.train.data import sharegpt_prompts
+
+
+def write(path: Path, prompts: list[str]) -> None:
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    print(f"{path}: {len(prompts)} prompts")
+
+
+def main() -> None:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "prompt-files")
+    out.mkdir(parents=True, exist_ok=True)
+    write(out / "train_prompts.jsonl", [p for p in sharegpt_prompts("train") if len(p) <= 1500])
+    write(out / "sharegpt_heldout.jsonl", sharegpt_prompts("heldout")[:200])
+    for name, key in (("humaneval", "humaneval"), ("mt_bench", "mt-bench")):
+        write(out / f"{name}.jsonl", [p.messages[0]["content"] for p in load_prompts(key)])
+
+
+if __name__ == "__main__":
+    main()
