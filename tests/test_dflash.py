@@ -179,6 +179,17 @@ def test_per_request_speculative_switch(plain, spec):
     assert outs[0].metrics["num_drafts"] > 0 and "num_drafts" not in outs[1].metrics
 
 
+def test_fewer_speculative_tokens_than_block_slots(tiny_llama, drafter, plain):
+    """num_speculative_tokens < B-1: the block still spans B positions, only k are verified."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = [o.token_ids for o in plain.generate(MIXED, params)]
+    llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32", num_speculative_tokens=2,
+              kv_block_size=4)
+    assert [o.token_ids for o in llm.generate(MIXED, params)] == ref
+    tot = llm.engine.spec_totals()
+    assert tot["num_draft_tokens"] == 2 * tot["num_drafts"] > 0
+
+
 def test_rejected_state_is_never_read(plain, spec):
     """NaN into every K/V slot a rejected draft or a draft block wrote, target and drafter caches:
     any read of them would turn logits into NaN and change the tokens."""

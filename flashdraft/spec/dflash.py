@@ -137,6 +137,18 @@ class DFlashSpeculator:
             decoding = seq.num_tokens - seq.num_computed_tokens == 1
             plans.append(_Plan(seq, n, row, [] if decoding and n > 1 else None))
             row += n
+        bm = eng.block_manager
+        for p in plans:  # the draft block spans B positions even when fewer are verified
+            if p.drafts is not None:
+                need = p.seq.num_computed_tokens + self.block_size
+                if bm.can_fit(p.seq.seq_id, need):
+                    bm.allocate(p.seq.seq_id, need)
+                else:  # no page for the block: plain decoding for this request this step
+                    p.drafts, p.n = None, 1
+        row = 0
+        for p in plans:
+            p.row = row
+            row += p.n
         drafting = [p for p in plans if p.drafts is not None]
         if drafting:
             for p, d in zip(drafting, self.propose([p.seq for p in drafting])):
