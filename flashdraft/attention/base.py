@@ -27,6 +27,22 @@ class AttentionBatch:
         return len(self.seq_lens)
 
 
+@dataclass
+class DeviceMeta:
+    """The same step description as device tensors only, for kernels and CUDA graphs: a graph
+    runner owns one of these as static buffers and refills it in place before each replay.
+    Padding sequences have seq_len 0 and no query rows; padding rows have slot -1 (not stored)."""
+
+    slot_mapping: torch.Tensor  # [T] int64, -1 = do not store
+    query_start_loc: torch.Tensor  # [S+1] int32
+    seq_lens: torch.Tensor  # [S] int32
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    max_query_len: int  # static bound on query rows per sequence
+    max_seq_len: int  # static bound on seq_lens (sizes split-K grids)
+    block_size: int
+    causal: bool = True
+
+
 class AttentionBackend(ABC):
     """Stores new K/V into a paged cache and attends over it."""
 
