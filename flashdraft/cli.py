@@ -89,7 +89,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                       mask_token_id=args.mask_token_id, epochs=args.epochs, max_steps=args.max_steps,
                       batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr, seed=args.seed,
                       device=args.device, dtype=args.dtype, save_every=args.save_every, resume=args.resume,
-                      gen_batch=args.gen_batch)
+                      gen_batch=args.gen_batch, precondition_taps=not args.no_precondition_taps,
+                      init_layers_from=args.init_layers_from, time_budget_s=args.time_budget)
     out = train(cfg)
     print(f"drafter written to {out}")
     return 0
@@ -154,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--save-every", type=int, default=200)
     t.add_argument("--gen-batch", type=int, default=256)
     t.add_argument("--resume", action="store_true")
+    t.add_argument("--no-precondition-taps", action="store_true",
+                   help="feed raw taps to fc while training (default: per-dimension 1/RMS, folded into fc on save)")
+    t.add_argument("--init-layers-from", type=int, default=None,
+                   help="start the drafter layers from target layers N, N+1, ... (default: random)")
+    t.add_argument("--time-budget", type=float, default=None,
+                   help="seconds of training: the schedule is shortened to fit, measured after 30 steps")
     t.set_defaults(func=cmd_train_drafter)
 
     args = parser.parse_args(argv)

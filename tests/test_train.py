@@ -48,3 +48,34 @@ def test_train_few_steps_and_roundtrip(tiny_llama, tmp_path):
     assert [o.token_ids for o in spec.generate(ids, params)] == [o.token_ids for o in plain.generate(ids, params)]
     # an untrained drafter over this 320-token vocabulary accepts ~1/320 of drafts (tau ~1.00)
     assert spec.engine.spec_totals()["acceptance_length"] > 1.1
+
+
+def test_tap_preconditioner_folds_into_saved_fc(tiny_llama, tmp_path):
+    """Training feeds fc taps * scale; the saved checkpoint must give the same drafts from raw taps."""
+    from flashdraft.models.loader import load_config
+    from flashdraft.spec.dflash import load_drafter
+    from flashdraft.train.loss import draft_hidden
+    from flashdraft.train.trainer import drafter_spec, init_drafter, save_checkpoint
+
+    target_cfg = load_config(tiny_llama)
+    spec = drafter_spec(target_cfg, TrainConfig(num_layers=1, block_size=4, target_layer_ids=[0, 2]), 3)
+    trained = init_drafter(spec, "cpu", 0)
+    trained.setup(64)
+    n_in = trained.fc.weight.shape[1]
+    scale = torch.rand(n_in, generator=torch.Generator().manual_seed(0)) * 20 + 0.05
+    save_checkpoint(trained, target_cfg, tmp_path, dtype=torch.float32, fc_scale=scale)
+    loaded = load_drafter(tmp_path, target_cfg, torch.device("cpu"), torch.float32)
+    loaded.setup(64)
+    taps = torch.randn(2, 12, n_in) * 30
+    embed = torch.randn(2, 8, target_cfg.hidden_size)
+    anchors, valid = torch.tensor([[3, 7], [2, 5]]), torch.ones(2, 2, dtype=torch.bool)
+    mask = block_attention_mask(anchors, valid, 12, 4)
+    with torch.no_grad():
+        want = draft_hidden(trained, taps * scale, embed, anchors, mask)
+        got = draft_hidden(loaded, taps, embed, anchors, mask)
+        ctx_want = trained.hidden_norm(trained.fc(taps * scale))
+        ctx_got = loaded.hidden_norm(loaded.fc(taps))
+        ctx_unfolded = trained.hidden_norm(trained.fc(taps))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ctx_got, ctx_want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(ctx_unfolded, ctx_want, atol=1e-1)  # the fold is what makes them agree

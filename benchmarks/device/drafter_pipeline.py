@@ -4,6 +4,7 @@ lands in --out (config, weights split in parts, logs, eval.json).
 
     python benchmarks/device/make_prompt_files.py prompts          # on a machine with the prompt packages
     python benchmarks/device/drafter_pipeline.py --gguf smollm2.gguf --data-dir prompts --out results
+    # or in two calls: --phase gen --out data-out, then --phase train --data data-out/data.jsonl.gz
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from flashdraft import LLM, SamplingParams
-from flashdraft.train.data import generate_responses, read_prompt_file
+from flashdraft.train.data import generate_responses, read_prompt_file, read_samples
 from flashdraft.train.trainer import TrainConfig, train
 
 
@@ -27,25 +28,17 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def gen_data(args, work: Path) -> Path:
-    data = work / "data.jsonl"
+def gen_data(args, out: Path) -> Path:
+    data = out / "data.jsonl"
     convs = read_prompt_file(Path(args.data_dir) / "train_prompts.jsonl")[: args.num_prompts]
-    llm = LLM(args.gguf, draft=None, device="cuda", dtype="bfloat16", max_num_seqs=512,
-              max_num_batched_tokens=16384, kv_cache_memory_gb=16, max_model_len=1024)
+    llm = LLM(args.gguf, draft=None, device="cuda", dtype="bfloat16", max_num_seqs=args.gen_batch,
+              max_num_batched_tokens=16384, kv_cache_memory_gb=40, max_model_len=1024)
     t0 = time.time()
-    n_tok, n_seq, chunk = 0, 0, 512
-    with open(data, "w") as f:
-        for i in range(0, len(convs), chunk):
-            part = work / "part.jsonl"
-            n_seq += generate_responses(llm, convs[i: i + chunk], part, args.max_new_tokens, 512, chunk)
-            text = part.read_text()
-            n_tok += sum(len(json.loads(x)["response_ids"]) for x in text.splitlines())
-            f.write(text)
-            f.flush()
-            if time.time() - t0 > args.gen_seconds:
-                break
+    n_seq = generate_responses(llm, convs, data, args.max_new_tokens, 512, time_budget_s=args.gen_seconds)
     dt = time.time() - t0
-    log(f"self-distillation: {n_seq} samples, {n_tok} response tokens in {dt:.0f}s ({n_tok / dt:.0f} tok/s)")
+    n_tok = sum(len(json.loads(x)["response_ids"]) for x in data.read_text().splitlines())
+    log(f"self-distillation: {n_seq} of {len(convs)} prompts, {n_tok} response tokens in {dt:.0f}s "
+        f"({n_tok / dt:.0f} tok/s), max_num_seqs {args.gen_batch}")
     del llm
     torch.cuda.empty_cache()
     return data
@@ -80,27 +73,46 @@ def evaluate(args, drafter: Path, summary: dict, out: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", choices=["gen", "train", "all"], default="all",
+                    help="gen: data only; train: train (+ eval) on --data; all: both")
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--data-dir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "flashdraft-drafter-work"))
     ap.add_argument("--num-prompts", type=int, default=100000)
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--gen-batch", type=int, default=1024)
     ap.add_argument("--gen-seconds", type=float, default=180)
     ap.add_argument("--train-seconds", type=float, default=240)
     ap.add_argument("--num-layers", type=int, default=3)
+    ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--num-anchors", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--epochs", type=int, default=6)
-    ap.add_argument("--data", default=None, help="reuse an existing data.jsonl")
+    ap.add_argument("--init-layers-from", type=int, default=None)
+    ap.add_argument("--no-eval", action="store_true")
+    ap.add_argument("--data", default=None, help="reuse an existing data.jsonl[.gz]")
     args = ap.parse_args()
     out, work = Path(args.out), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     data = Path(args.data) if args.data else gen_data(args, work)
+    if args.phase in ("gen", "all") and not args.data:
+        with open(out / "data.jsonl.gz", "wb") as gz:
+            subprocess.run(["gzip", "-c", str(data)], stdout=gz, check=True)
+        if os.path.getsize(out / "data.jsonl.gz") > 15 * 2**20:  # returned files are size-limited
+            subprocess.run(["split", "-b", "15M", "-d", str(out / "data.jsonl.gz"), str(out / "data.jsonl.gz.")],
+                           check=True)
+            os.remove(out / "data.jsonl.gz")
+    if args.phase == "gen":
+        return
     cfg = TrainConfig(model=args.gguf, out=str(work / "drafter"), data=str(data), num_layers=args.num_layers,
-                      block_size=16, target_layer_ids=[1, 14, 27], mask_token_id=16, epochs=args.epochs,
-                      batch_size=args.batch_size, num_anchors=512, lr=6e-4, device="cuda", dtype="bfloat16",
-                      save_every=100000, time_budget_s=args.train_seconds)
+                      block_size=args.block_size, target_layer_ids=[1, 14, 27], mask_token_id=16,
+                      epochs=args.epochs, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr,
+                      device="cuda", dtype="bfloat16", save_every=100000, time_budget_s=args.train_seconds,
+                      init_layers_from=args.init_layers_from)
     t0 = time.time()
     drafter = train(cfg)
     last = cfg.log[-1]
@@ -111,14 +123,11 @@ def main() -> None:
     (out / "train_log.jsonl").write_text((drafter / "train_log.jsonl").read_text())
     subprocess.run(["split", "-b", "15M", "-d", str(drafter / "model.safetensors"), str(out / "model.safetensors.")],
                    check=True)
-    with open(work / "data.jsonl.gz", "wb") as gz:
-        subprocess.run(["gzip", "-c", str(data)], stdout=gz, check=True)
-    if os.path.getsize(work / "data.jsonl.gz") < 15 * 2**20:
-        os.replace(work / "data.jsonl.gz", out / "data.jsonl.gz")
-    summary = {"train_steps": last["step"], "train_s": time.time() - t0, "samples": sum(1 for _ in open(data)),
-               "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    summary = {"train_steps": last["step"], "train_s": time.time() - t0, "samples": len(read_samples(data)),
+               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args)}
     (out / "eval.json").write_text(json.dumps(summary, indent=1))
-    evaluate(args, drafter, summary, out)
+    if not args.no_eval:
+        evaluate(args, drafter, summary, out)
     log("done")
 
 

@@ -3,8 +3,9 @@ the serving mode: chat template, the engine's own decoding)."""
 
 from __future__ import annotations
 
+import gzip
 import json
-from collections.abc import Iterator
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -14,13 +15,19 @@ from flashdraft.sampling_params import SamplingParams
 
 
 def sharegpt_prompts(split: str) -> list[str]:
-    """First human turns. split "train": every conversation but the last 1,000 of the packaged file;
+    """First human turns. split "train": every conversation but the last 1,000 of the packaged file,
+    each distinct first turn once and none that also opens a held-out conversation (ShareGPT has
+    verbatim duplicates);
     "heldout": those last 1,000 (the evaluation set of `flashdraft bench --dataset sharegpt`)."""
     if split not in ("train", "heldout"):
         raise ValueError(f"unknown ShareGPT split {split!r}; use train or heldout")
     rest, heldout = sharegpt_split()
-    convs = rest if split == "train" else heldout
-    return [p.strip() for p in map(first_human_turn, convs) if p and p.strip()]
+    held = [p.strip() for p in map(first_human_turn, heldout) if p and p.strip()]
+    if split == "heldout":
+        return held
+    seen = set(held)
+    train = (p.strip() for p in map(first_human_turn, rest) if p and p.strip())
+    return [p for p in dict.fromkeys(train) if p not in seen]  # repeated turns once each
 
 
 def read_prompt_file(path: str | Path) -> list[list[dict]]:
@@ -48,36 +55,41 @@ def read_prompt_file(path: str | Path) -> list[list[dict]]:
 
 
 def generate_responses(llm, conversations: list[list[dict]], out_path: Path, max_new_tokens: int,
-                       max_prompt_tokens: int, batch: int = 512) -> int:
-    """Regenerate responses with the target (greedy, chat template) and append
-    {"prompt_ids", "response_ids"} lines to out_path. Returns the number of samples written."""
+                       max_prompt_tokens: int, time_budget_s: float | None = None) -> int:
+    """Regenerate responses with the target (greedy, chat template) and write
+    {"prompt_ids", "response_ids"} lines to out_path as requests finish. Every prompt is queued at
+    once so continuous batching keeps the engine full to the end; when time_budget_s runs out the
+    unfinished requests are dropped. Returns the number of samples written."""
     eng = llm.engine
     params = SamplingParams(max_tokens=max_new_tokens)
-    prompts = []
-    for conv in conversations:
-        ids = eng.apply_chat_template(conv)
-        if len(ids) <= max_prompt_tokens:
-            prompts.append(ids)
-    written = 0
-    with open(out_path, "w") as f, tqdm(total=len(prompts), desc="self-distillation", unit="seq") as bar:
-        for chunk in _chunks(prompts, batch):
-            for ids, out in zip(chunk, llm.generate(chunk, params)):
-                if out.token_ids:
-                    f.write(json.dumps({"prompt_ids": ids, "response_ids": out.token_ids}) + "\n")
-                    written += 1
-            bar.update(len(chunk))
+    prompts = [ids for ids in map(eng.apply_chat_template, conversations) if len(ids) <= max_prompt_tokens]
+    seqs = [eng.add_request(None, params, prompt_token_ids=ids) for ids in prompts]
+    pending, written = set(seqs), 0
+    deadline = time.monotonic() + time_budget_s if time_budget_s else float("inf")
+    with open(out_path, "w") as f, tqdm(total=len(seqs), desc="self-distillation", unit="seq") as bar:
+        try:
+            while pending and time.monotonic() < deadline:
+                for seq in eng.step():
+                    if seq.is_finished and seq in pending:
+                        pending.discard(seq)
+                        bar.update(1)
+                        out = eng.output(seq)
+                        if out.token_ids:
+                            f.write(json.dumps({"prompt_ids": out.prompt_token_ids, "response_ids": out.token_ids})
+                                    + "\n")
+                            written += 1
+        finally:
+            for seq in pending:
+                eng.abort(seq)
     return written
 
 
-def _chunks(xs: list, n: int) -> Iterator[list]:
-    for i in range(0, len(xs), n):
-        yield xs[i: i + n]
-
-
 def read_samples(path: str | Path) -> list[tuple[list[int], int]]:
-    """-> [(prompt + response ids, prompt length)]"""
+    """jsonl (or .jsonl.gz) of {prompt_ids, response_ids} -> [(prompt + response ids, prompt length)]"""
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     out = []
-    for line in Path(path).read_text().splitlines():
+    for line in text.splitlines():
         if line.strip():
             r = json.loads(line)
             out.append((r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"])))

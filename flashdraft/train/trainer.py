@@ -51,6 +51,8 @@ class TrainConfig:
     time_budget_s: float | None = None  # shorten the schedule to fit (measured after 10 steps)
     resume: bool = False
     gen_batch: int = 256
+    precondition_taps: bool = True  # train on taps / RMS, fold the scale into the saved fc
+    init_layers_from: int | None = None  # start the drafter layers from target layers N, N+1, ...
     log: list = field(default_factory=list, repr=False)
 
 
@@ -93,13 +95,48 @@ def init_drafter(spec: DraftSpec, device, seed: int) -> DFlashDraftModel:
     return model
 
 
-def save_checkpoint(model: DFlashDraftModel, target_cfg, out: Path, dtype=torch.bfloat16) -> None:
-    """z-lab layout: unpacked projections, a Qwen3 config with the DFlash keys."""
+@torch.no_grad()
+def tap_scale(target, samples, tap_idx: list[int], device, max_samples: int = 64) -> torch.Tensor:
+    """1 / RMS of every tap dimension over real tokens (position 0, the attention sink, left out).
+    Targets carry a few "massive" dimensions (SmolLM2: RMS ~500 against a median of ~13, and
+    ~25,000 at the sink); fed raw, they dominate fc's random start and Adam's equal-sized steps
+    move the outputs of those columns 40x more than the rest. Training sees taps * scale; the
+    saved fc is fc * scale, so the checkpoint takes raw taps like every other z-lab drafter."""
+    acc, count = None, 0
+    for ids, _ in samples[:max_samples]:
+        hs = target(torch.tensor([ids], device=device), output_hidden_states=True).hidden_states
+        taps = torch.cat([hs[j][0, 1:] for j in tap_idx], -1).float()
+        acc = taps.pow(2).sum(0) if acc is None else acc + taps.pow(2).sum(0)
+        count += taps.shape[0]
+    return (acc / max(count, 1)).sqrt().clamp_min(1e-3).reciprocal()
+
+
+def init_from_target(drafter: DFlashDraftModel, weights: dict[str, torch.Tensor], first_layer: int) -> None:
+    """Start the drafter's layers from target layers first_layer.. (same shapes; q/k norms stay 1)."""
+    with torch.no_grad():
+        for j, layer in enumerate(drafter.layers):
+            src = f"model.layers.{first_layer + j}."
+            a, mlp = layer.self_attn, layer.mlp
+            a.qkv_proj.weight.copy_(torch.cat([weights[src + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+            a.o_proj.weight.copy_(weights[src + "self_attn.o_proj.weight"])
+            mlp.gate_up_proj.weight.copy_(torch.cat([weights[src + "mlp.gate_proj.weight"],
+                                                     weights[src + "mlp.up_proj.weight"]]))
+            mlp.down_proj.weight.copy_(weights[src + "mlp.down_proj.weight"])
+            layer.input_layernorm.weight.copy_(weights[src + "input_layernorm.weight"])
+            layer.post_attention_layernorm.weight.copy_(weights[src + "post_attention_layernorm.weight"])
+
+
+def save_checkpoint(model: DFlashDraftModel, target_cfg, out: Path, dtype=torch.bfloat16,
+                    fc_scale: torch.Tensor | None = None) -> None:
+    """z-lab layout: unpacked projections, a Qwen3 config with the DFlash keys. fc_scale (the
+    training-time tap preconditioner) is folded into fc's input columns."""
     spec, c = model.spec, model.spec.layer_config
     tensors = {}
     for name, t in model.state_dict().items():
         if name == "d2t":
             continue
+        if name == "fc.weight" and fc_scale is not None:
+            t = t.float() * fc_scale.to(t.device)[None, :]
         t = t.detach().to("cpu", dtype)
         if ".qkv_proj." in name:
             a = model.layers[0].self_attn
@@ -165,6 +202,11 @@ def train(cfg: TrainConfig) -> Path:
     drafter = init_drafter(spec, device, cfg.seed)
     with torch.no_grad():  # drafter output feeds the target's lm_head: start at the target's final-norm scale
         drafter.norm.weight.copy_(weights["model.norm.weight"])
+    if cfg.init_layers_from is not None:
+        if cfg.init_layers_from + cfg.num_layers > target_cfg.num_hidden_layers:
+            raise ValueError(f"init_layers_from {cfg.init_layers_from} + {cfg.num_layers} layers exceeds the target's "
+                             f"{target_cfg.num_hidden_layers}")
+        init_from_target(drafter, weights, cfg.init_layers_from)
     max_len = max(len(s[0]) for s in samples) + cfg.block_size + 1
     drafter.setup(max_len)
     drafter.rope.cos, drafter.rope.sin = drafter.rope.cos.float(), drafter.rope.sin.float()
@@ -190,6 +232,10 @@ def train(cfg: TrainConfig) -> Path:
     gen = torch.Generator().manual_seed(cfg.seed + step)
     gamma = gamma_for(cfg.block_size)
     tap_idx = [i + 1 for i in spec.target_layer_ids]
+    if cfg.resume and ckpt.exists():
+        scale = st.get("tap_scale")
+    else:
+        scale = tap_scale(target, samples, tap_idx, device) if cfg.precondition_taps else None
     log_f = open(out / "train_log.jsonl", "a")
     t0 = time.time()
     bar = tqdm(total=plan["total"], initial=step, desc="training drafter", unit="step")
@@ -211,6 +257,8 @@ def train(cfg: TrainConfig) -> Path:
                 hs = target(ids, attention_mask=(torch.arange(s_max, device=device) < lengths[:, None]).long(),
                             output_hidden_states=True).hidden_states
                 taps = torch.cat([hs[i] for i in tap_idx], -1)
+                if scale is not None:
+                    taps = (taps.float() * scale).to(taps.dtype)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 loss, stats = dflash_loss(drafter, lm_head, embed, taps, ids, lengths, anchors, valid, mask_id, gamma)
             opt.zero_grad(set_to_none=True)
@@ -236,14 +284,15 @@ def train(cfg: TrainConfig) -> Path:
                     bar.total = plan["total"]
             if step % cfg.save_every == 0 or step == plan["total"]:
                 torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                            "step": step, "epoch": epoch, "config": asdict(cfg) | {"log": []}}, ckpt)
-                save_checkpoint(drafter, target_cfg, out)
+                            "step": step, "epoch": epoch, "config": asdict(cfg) | {"log": []}, "tap_scale": scale},
+                           ckpt)
+                save_checkpoint(drafter, target_cfg, out, fc_scale=scale)
             if step >= plan["total"]:
                 break
         epoch += 1
     bar.close()
     log_f.close()
-    save_checkpoint(drafter, target_cfg, out)
+    save_checkpoint(drafter, target_cfg, out, fc_scale=scale)
     return out
 
 
@@ -259,4 +308,4 @@ def make_data(cfg: TrainConfig, data_path: Path, device: torch.device) -> int:
         convs = convs[: cfg.num_prompts]
     llm = LLM(cfg.model, draft=None, device=str(device), max_num_seqs=cfg.gen_batch,
               max_num_batched_tokens=max(4096, cfg.gen_batch * 2))
-    return generate_responses(llm, convs, data_path, cfg.max_new_tokens, cfg.max_prompt_tokens, cfg.gen_batch)
+    return generate_responses(llm, convs, data_path, cfg.max_new_tokens, cfg.max_prompt_tokens)
