@@ -1,5 +1,6 @@
 """The torch attention backend against a float64 dense computation, both layouts, ragged batches,
-causal (prefill chunk / decode / verify) and non-causal (draft block), GQA, shuffled pages."""
+causal (prefill chunk / decode / verify) and non-causal (draft block), GQA, shuffled pages; the
+static-shape backend (CUDA-graph baseline) against it, with padding sequences and padding rows."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import random
 import pytest
 import torch
 
-from flashdraft.attention.base import AttentionBatch
-from flashdraft.attention.torch_ref import TorchAttention
+from flashdraft.attention.base import AttentionBatch, DeviceMeta
+from flashdraft.attention.torch_ref import StaticTorchAttention, TorchAttention
 
 
 def reference(q, keys, vals, q_lens, seq_lens, causal, scale):
@@ -67,3 +68,91 @@ def test_backend_matches_float64(causal, padded_limit, q_lens, ctx):
     got = be.forward(q, k_cache, v_cache, batch, hd**-0.5)
     want = reference(q, keys, vals, q_lens, seq_lens, causal, hd**-0.5)
     assert (got.double() - want).abs().max() < 1e-5
+
+
+def _paged_case(q_lens, ctx, causal, bs=4, n_blocks=64, n_kv=2, group=3, hd=8, seed=0):
+    """Random caches with shuffled pages, and a ragged step over them."""
+    torch.manual_seed(seed)
+    k_cache = torch.randn(n_blocks, bs, n_kv, hd)
+    v_cache = torch.randn(n_blocks, bs, n_kv, hd)
+    free = list(range(n_blocks))
+    random.Random(seed + 1).shuffle(free)
+    tables, seq_lens, slots, qsl = [], [], [], [0]
+    for ql, c in zip(q_lens, ctx):
+        sl = c + ql
+        table = [free.pop() for _ in range(-(-sl // bs) + 1)]  # one page more than needed, like a draft block
+        tables.append(table)
+        seq_lens.append(sl)
+        slots += [table[p // bs] * bs + p % bs for p in range(c, sl)]
+        qsl.append(qsl[-1] + ql)
+    T = sum(q_lens)
+    q, k, v = torch.randn(T, n_kv * group, hd), torch.randn(T, n_kv, hd), torch.randn(T, n_kv, hd)
+    batch = AttentionBatch(torch.tensor(slots, dtype=torch.long), qsl, seq_lens, tables, bs, causal)
+    return k_cache, v_cache, q, k, v, batch, free
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("q_lens, ctx", [([1, 1, 1], [5, 17, 33]), ([16, 16], [0, 21]), ([16, 16, 16], [40, 3, 9]),
+                                         ([7, 1, 4], [0, 30, 9])])
+def test_static_backend_matches_torch(causal, q_lens, ctx):
+    """Bucketed static shapes: a padding sequence (seq_len 0, no rows) in the middle and at the end,
+    padding rows (slot -1) after the real ones, more pages per table than needed, and padding table
+    entries pointing at a NaN page that no real sequence owns."""
+    k_cache, v_cache, q, k, v, batch, free = _paged_case(q_lens, ctx, causal)
+    hd = q.shape[-1]
+    poison = free.pop()
+    k_cache[poison] = float("nan")
+    v_cache[poison] = float("nan")
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref = TorchAttention()
+    ref.prepare(batch, torch.device("cpu"))
+    ref.store_kv(ref_k, ref_v, k, v, batch)
+    want = ref.forward(q, ref_k, ref_v, batch, hd**-0.5)
+
+    S, T, pad_rows, n_blk, Q = len(q_lens), len(q), 5, 24, 16
+    order = list(range(S // 2)) + [None] + list(range(S // 2, S)) + [None]  # None: padding sequence
+    tables = torch.full((len(order), n_blk), poison, dtype=torch.int32)
+    lens = torch.zeros(len(order), dtype=torch.int32)
+    qsl = [0]
+    for i, s in enumerate(order):
+        if s is not None:
+            tables[i, : len(batch.block_tables[s])] = torch.tensor(batch.block_tables[s], dtype=torch.int32)
+            lens[i] = batch.seq_lens[s]
+        qsl.append(qsl[-1] + (q_lens[s] if s is not None else 0))
+    extra = [torch.randn(pad_rows, *x.shape[1:]) for x in (q, k, v)]
+    slots = torch.cat([batch.slot_mapping, torch.full((pad_rows,), -1, dtype=torch.long)])
+    meta = DeviceMeta(slots, torch.tensor(qsl, dtype=torch.int32), lens, tables, max_query_len=Q,
+                      max_seq_len=n_blk * 4, block_size=4, causal=causal)
+    be = StaticTorchAttention()
+    be.set_meta(meta)
+    be.store_kv(k_cache, v_cache, torch.cat([k, extra[1]]), torch.cat([v, extra[2]]), meta)
+    got = be.forward(torch.cat([q, extra[0]]), k_cache, v_cache, meta, hd**-0.5)
+    assert got.shape == (T + pad_rows, *q.shape[1:])
+    assert (got[:T] - want).abs().max() < 1e-5
+    assert torch.equal(got[T:], torch.zeros_like(got[T:]))
+    torch.testing.assert_close(k_cache, ref_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, ref_v, rtol=0, atol=0, equal_nan=True)
+
+
+def test_static_backend_prepare_and_all_padding():
+    """prepare() from an AttentionBatch equals TorchAttention; a step of only padding stores
+    nothing and returns zeros."""
+    k_cache, v_cache, q, k, v, batch, _ = _paged_case([16, 1, 3], [8, 20, 0], True, seed=3)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    ref = TorchAttention()
+    ref.prepare(batch, torch.device("cpu"))
+    ref.store_kv(ref_k, ref_v, k, v, batch)
+    want = ref.forward(q, ref_k, ref_v, batch, 0.3)
+    be = StaticTorchAttention()
+    be.prepare(batch, torch.device("cpu"))
+    be.store_kv(k_cache, v_cache, k, v, batch)
+    assert (be.forward(q, k_cache, v_cache, batch, 0.3) - want).abs().max() < 1e-5
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+    meta = DeviceMeta(torch.full((8,), -1, dtype=torch.long), torch.zeros(3, dtype=torch.int32),
+                      torch.zeros(2, dtype=torch.int32), torch.zeros(2, 5, dtype=torch.int32), 4, 20, 4, True)
+    be.set_meta(meta)
+    be.store_kv(k_cache, v_cache, torch.randn(8, *k.shape[1:]), torch.randn(8, *v.shape[1:]), None)
+    out = be.forward(torch.randn(8, *q.shape[1:]), k_cache, v_cache, None, 0.3)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    assert torch.equal(out, torch.zeros_like(out))

@@ -5,13 +5,16 @@ which is top-left aligned and wrong when q_len < kv_len). Softmax runs in float3
 
 Two layouts, same math: sequences with few query rows (decode, verify, draft) are padded into one
 [S, Q, L] batch (Python per sequence would dominate); long prefill chunks loop over sequences so
-padding never blows up memory. A mixed step uses both."""
+padding never blows up memory. A mixed step uses both.
+
+StaticTorchAttention (below) is the same math over a DeviceMeta with static shapes only, for CUDA
+graphs: the plain-PyTorch graph baseline and the CPU stand-in for the Triton backend."""
 
 from __future__ import annotations
 
 import torch
 
-from flashdraft.attention.base import AttentionBackend, AttentionBatch
+from flashdraft.attention.base import AttentionBackend, AttentionBatch, DeviceMeta
 
 PADDED_MAX_ELEMENTS = 1 << 24  # S * Q * L of the padded group above this: loop per sequence
 SHORT_QUERY = 32  # sequences with at most this many query rows this step may be padded together
@@ -114,3 +117,118 @@ class TorchAttention(AttentionBackend):
         o = torch.matmul(scores.softmax(-1).to(v.dtype), v)  # [S, n_kv, group*Q, hd]
         o = o.view(S, n_kv, group, Q, hd).permute(0, 3, 1, 2, 4).reshape(S * Q, n_kv * group, hd)
         return o[self.out_rows]
+
+
+def device_meta_from_batch(batch: AttentionBatch, device: torch.device, max_blocks: int | None = None,
+                           max_query_len: int | None = None, max_seq_len: int | None = None) -> DeviceMeta:
+    """The DeviceMeta of a host-side AttentionBatch (one host->device copy). Bounds default to the
+    batch's own maxima; pass larger ones to match a bucket's static shapes."""
+    qsl, lens = batch.query_start_loc, batch.seq_lens
+    S = batch.num_seqs
+    n_blk = max_blocks or max([len(t) for t in batch.block_tables] + [1])
+    rows = [list(t[:n_blk]) + [0] * (n_blk - len(t[:n_blk])) for t in batch.block_tables]
+    host = torch.tensor([r + [n] for r, n in zip(rows, lens)], dtype=torch.int32).view(S, n_blk + 1)
+    host = torch.cat([host.flatten(), torch.tensor(qsl, dtype=torch.int32)]).to(device, non_blocking=True)
+    table = host[: S * (n_blk + 1)].view(S, n_blk + 1)
+    q_lens = [qsl[s + 1] - qsl[s] for s in range(S)]
+    return DeviceMeta(slot_mapping=batch.slot_mapping.to(device=device, dtype=torch.long),
+                      query_start_loc=host[S * (n_blk + 1):], seq_lens=table[:, n_blk], block_tables=table[:, :n_blk],
+                      max_query_len=max_query_len or max(q_lens + [1]), max_seq_len=max_seq_len or max(lens + [1]),
+                      block_size=batch.block_size, causal=batch.causal)
+
+
+class StaticTorchAttention(AttentionBackend):
+    """Pure-torch paged attention over a DeviceMeta with static shapes only: every sequence gathers
+    all `max_blocks` pages of its table (keys past seq_len masked), query rows are padded to
+    max_query_len per sequence, and nothing reads a value back to the host. One step can therefore
+    be captured in a CUDA graph; it is the "plain PyTorch + CUDA graph" baseline and the CPU
+    stand-in for the Triton backend. Same math as TorchAttention (float32 softmax, GQA folded into
+    the query rows, offset-causal mask).
+
+    `set_meta(meta)` installs the step description; the derived index tensors are built at the
+    first forward after it (inside a captured graph, that build is part of the graph). Refill a
+    meta in place only together with a new set_meta call outside graphs. store_kv takes the slots
+    from its `batch` argument (an AttentionBatch or a DeviceMeta; the installed meta when None);
+    rows with slot -1 are not stored. Output rows past the last sequence's rows are zero."""
+
+    def __init__(self) -> None:
+        self.meta: DeviceMeta | None = None
+        self._plan: dict | None = None
+        self._store: tuple | None = None
+
+    def prepare(self, batch: AttentionBatch, device: torch.device) -> None:
+        self.set_meta(device_meta_from_batch(batch, device))
+
+    def set_meta(self, meta: DeviceMeta) -> None:
+        self.meta = meta
+        self._plan = None
+        self._store = None
+
+    # ---- store -----------------------------------------------------------------------------------
+    def _store_plan(self, slots: torch.Tensor) -> tuple:
+        if self._store is not None and self._store[0] is slots:
+            return self._store[1:]
+        # rows with slot -1 rewrite a real row's value to that row's slot (identical duplicate
+        # writes), or, when no row is real, slot 0's own value back to it: no data-dependent shapes
+        T = slots.shape[0]
+        valid = slots >= 0
+        first = valid.to(torch.int32).argmax()  # first real row, 0 when there is none
+        src = torch.where(valid, torch.arange(T, device=slots.device), first)
+        dst = slots[src].clamp(min=0)
+        keep = valid[src][:, None, None]
+        self._store = (slots, src, dst, keep)
+        return src, dst, keep
+
+    def store_kv(self, k_cache, v_cache, k, v, batch):
+        slots = (batch if batch is not None else self.meta).slot_mapping
+        src, dst, keep = self._store_plan(slots)
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat.index_copy_(0, dst, torch.where(keep, new[src].to(flat.dtype), flat[dst]))
+
+    # ---- attention -------------------------------------------------------------------------------
+    def _build_plan(self, device: torch.device, group: int) -> dict:
+        m = self.meta
+        S, n_blk = m.block_tables.shape
+        bs, Q, T = m.block_size, m.max_query_len, m.slot_mapping.shape[0]
+        L = max(1, min(n_blk * bs, m.max_seq_len))
+        key_pos = torch.arange(L, device=device)
+        table = m.block_tables.long().clamp(min=0)
+        key_slots = table[:, key_pos // bs] * bs + key_pos % bs  # [S, L]
+        lens = m.seq_lens.long()
+        qsl = m.query_start_loc.long()
+        q_lens = qsl[1:] - qsl[:-1]
+        key_valid = key_pos[None, :] < lens[:, None]  # [S, L]
+        q_idx = torch.arange(Q, device=device)
+        visible = key_valid[:, None, :].expand(S, Q, L)
+        if m.causal:
+            q_pos = lens[:, None] - q_lens[:, None] + q_idx[None, :]  # [S, Q]
+            visible = visible & (key_pos[None, None, :] <= q_pos[:, :, None])
+        q_gather = (qsl[:-1, None] + q_idx[None, :]).clamp(max=max(T - 1, 0)).flatten()
+        rows = torch.arange(T, device=device)
+        seq_of_row = torch.searchsorted(qsl[1:].contiguous(), rows, right=True).clamp(max=S - 1)
+        local = rows - qsl[seq_of_row]
+        row_valid = (rows < qsl[S]) & (local < Q)
+        out_rows = (seq_of_row * Q + local.clamp(0, Q - 1))
+        masked = (~visible).repeat(1, group, 1)[:, None]  # rows ordered (group member, query row)
+        return dict(S=S, Q=Q, key_slots=key_slots, key_valid=key_valid[:, :, None, None], masked=masked,
+                    q_gather=q_gather, out_rows=out_rows, row_valid=row_valid[:, None, None])
+
+    def forward(self, q, k_cache, v_cache, batch, scale):
+        n_kv, hd = k_cache.shape[2], k_cache.shape[3]
+        group = q.shape[1] // n_kv
+        if self._plan is None or self._plan["group"] != group:
+            self._plan = self._build_plan(q.device, group) | {"group": group}
+        p = self._plan
+        S, Q = p["S"], p["Q"]
+        k = k_cache.view(-1, n_kv, hd)[p["key_slots"]].permute(0, 2, 1, 3)  # [S, n_kv, L, hd]
+        # keys past seq_len are other pages' data: zero V so a non-finite value cannot leak
+        v = torch.where(p["key_valid"], v_cache.view(-1, n_kv, hd)[p["key_slots"]], 0).permute(0, 2, 1, 3)
+        qp = q[p["q_gather"]].view(S, Q, n_kv, group, hd).permute(0, 2, 3, 1, 4).reshape(S, n_kv, group * Q, hd)
+        scores = torch.matmul(qp, k.transpose(-1, -2)).float() * scale  # [S, n_kv, group*Q, L]
+        # a large finite fill (not -inf): rows with no visible key (padding sequences) get a uniform
+        # softmax over zeroed V instead of NaN; masked_fill also overwrites non-finite scores
+        scores.masked_fill_(p["masked"], -1e30)
+        o = torch.matmul(scores.softmax(-1).to(v.dtype), v)  # [S, n_kv, group*Q, hd]
+        o = o.view(S, n_kv, group, Q, hd).permute(0, 3, 1, 2, 4).reshape(S * Q, n_kv * group, hd)
+        return torch.where(p["row_valid"], o[p["out_rows"]], 0)
