@@ -1,0 +1,141 @@
+"""CUDA graphs for fixed-shape steps. A `StepGraph` owns static input buffers for one bucket (S
+sequences x q_len rows each: q_len 1 for decode, B for a verify or a draft block) and a callable
+that runs one forward over them; `capture()` records that callable once, `run(...)` copies a step's
+values into the buffers and replays. On CPU nothing is captured and `run` calls the same code
+eagerly over the same buffers, so everything here is testable without a GPU.
+
+    g = StepGraph(lambda g: model(g.input_ids, g.positions, kv, attn, g.meta, taps),
+                  num_seqs=8, q_len=16, max_blocks=66, block_size=16, device=dev, attn=[attn])
+    g.capture()
+    hidden, tapped = g.run(ids, pos, slots, seq_lens, tables)   # static outputs, valid until the next run
+
+Padding: sequences past the real ones get seq_len 0 and no rows, rows past the real ones get slot
+-1 (not stored); their outputs are garbage (zeros from the attention backends, whatever the layers
+make of that). The attention backends named in `attn` get `set_meta(g.meta)` before every eager
+call and before capture, so index tensors derived from the meta are part of the graph."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from flashdraft.attention.base import DeviceMeta
+
+Tensorish = torch.Tensor | Sequence
+
+
+class StepGraph:
+    def __init__(self, fn: Callable[[StepGraph], Any], num_seqs: int, q_len: int, max_blocks: int, block_size: int,
+                 device: torch.device | str, causal: bool = True, max_seq_len: int | None = None,
+                 attn: Sequence = (), extra: dict[str, torch.Tensor] | None = None):
+        """fn(g) runs one step over g.input_ids [T], g.positions [T], g.meta and g.extra (further
+        static inputs, e.g. taps); T = num_seqs * q_len. max_seq_len defaults to the pages' span."""
+        self.fn = fn
+        self.device = torch.device(device)
+        self.num_seqs, self.q_len = num_seqs, q_len
+        self.num_rows = T = num_seqs * q_len
+        dev = self.device
+        self.input_ids = torch.zeros(T, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(T, dtype=torch.long, device=dev)
+        self.meta = DeviceMeta(
+            slot_mapping=torch.full((T,), -1, dtype=torch.long, device=dev),
+            query_start_loc=torch.zeros(num_seqs + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.zeros(num_seqs, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=dev),
+            max_query_len=q_len, max_seq_len=max_seq_len or max_blocks * block_size, block_size=block_size,
+            causal=causal)
+        self.extra = dict(extra or {})
+        self.attn = list(attn)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: Any = None
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def _call(self) -> Any:
+        for a in self.attn:
+            a.set_meta(self.meta)
+        with torch.inference_mode():
+            return self.fn(self)
+
+    def capture(self, warmup: int = 2, pool=None) -> StepGraph:
+        """Warm up on a side stream (Triton JIT, cuBLAS handles, allocator), then capture one call.
+        A no-op off CUDA. Capture uses whatever the buffers hold: fill() a representative step first
+        when a kernel's launch configuration is chosen from the data."""
+        if self.device.type != "cuda":
+            return self
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._call()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.outputs = self._call()
+        torch.cuda.synchronize(self.device)
+        self.graph = graph
+        return self
+
+    def fill(self, input_ids: Tensorish | None = None, positions: Tensorish | None = None,
+             slot_mapping: Tensorish | None = None, seq_lens: Tensorish | None = None,
+             block_tables: Tensorish | None = None, query_start_loc: Tensorish | None = None,
+             **extra: Tensorish) -> None:
+        """Copy one step's values into the static buffers (non_blocking, no host sync). Arguments
+        left None keep their buffers. Real rows / sequences come first; the rest is padding: slots
+        past the given ones become -1, seq_lens past the given ones 0. query_start_loc defaults to
+        q_len rows for each of the len(seq_lens) real sequences."""
+        m = self.meta
+        if input_ids is not None:
+            self._copy(self.input_ids, input_ids)
+        if positions is not None:
+            self._copy(self.positions, positions)
+        if slot_mapping is not None:
+            self._copy(m.slot_mapping, slot_mapping, pad=-1)
+        if block_tables is not None:
+            if not isinstance(block_tables, torch.Tensor):
+                width = max([len(t) for t in block_tables] + [1])
+                block_tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables],
+                                            dtype=torch.int32).view(len(block_tables), width)
+            s, w = block_tables.shape
+            m.block_tables[:s, :w].copy_(block_tables, non_blocking=True)
+        if seq_lens is not None:
+            n = self._copy(m.seq_lens, seq_lens, pad=0)
+            if query_start_loc is None:
+                qsl = torch.arange(self.num_seqs + 1, dtype=torch.int32).clamp(max=n) * self.q_len
+                query_start_loc = qsl
+        if query_start_loc is not None:
+            qsl = torch.as_tensor(query_start_loc, dtype=torch.int32)
+            if qsl.numel() < self.num_seqs + 1:  # padding sequences: no rows
+                qsl = torch.cat([qsl, qsl[-1:].expand(self.num_seqs + 1 - qsl.numel())])
+            m.query_start_loc.copy_(qsl, non_blocking=True)
+        for name, value in extra.items():
+            self._copy(self.extra[name], value)
+
+    def replay(self) -> Any:
+        """Replay the captured step (or run it eagerly off CUDA); returns the step's outputs."""
+        if self.graph is not None:
+            self.graph.replay()
+            return self.outputs
+        self.outputs = self._call()
+        return self.outputs
+
+    def run(self, *args, **kwargs) -> Any:
+        """fill(...) then replay()."""
+        self.fill(*args, **kwargs)
+        return self.replay()
+
+    def _copy(self, buf: torch.Tensor, value: Tensorish, pad: int | None = None) -> int:
+        if not isinstance(value, torch.Tensor):
+            value = torch.tensor(value, dtype=buf.dtype)
+        n = value.shape[0]
+        if n > buf.shape[0]:
+            raise ValueError(f"{n} rows do not fit a static buffer of {buf.shape[0]}")
+        buf[:n].copy_(value, non_blocking=True)
+        if pad is not None and n < buf.shape[0]:
+            buf[n:].fill_(pad)
+        return n
