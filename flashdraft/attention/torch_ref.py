@@ -42,13 +42,13 @@ class TorchAttention(AttentionBackend):
         # short queries (decode, verify, draft blocks) go through one padded batch; long prefill
         # chunks loop, so one new prompt never drags hundreds of decoding sequences into the loop
         short = [s for s in range(S) if q_lens[s] <= SHORT_QUERY]
-        if len(short) < 2 or len(short) * SHORT_QUERY * l_max > self.padded_max_elements:
+        q_max = max((q_lens[s] for s in short), default=0)
+        if len(short) < 2 or len(short) * q_max * l_max > self.padded_max_elements:
             short = []
         self.looped = [s for s in range(S) if s not in set(short)]
         self.padded = bool(short)
         if short:
             idx = torch.tensor(short, device=device) if len(short) < S else torch.arange(S, device=device)
-            q_max = max(q_lens[s] for s in short)
             g_lens, g_ql, g_off = lens[idx], ql[idx], q_off[idx]
             q_idx = torch.arange(q_max, device=device)
             self.key_valid = key_pos[None, :] < g_lens[:, None]
