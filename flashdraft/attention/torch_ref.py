@@ -45,7 +45,8 @@ class TorchAttention(AttentionBackend):
         q_max = max((q_lens[s] for s in short), default=0)
         if len(short) < 2 or len(short) * q_max * l_max > self.padded_max_elements:
             short = []
-        self.looped = [s for s in range(S) if s not in set(short)]
+        in_group = set(short)
+        self.looped = [s for s in range(S) if s not in in_group]
         self.padded = bool(short)
         if short:
             idx = torch.tensor(short, device=device) if len(short) < S else torch.arange(S, device=device)
