@@ -30,11 +30,11 @@ def _random_init(model: torch.nn.Module, seed: int) -> None:
             p.normal_(0, 0.15) if p.dim() == 2 else p.uniform_(0.9, 1.1)
 
 
-def _setup():
+def _setup(device: str = "cpu"):
     model = DecoderLM(tiny_config("qwen3", 97))
     _random_init(model, 0)
-    model.eval().requires_grad_(False)
-    runner = ModelRunner(model, EngineConfig(kv_block_size=BS, attention_backend="torch"), torch.device("cpu"),
+    model.eval().requires_grad_(False).to(device)
+    runner = ModelRunner(model, EngineConfig(kv_block_size=BS, attention_backend="torch"), torch.device(device),
                          torch.float32, N_BLOCKS, 64)
     bm = BlockManager(N_BLOCKS, BS)
     bm.allocate(10**6, 7)  # a foreign sequence first, so pages are not simply 0, 1, 2, ...
@@ -54,17 +54,16 @@ def _graph_inputs(runner, seqs, tokens, bm, causal=True):
                        block_tables=batch.block_tables, query_start_loc=batch.query_start_loc)
 
 
-def test_step_graph_matches_model_runner():
-    """Decode and a 16-row verify with taps; each graph runs twice (3 then 2 real sequences) to
-    check that a refilled step re-derives everything from the buffers."""
-    model, runner, bm, seqs = _setup()
+def check_graph_matches_runner(attn, device: str = "cpu", tol: float = 1e-4) -> None:
+    """Decode and a 16-row verify with taps through StepGraph(attn) against runner.forward
+    (TorchAttention); each graph is captured once (a no-op on CPU) and run twice, with 3 then 2
+    real sequences in a bucket of 4, so a refilled step must re-derive everything from the buffers."""
+    model, runner, bm, seqs = _setup(device)
     taps = (0, 2)
-    attn = StaticTorchAttention()
     for q_len in (1, 16):
         graph = StepGraph(lambda g: model(g.input_ids, g.positions, runner.kv, attn, g.meta, taps),
-                          num_seqs=BUCKET, q_len=q_len, max_blocks=MAX_BLOCKS, block_size=BS, device="cpu",
+                          num_seqs=BUCKET, q_len=q_len, max_blocks=MAX_BLOCKS, block_size=BS, device=device,
                           attn=[attn])
-        graph.capture()  # a no-op on CPU
         for step, batch_seqs in enumerate((seqs, seqs[1:][::-1])):
             tokens = [[(7 * i + 3 * j + step) % 90 + 5 for j in range(q_len)] for i in range(len(batch_seqs))]
             k0, v0 = runner.k_cache.clone(), runner.v_cache.clone()
@@ -73,14 +72,21 @@ def test_step_graph_matches_model_runner():
             runner.k_cache.copy_(k0)
             runner.v_cache.copy_(v0)
             _, inputs = _graph_inputs(runner, batch_seqs, tokens, bm)
-            hidden, tapped = graph.run(**inputs)
+            graph.fill(**inputs)
+            if step == 0:
+                graph.capture()  # warm-up and capture store this step's K/V too: same slots, same values
+            hidden, tapped = graph.replay()
             n = sum(map(len, tokens))
             assert hidden.shape[0] == BUCKET * q_len > n
-            assert (hidden[:n] - want_h).abs().max() < 1e-4
-            assert (tapped[:n] - want_t).abs().max() < 1e-4
-            assert (runner.k_cache - want_k).abs().max() < 1e-4 and (runner.v_cache - want_v).abs().max() < 1e-4
+            assert (hidden[:n] - want_h).abs().max() < tol
+            assert (tapped[:n] - want_t).abs().max() < tol
+            assert (runner.k_cache - want_k).abs().max() < tol and (runner.v_cache - want_v).abs().max() < tol
             runner.k_cache.copy_(k0)
             runner.v_cache.copy_(v0)
+
+
+def test_step_graph_matches_model_runner():
+    check_graph_matches_runner(StaticTorchAttention())
 
 
 def test_step_graph_draft_block_matches_eager():

@@ -12,7 +12,8 @@ eagerly over the same buffers, so everything here is testable without a GPU.
 Padding: sequences past the real ones get seq_len 0 and no rows, rows past the real ones get slot
 -1 (not stored); their outputs are garbage (zeros from the attention backends, whatever the layers
 make of that). The attention backends named in `attn` get `set_meta(g.meta)` before every eager
-call and before capture, so index tensors derived from the meta are part of the graph."""
+call and just before capture (outside it), so index tensors that a backend derives from the meta
+at its first forward are part of the graph and follow the buffers on every replay."""
 
 from __future__ import annotations
 
@@ -55,9 +56,11 @@ class StepGraph:
     def captured(self) -> bool:
         return self.graph is not None
 
-    def _call(self) -> Any:
+    def _install(self) -> None:
         for a in self.attn:
             a.set_meta(self.meta)
+
+    def _call(self) -> Any:
         with torch.inference_mode():
             return self.fn(self)
 
@@ -71,10 +74,12 @@ class StepGraph:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(warmup):
+                self._install()
                 self._call()
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
+        self._install()  # outside the capture; index tensors derived from the meta are built inside
         with torch.cuda.graph(graph, pool=pool):
             self.outputs = self._call()
         torch.cuda.synchronize(self.device)
@@ -121,6 +126,7 @@ class StepGraph:
         if self.graph is not None:
             self.graph.replay()
             return self.outputs
+        self._install()
         self.outputs = self._call()
         return self.outputs
 
