@@ -4,8 +4,10 @@ graph, one DFlash step (5-layer z-lab-shaped drafter, block 16: draft, verify, c
 part and whole, and the attention kernels alone against SDPA, flex_attention and the bandwidth
 floor. Every time is set against a roofline built from the measured bandwidth and matmul rate.
 
-Run on a GPU (H100 80 GB: about 3-4 minutes, peak memory about 25 GB):
+Run on a GPU (H100 80 GB: expected 3-4 minutes and a peak of about 30 GB; first a check of every
+code path with --tiny, about a minute, most of it compiling flex_attention; --no-flex skips that):
 
+    python benchmarks/device/gpu_roofline.py --tiny --out roofline-tiny
     python benchmarks/device/gpu_roofline.py --out roofline-h100
 
 Smoke test anywhere (small shapes, CPU allowed, no graphs off CUDA, Triton only if importable):
@@ -162,8 +164,11 @@ class Roofline:
 
     def free(self) -> None:
         if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+            try:
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            except Exception as e:  # a failed capture can leave an error behind; record it, go on
+                self.error("synchronize", e)
 
     # ---- machine --------------------------------------------------------------------------------
     def machine(self) -> None:
@@ -517,7 +522,10 @@ class Roofline:
                 except Exception as e:
                     row |= self.error(f"attention {kind} b={S}", e)
                 out.append(row)
-        self.flex(flex_jobs)
+        if self.args.no_flex:
+            self.res["skipped"].append("flex: --no-flex")
+        else:
+            self.flex(flex_jobs)
         self.free()
 
     def _attention_one(self, row: dict, triton_fn) -> tuple:
@@ -722,6 +730,7 @@ def main() -> None:
     ap.add_argument("--matmul-n", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="optional parts (flex_attention, eager decode) are skipped once this has passed")
+    ap.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take the longest)")
     ap.add_argument("--sections", default="machine,decode,dflash,attention")
     args = ap.parse_args()
     torch.manual_seed(0)
