@@ -1,0 +1,337 @@
+"""Triton paged attention and KV-cache store: the GPU backend behind `AttentionBackend`.
+
+One kernel family serves every step kind: decode (q_len 1), verify (q_len B, causal), the DFlash
+draft block (q_len B, non-causal) and prefill chunks (long q_len, causal, after earlier context).
+A program owns one (query tile, sequence, kv head[, KV partition]). Its BLOCK_M tile rows are
+(query row, group member) pairs, row-major, so the GQA group shares every K/V load: a K/V row is
+read once per kv head, not once per query head. Keys are walked BLOCK_N at a time through the
+block table (one int32 page id per key, so any page size works and a tile may span pages), with a
+flash-attention online softmax in float32 (base 2, the scale folded into log2 e).
+
+Bytes read per (sequence, kv head), e = element size, L = seq_len, D = head_dim:
+  K and V: 2 * L * D * e per query tile, block table: 4 * L, queries: q_len * group * D * e.
+  bf16, D=128: 516 B per key and kv head; a 4k-key decode with 8 kv heads reads ~17 MB per layer.
+  Prefill re-reads K/V once per query tile, i.e. ceil(q_len * group / BLOCK_M) times.
+  Split-K adds (D + 2) * 4 B written and read again per (query row, head, partition), about
+  2 * rows / PART of the bf16 K/V bytes of a partition of PART keys; a partition therefore holds
+  at least max(256, 16 * BLOCK_M) keys (<= 3% for decode, <= 12.5% for a 64-row verify tile).
+
+Tiling (tl.dot needs >= 16 along every dim on real hardware, so BLOCK_M >= 16 even for decode):
+  BLOCK_D = next power of two >= head_dim (96 -> 128, masked).
+  BLOCK_M = next power of two >= max_query_len * group, clamped to [16, 128] for D <= 64 and
+    [16, 64] above (the fp32 accumulator, BLOCK_M x BLOCK_D, stays at <= 32 KB per program), and
+    never below the group. Decode with group 8 fills half of a 16-row tile; verify/draft blocks of
+    16 rows x group 4 are one 64-row tile, so K/V are streamed once per (sequence, kv head).
+  BLOCK_N = 64 keys (32 for D > 64 with BLOCK_M > 32): K and V tiles of 8-16 KB each in flight.
+  num_warps = 8 once (BLOCK_M + BLOCK_N) x BLOCK_D reaches 8192 elements, else 4: compiled for
+    sm_90, no bf16 variant spills registers (4 warps for a 16 x 64 x 128 decode tile did).
+Split-K (flash-decoding): when query tiles x sequences x kv heads cannot fill the GPU (batch 1 x 8
+kv heads is 8 programs for 132 SMs), the key range is cut into up to 2 x SMs / programs partitions
+(at most 64, sized as above) that write unnormalised partials (acc, running max, running sum) to
+a float32 workspace; a small reduce kernel merges them. Partitions past a sequence's real keys
+write neutral partials; the last partition runs to the sequence's end.
+
+Graph safety: grids and workspace shapes depend only on S, n_kv, max_query_len, max_seq_len and T,
+never on tensor values; programs past a sequence's rows return at once; no host syncs; the split-K workspace is
+cached per (device, shape), so a CUDA graph captures a buffer that stays alive. Query rows with
+no visible key (seq_len 0) give zeros; rows past query_start_loc[S] are never written (pass a
+zeroed `out` to keep them zero)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from flashdraft.attention.base import AttentionBackend, AttentionBatch, DeviceMeta
+
+MIN_SPLIT_KEYS = 256  # a KV partition holds at least this many keys, and 16 per tile row
+MAX_SPLITS = 64
+INTERPRETER_SMS = 16  # stand-in SM count when kernels run on CPU tensors (TRITON_INTERPRET=1)
+NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: no inf - inf = nan on empty rows
+# the Triton interpreter multiplies bf16 bit patterns as integers in tl.dot: give it float32 operands
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_sm_counts: dict[torch.device, int] = {}
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+                     N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
+    """One program per new token: copies its [n_kv, D] K and V rows to cache slot `slot`."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot < 0:
+        return
+    page = slot // PAGE
+    off = slot % PAGE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < N_KV) & (d < HEAD_DIM)
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
+    tl.store(kc_ptr + page * stride_kcb + off * stride_kcs + h * stride_kch + d,
+             k.to(kc_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc_ptr + page * stride_vcb + off * stride_vcs + h * stride_vch + d,
+             v.to(vc_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dot(a, b, F32_DOT: tl.constexpr):
+    """F32_DOT: full float32 products, for float32 data (no tf32) and under the interpreter."""
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows of one query tile: (first token, q_len, row in sequence, head, row valid)."""
+    ROWS: tl.constexpr = BLOCK_M // GROUP
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    m = tl.arange(0, BLOCK_M)
+    row = tile * ROWS + m // GROUP
+    head = kv_head * GROUP + m % GROUP
+    valid = (m < ROWS * GROUP) & (row < q_len)
+    return q_start, q_len, row, head, valid
+
+
+@triton.jit
+def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
+                 qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2, num_tokens, num_heads,
+                 stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 stride_ot, stride_oh, stride_bt,
+                 N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr, PART: tl.constexpr, F32_DOT: tl.constexpr):
+    """Grid (query tile, sequence * n_kv, partition). One split: normalised output straight to
+    `out`. Several: unnormalised partials to the workspace, merged by `_reduce_kernel`."""
+    tile = tl.program_id(0)
+    seq = tl.program_id(1) // N_KV
+    kv_head = tl.program_id(1) % N_KV
+    split = tl.program_id(2)
+    q_start, q_len, row, head, valid = _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP, BLOCK_M)
+    if tile * (BLOCK_M // GROUP) >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=valid[:, None] & d_ok[None, :], other=0.0)
+    pos = seq_len - q_len + row  # absolute position of each query row
+    if CAUSAL:
+        kv_end = tl.minimum(seq_len, tl.max(tl.where(valid, pos, -1)) + 1)
+    else:
+        kv_end = seq_len
+    lo = split * PART
+    hi = tl.where(split == NUM_SPLITS - 1, kv_end, tl.minimum(kv_end, lo + PART))  # the last takes the rest
+
+    m_i = tl.full([BLOCK_M], NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        key = start + n
+        key_ok = key < hi
+        page = tl.load(bt_ptr + seq * stride_bt + key // PAGE, mask=key_ok, other=0).to(tl.int64)
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + (page * stride_kb + (key % PAGE) * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), F32_DOT) * scale_log2
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (key[None, :] <= pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + (page * stride_vb + (key % PAGE) * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
+        m_i = m_new
+
+    mask = valid[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        idx = (split * num_tokens + q_start + row) * num_heads + head
+        tl.store(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
+        tl.store(ws_m_ptr + idx, m_i, mask=valid)
+        tl.store(ws_l_ptr + idx, l_i, mask=valid)
+
+
+@triton.jit
+def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_tokens, num_heads, stride_ot, stride_oh,
+                   N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Merges the split-K partials of one (query tile, sequence, kv head) into normalised output."""
+    tile = tl.program_id(0)
+    seq = tl.program_id(1) // N_KV
+    kv_head = tl.program_id(1) % N_KV
+    q_start, q_len, row, head, valid = _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP, BLOCK_M)
+    if tile * (BLOCK_M // GROUP) >= q_len:
+        return
+    d = tl.arange(0, BLOCK_D)
+    mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+    m_i = tl.full([BLOCK_M], NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for split in range(NUM_SPLITS):
+        idx = (split * num_tokens + q_start + row) * num_heads + head
+        m_p = tl.load(ws_m_ptr + idx, mask=valid, other=NEG)
+        l_p = tl.load(ws_l_ptr + idx, mask=valid, other=0.0)
+        o_p = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m_i, m_p)
+        alpha = tl.exp2(m_i - m_new)
+        beta = tl.exp2(m_p - m_new)
+        l_i = l_i * alpha + l_p * beta
+        acc = acc * alpha[:, None] + o_p * beta[:, None]
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, n_kv, D] (any strides) into caches [num_blocks, page, n_kv, D] at slot_mapping;
+    slots < 0 are skipped."""
+    T, n_kv, hd = k.shape
+    if T == 0:
+        return
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    _store_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, *k.stride(), *v.stride(),
+                           *k_cache.stride()[:3], *v_cache.stride()[:3], N_KV=n_kv, HEAD_DIM=hd,
+                           BLOCK_H=triton.next_power_of_2(n_kv), BLOCK_D=triton.next_power_of_2(hd),
+                           PAGE=k_cache.shape[1])
+
+
+def _tiles(head_dim: int, group: int, max_query_len: int) -> tuple[int, int, int, int]:
+    """(BLOCK_D, BLOCK_M, BLOCK_N, num_warps); see the module docstring."""
+    block_d = triton.next_power_of_2(head_dim)
+    cap = 128 if block_d <= 64 else 64
+    block_m = max(min(max(16, triton.next_power_of_2(max_query_len * group)), cap), triton.next_power_of_2(group))
+    block_n = 64 if block_d <= 64 or block_m <= 32 else 32
+    return block_d, block_m, block_n, 8 if (block_m + block_n) * block_d >= 8192 else 4
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    if device not in _sm_counts:
+        _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_counts[device]
+
+
+def _num_splits(programs: int, max_seq_len: int, block_m: int, device: torch.device) -> int:
+    sms = _sm_count(device)
+    if programs >= sms:
+        return 1
+    min_keys = max(MIN_SPLIT_KEYS, 16 * block_m)
+    return max(1, min(triton.cdiv(2 * sms, programs), max_seq_len // min_keys, MAX_SPLITS))
+
+
+def _workspace(device: torch.device, splits: int, T: int, H: int, D: int):
+    key = (device, splits, T, H, D)
+    if key not in _workspaces:
+        _workspaces[key] = (torch.empty(splits, T, H, D, device=device, dtype=torch.float32),
+                            torch.empty(splits, T, H, device=device, dtype=torch.float32),
+                            torch.empty(splits, T, H, device=device, dtype=torch.float32))
+    return _workspaces[key]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DeviceMeta, scale: float,
+                    out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """q: [T, n_heads, D] -> [T, n_heads, D] over the paged caches described by `meta`.
+    num_splits overrides the split-K heuristic (tests, tuning)."""
+    T, H, hd = q.shape
+    n_kv = k_cache.shape[2]
+    group = H // n_kv
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    S = meta.seq_lens.shape[0]
+    if T == 0 or S == 0 or meta.max_query_len == 0:
+        return out
+    block_d, block_m, block_n, warps = _tiles(hd, group, meta.max_query_len)
+    tiles = triton.cdiv(meta.max_query_len, block_m // group)
+    if num_splits is None:
+        num_splits = _num_splits(tiles * S * n_kv, meta.max_seq_len, block_m, q.device)
+    part = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), num_splits), block_n) * block_n
+    ws = _workspace(q.device, num_splits, T, H, hd) if num_splits > 1 else (out, out, out)
+    consts = dict(N_KV=n_kv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_M=block_m)
+    _attn_kernel[(tiles, S * n_kv, num_splits)](
+        q, k_cache, v_cache, out, *ws, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        scale * 1.4426950408889634, T, H, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        out.stride(0), out.stride(1), meta.block_tables.stride(0), **consts, BLOCK_N=block_n,
+        PAGE=k_cache.shape[1], CAUSAL=meta.causal, NUM_SPLITS=num_splits, PART=part,
+        F32_DOT=INTERPRET or q.dtype == torch.float32, num_warps=warps)
+    if num_splits > 1:
+        _reduce_kernel[(tiles, S * n_kv)](out, *ws, meta.query_start_loc, T, H, out.stride(0), out.stride(1),
+                                          **consts, NUM_SPLITS=num_splits, num_warps=4)
+    return out
+
+
+def build_meta(batch: AttentionBatch, device: torch.device) -> DeviceMeta:
+    """The list-based batch as device tensors, through one host->device copy."""
+    S = batch.num_seqs
+    qsl = batch.query_start_loc
+    width = max([len(t) for t in batch.block_tables] + [1])
+    host = list(qsl) + list(batch.seq_lens)
+    for t in batch.block_tables:
+        host += list(t) + [0] * (width - len(t))
+    packed = torch.tensor(host, dtype=torch.int32).to(device, non_blocking=True)
+    return DeviceMeta(
+        slot_mapping=batch.slot_mapping.to(device),
+        query_start_loc=packed[: len(qsl)],
+        seq_lens=packed[len(qsl): len(qsl) + S],
+        block_tables=packed[len(qsl) + S:].view(S, width),
+        max_query_len=max([qsl[s + 1] - qsl[s] for s in range(S)] + [0]),
+        max_seq_len=max(list(batch.seq_lens) + [0]),
+        block_size=batch.block_size,
+        causal=batch.causal,
+    )
+
+
+class TritonAttention(AttentionBackend):
+    """Triton kernels over a DeviceMeta, built by `prepare` or installed by a graph runner with
+    `set_meta`. With an installed meta, output rows past its last sequence (a graph bucket's
+    padding rows) are zero; `batch` arguments are then ignored except as store_kv describes."""
+
+    def __init__(self) -> None:
+        self.meta: DeviceMeta | None = None
+        self.zero_padding_rows = False
+
+    def prepare(self, batch: AttentionBatch, device: torch.device) -> None:
+        self.meta = build_meta(batch, device)
+        self.zero_padding_rows = False  # every row of a built batch belongs to a sequence
+
+    def set_meta(self, meta: DeviceMeta) -> None:
+        self.meta = meta
+        self.zero_padding_rows = True
+
+    def store_kv(self, k_cache, v_cache, k, v, batch):
+        """Slots: a DeviceMeta's or a store-only AttentionBatch's own (no sequences: the DFlash
+        context write), else the installed meta's (None included)."""
+        if isinstance(batch, DeviceMeta) or (batch is not None and (batch.num_seqs == 0 or self.meta is None)):
+            slots = batch.slot_mapping
+        else:
+            slots = self.meta.slot_mapping
+        store_kv(k_cache, v_cache, k, v, slots)
+
+    def forward(self, q, k_cache, v_cache, batch, scale):
+        if self.meta is None:
+            self.prepare(batch, q.device)
+        out = torch.zeros_like(q) if self.zero_padding_rows else None
+        return paged_attention(q, k_cache, v_cache, self.meta, scale, out=out)

@@ -1,0 +1,255 @@
+"""Triton paged attention and KV store against the torch reference backend: decode, verify (causal),
+draft (non-causal), prefill chunks after context, ragged batches, GQA, page sizes, shuffled pages,
+padding sequences and rows, split-K over long context, fp32 and bf16; the engine end to end.
+
+Runs on CUDA, or on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, small shapes);
+skipped when triton is missing or neither is available."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from flashdraft.attention import triton_paged  # noqa: E402
+from flashdraft.attention.base import AttentionBatch, DeviceMeta  # noqa: E402
+from flashdraft.attention.torch_ref import TorchAttention  # noqa: E402
+from flashdraft.attention.triton_paged import (  # noqa: E402
+    TritonAttention,
+    build_meta,
+    paged_attention,
+    store_kv,
+)
+
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def make_case(q_lens, ctx, *, n_kv=2, group=2, hd=64, page=16, dtype=torch.float32, causal=True, pad_rows=0,
+              seed=0, n_blocks=None):
+    """Random caches with shuffled pages; sequence s has ctx[s] cached keys and q_lens[s] new rows.
+    A (0, 0) entry is a padding sequence; pad_rows extra rows at the end have slot -1."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    seq_lens = [c + q for q, c in zip(q_lens, ctx)]
+    n_blocks = n_blocks or sum(-(-sl // page) for sl in seq_lens) + 3
+    free = list(range(n_blocks))
+    rnd.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-sl // page))] for sl in seq_lens]
+    slots = [t[p // page] * page + p % page for t, c, sl in zip(tables, ctx, seq_lens) for p in range(c, sl)]
+    T = sum(q_lens) + pad_rows
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+    return dict(
+        k_cache=rand(n_blocks, page, n_kv, hd), v_cache=rand(n_blocks, page, n_kv, hd),
+        q=rand(T, n_kv * group, hd), k=rand(T, n_kv, hd), v=rand(T, n_kv, hd),
+        batch=AttentionBatch(torch.tensor(slots + [-1] * pad_rows, device=DEVICE), qsl, seq_lens, tables, page,
+                             causal),
+        rows=qsl[-1], scale=hd**-0.5,
+    )
+
+
+def reference(c):
+    """Caches after the store and the output rows of the torch backend."""
+    b = c["batch"]
+    kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+    keep = b.slot_mapping >= 0
+    ref_batch = AttentionBatch(b.slot_mapping[keep], b.query_start_loc, b.seq_lens, b.block_tables, b.block_size,
+                               b.causal)
+    be = TorchAttention()
+    be.prepare(ref_batch, DEVICE)
+    be.store_kv(kc, vc, c["k"][keep], c["v"][keep], ref_batch)
+    return kc, vc, be.forward(c["q"], kc, vc, ref_batch, c["scale"])[: c["rows"]]
+
+
+def run_triton(c, num_splits=None, meta=None):
+    kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+    meta = meta or build_meta(c["batch"], DEVICE)
+    store_kv(kc, vc, c["k"], c["v"], meta.slot_mapping)
+    out = paged_attention(c["q"], kc, vc, meta, c["scale"], num_splits=num_splits)
+    return kc, vc, out[: c["rows"]]
+
+
+def check(c, **kw):
+    want_k, want_v, want = reference(c)
+    got_k, got_v, got = run_triton(c, **kw)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert got.dtype == c["q"].dtype
+    err = (got.float() - want.float()).abs().max().item() if want.numel() else 0.0
+    assert err < TOL[c["q"].dtype], err
+
+
+SCENARIOS = {  # q_lens, ctx, causal, pad_rows
+    "decode": ([1, 1, 1, 1], [5, 17, 40, 64], True, 0),
+    "verify": ([16, 16, 1], [3, 37, 20], True, 0),
+    "draft": ([16, 16], [9, 50], False, 0),
+    "prefill": ([100, 1, 16], [30, 44, 0], True, 0),
+    "padding": ([1, 0, 16, 0], [12, 0, 7, 0], True, 3),
+}
+CONFIGS = [  # n_kv, group, head_dim, page, dtype
+    (2, 1, 64, 16, torch.float32),
+    (2, 4, 128, 8, torch.float32),
+    (1, 3, 64, 32, torch.bfloat16),
+    (1, 8, 128, 16, torch.bfloat16),
+    (8, 2, 32, 16, torch.float32),
+    (2, 2, 96, 16, torch.float32),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"kv{c[0]}-g{c[1]}-d{c[2]}-p{c[3]}-{str(c[4])[6:]}")
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_matches_torch(scenario, config):
+    q_lens, ctx, causal, pad_rows = SCENARIOS[scenario]
+    n_kv, group, hd, page, dtype = config
+    check(make_case(q_lens, ctx, n_kv=n_kv, group=group, hd=hd, page=page, dtype=dtype, causal=causal,
+                    pad_rows=pad_rows))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_draft_and_verify_mixed_with_decode_bf16(causal):
+    check(make_case([16, 1, 16, 1], [21, 33, 0, 2], n_kv=2, group=4, hd=64, dtype=torch.bfloat16, causal=causal,
+                    seed=3))
+
+
+@pytest.mark.parametrize("q_len, causal", [(1, True), (16, True), (16, False)])
+def test_split_k_long_context(q_len, causal):
+    """Batch 1 with 4k keys: the heuristic splits the key range; same result as one partition."""
+    c = make_case([q_len], [4096 - q_len], n_kv=2, group=4, hd=64, causal=causal, seed=1)
+    meta = build_meta(c["batch"], DEVICE)
+    assert triton_paged._num_splits(2, 4096, 64, DEVICE) > 1  # one 64-row query tile x 2 kv heads
+    check(c)
+    assert torch.allclose(run_triton(c, meta=meta)[2], run_triton(c, num_splits=1, meta=meta)[2], atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_ragged(dtype):
+    """Sequences shorter than most partitions (neutral partials), a padding sequence, padding rows."""
+    check(make_case([1, 16, 1, 0, 5], [900, 10, 0, 0, 300], n_kv=1, group=4, hd=64, page=32, dtype=dtype,
+                    pad_rows=2, seed=2), num_splits=6)
+
+
+def test_static_bounds_larger_than_batch():
+    """A graph runner's meta: max_query_len / max_seq_len / table width above the real batch."""
+    c = make_case([1, 16, 3], [40, 5, 70], n_kv=2, group=3, hd=64, seed=4)
+    m = build_meta(c["batch"], DEVICE)
+    tables = torch.zeros(m.block_tables.shape[0], m.block_tables.shape[1] + 5, dtype=torch.int32, device=DEVICE)
+    tables[:, : m.block_tables.shape[1]] = m.block_tables
+    padded = DeviceMeta(m.slot_mapping, m.query_start_loc, m.seq_lens, tables, max_query_len=64, max_seq_len=2048,
+                        block_size=m.block_size, causal=True)
+    check(c, meta=padded)
+    check(c, meta=padded, num_splits=4)
+
+
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32])
+def test_store_kv_strided_and_cast(src_dtype):
+    """Non-contiguous k/v (slices of a fused projection), slots -1 skipped, cast to the cache dtype
+    (exact for bf16 -> bf16; one bf16 rounding for float32, which the interpreter truncates)."""
+    torch.manual_seed(0)
+    n_kv, hd, page = 3, 32, 8
+    fused = torch.randn(7, 2 * n_kv * hd + 5, device=DEVICE, dtype=src_dtype)
+    k = fused[:, : n_kv * hd].view(7, n_kv, hd)
+    v = fused[:, n_kv * hd: 2 * n_kv * hd].view(7, n_kv, hd)
+    kc = torch.zeros(4, page, n_kv, hd, device=DEVICE, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    slots = torch.tensor([3, -1, 31, 8, -1, 0, 17], device=DEVICE)
+    store_kv(kc, vc, k, v, slots)
+    keep = slots >= 0
+    want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    want_k.view(-1, n_kv, hd)[slots[keep]] = k[keep].to(kc.dtype)
+    want_v.view(-1, n_kv, hd)[slots[keep]] = v[keep].to(vc.dtype)
+    tol = 0 if src_dtype == torch.bfloat16 else 2**-7
+    torch.testing.assert_close(kc, want_k, rtol=tol, atol=0)
+    torch.testing.assert_close(vc, want_v, rtol=tol, atol=0)
+
+
+def test_backend_prepare_store_forward_and_store_only_batch():
+    c = make_case([1, 16], [30, 9], n_kv=2, group=2, hd=64, seed=5)
+    b = c["batch"]
+    want_k, want_v, want = reference(c)
+    be = TritonAttention()
+    be.prepare(b, DEVICE)
+    kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+    be.store_kv(kc, vc, c["k"], c["v"], b)
+    got = be.forward(c["q"], kc, vc, b, c["scale"])
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    assert (got - want).abs().max().item() < TOL[torch.float32]
+    # DFlash context write: a batch with only slot_mapping stores at its own slots, not the meta's
+    ctx_batch = AttentionBatch(torch.tensor([5, 2], device=DEVICE), [], [], [], b.block_size)
+    be.store_kv(kc, vc, c["k"][:2], c["v"][:2], ctx_batch)
+    assert torch.equal(kc.view(-1, 2, 64)[[5, 2]], c["k"][:2])
+    # a graph runner's meta replaces the prepared one; batch arguments are then ignored, and rows
+    # past the last sequence (a bucket's padding) come out zero
+    be.set_meta(build_meta(b, DEVICE))
+    q = torch.cat([c["q"], torch.randn(3, *c["q"].shape[1:], device=DEVICE)])
+    got = be.forward(q, want_k, want_v, None, c["scale"])
+    assert (got[: c["rows"]] - want).abs().max().item() < TOL[torch.float32]
+    assert not got[c["rows"]:].any()
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_engine_tokens_match_torch_backend(tiny_llama, tmp_path, with_drafter):
+    """Greedy generation through the engine (chunked prefill, decode; DFlash draft, verify and
+    context writes) gives the same tokens with either backend."""
+    from fixtures import build_random_drafter
+
+    from flashdraft import LLM, SamplingParams
+
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)) if with_drafter else None
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [9]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_llama), draft=draft, device=str(DEVICE), dtype="float32", attention_backend=backend,
+                  max_num_batched_tokens=24, kv_block_size=8)
+        outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert outs["triton"] == outs["torch"]
+
+
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_with_refilled_meta():
+    """Capture once with static buffers, refill them in place for another batch, replay."""
+    kw = dict(n_kv=2, group=4, hd=128, dtype=torch.bfloat16, n_blocks=200)
+    cases = [make_case([1, 16, 1], [100, 30, 2000], seed=6, **kw), make_case([16, 1, 1], [7, 1500, 60], seed=7, **kw)]
+    metas = [build_meta(c["batch"], DEVICE) for c in cases]
+    width = max(m.block_tables.shape[1] for m in metas)
+    static = DeviceMeta(torch.empty_like(metas[0].slot_mapping), torch.empty_like(metas[0].query_start_loc),
+                        torch.empty_like(metas[0].seq_lens), torch.zeros(3, width, dtype=torch.int32, device=DEVICE),
+                        max_query_len=16, max_seq_len=2048, block_size=16, causal=True)
+    kc, vc = cases[0]["k_cache"].clone(), cases[0]["v_cache"].clone()
+    q, k, v = cases[0]["q"].clone(), cases[0]["k"].clone(), cases[0]["v"].clone()
+
+    def fill(c, m):
+        static.slot_mapping.copy_(m.slot_mapping)
+        static.query_start_loc.copy_(m.query_start_loc)
+        static.seq_lens.copy_(m.seq_lens)
+        static.block_tables.zero_()[:, : m.block_tables.shape[1]] = m.block_tables
+        for dst, src in ((kc, "k_cache"), (vc, "v_cache"), (q, "q"), (k, "k"), (v, "v")):
+            dst.copy_(c[src])
+
+    def step():
+        store_kv(kc, vc, k, v, static.slot_mapping)
+        return paged_attention(q, kc, vc, static, cases[0]["scale"])
+
+    fill(cases[0], metas[0])
+    step()  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for c, m in zip(cases, metas):
+        fill(c, m)
+        graph.replay()
+        torch.cuda.synchronize()
+        _, _, want = reference(c)
+        assert (out[: c["rows"]].float() - want.float()).abs().max().item() < TOL[torch.bfloat16]
