@@ -41,10 +41,15 @@ class TorchAttention(AttentionBackend):
         key_slots = table[:, key_pos // bs] * bs + key_pos % bs  # [S, L]
         # short queries (decode, verify, draft blocks) go through one padded batch; long prefill
         # chunks loop, so one new prompt never drags hundreds of decoding sequences into the loop
-        short = [s for s in range(S) if q_lens[s] <= SHORT_QUERY]
-        q_max = max((q_lens[s] for s in short), default=0)
-        if len(short) < 2 or len(short) * q_max * l_max > self.padded_max_elements:
+        short = sorted((s for s in range(S) if q_lens[s] <= SHORT_QUERY), key=lambda s: q_lens[s])
+        # the padded tensors grow with the group's longest query: its longest members go to the
+        # loop until it fits (one 25-token prompt must not push 1,000 decoding rows into the loop)
+        while short and len(short) * q_lens[short[-1]] * l_max > self.padded_max_elements:
+            short.pop()
+        q_max = q_lens[short[-1]] if short else 0
+        if len(short) < 2:
             short = []
+        short.sort()
         in_group = set(short)
         self.looped = [s for s in range(S) if s not in in_group]
         self.padded = bool(short)
