@@ -21,14 +21,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    p.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: triton on CUDA when it imports, else torch")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, draft=None if args.no_spec else args.draft, device=args.device,
                 dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-                kv_cache_memory_gb=args.kv_cache_memory_gb, attention_backend=args.attention_backend)
+                kv_cache_memory_gb=args.kv_cache_memory_gb, attention_backend=args.attention_backend,
+                cuda_graphs=not args.no_cuda_graphs)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -23,7 +23,9 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None  # None: 2 GiB on cpu, 85% of free memory on cuda
     num_speculative_tokens: int | None = None  # None: block_size - 1 of the drafter
     seed: int = 0
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # "auto": triton on CUDA when it imports, else torch
+    cuda_graphs: bool = True  # replay captured steps (decode, verify, draft) on CUDA with the triton backend
+    max_graph_batch: int = 256  # larger batches run eagerly
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -40,8 +42,25 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.kv_block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose auto, torch or triton")
+        if self.max_graph_batch < 1:
+            raise ValueError(f"max_graph_batch must be >= 1, got {self.max_graph_batch}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    def resolved_attention_backend(self, device: torch.device) -> str:
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose auto, torch or triton")
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        if device.type != "cuda":
+            return "torch"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
 
     def resolved_device(self) -> torch.device:
         if self.device is None:

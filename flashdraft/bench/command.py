@@ -132,7 +132,7 @@ def engine_config(engine: LLMEngine) -> dict:
          "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or "cpu"),
          "dtype": str(engine.dtype).removeprefix("torch."), "max_model_len": engine.max_model_len,
          "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
-         "attention_backend": cfg.attention_backend}
+         "attention_backend": engine.runner.backend_name, "cuda_graphs": engine.runner.use_graphs}
     if engine.spec is not None:
         d["block_size"] = engine.spec.block_size
         d["num_speculative_tokens"] = engine.spec.num_draft

@@ -9,6 +9,7 @@ from flashdraft.attention.base import AttentionBackend, AttentionBatch
 from flashdraft.attention.torch_ref import TorchAttention
 from flashdraft.config import EngineConfig
 from flashdraft.engine.block_manager import BlockManager
+from flashdraft.engine.graphs import StepGraph
 from flashdraft.engine.sampler import SamplingBatch
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.transformer import DecoderLM
@@ -52,7 +53,14 @@ class ModelRunner:
         self.model = model
         self.device, self.dtype = device, dtype
         self.block_size = config.kv_block_size
-        self.attn = make_backend(config.attention_backend)
+        self.backend_name = config.resolved_attention_backend(device)
+        self.attn = make_backend(self.backend_name)
+        # CUDA graphs need a backend that reads its step description from device tensors
+        self.use_graphs = config.cuda_graphs and device.type == "cuda" and hasattr(self.attn, "set_meta")
+        self.max_graph_batch = config.max_graph_batch
+        self.max_blocks = -(-(max_model_len + 64) // self.block_size)
+        self.graphs: dict[tuple, StepGraph] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         cfg = model.config
         # max_model_len plus room for draft slots past the end of a sequence
         model.setup_rope(max_model_len + 64)
@@ -85,11 +93,50 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
                 tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-        """Run the target; returns final hidden [T, H], taps [T, n*H] or None, and row offsets."""
+        """Run the target; returns final hidden [T, H], taps [T, n*H] or None, and row offsets.
+        Steps where every sequence brings the same number of tokens (decode, verify) replay a
+        captured CUDA graph when graphs are on."""
+        out = self.graphed(("target", tap_layers), seqs, tokens, bm, True, self.attn,
+                           lambda g: self.model(g.input_ids, g.positions, self.kv, self.attn, g.meta, tap_layers))
+        if out is not None:
+            (hidden, taps), qsl = out
+            return hidden, taps, qsl
         input_ids, positions, batch = self.build_batch(seqs, tokens, bm)
         self.attn.prepare(batch, self.device)
         hidden, taps = self.model(input_ids, positions, self.kv, self.attn, batch, tap_layers)
         return hidden, taps, batch.query_start_loc
+
+    def graphed(self, key: tuple, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager, causal: bool,
+                attn: AttentionBackend, fn) -> tuple | None:
+        """Run fn(graph) through the captured graph of this step's shape (bucket of sequences x
+        rows per sequence), capturing it on first use; None when the step is not graphable. The
+        outputs (tensors or tuples of tensors, rows first) are cut to this step's rows."""
+        q_len = len(tokens[0]) if tokens else 0
+        if not self.use_graphs or not q_len or len(seqs) > self.max_graph_batch \
+                or any(len(t) != q_len for t in tokens):
+            return None
+        bucket = 1 << (len(seqs) - 1).bit_length()
+        bs = self.block_size
+        ids, pos, slots, seq_lens, tables = [], [], [], [], []
+        for seq, toks in zip(seqs, tokens):
+            start = seq.num_computed_tokens
+            table = bm.table(seq.seq_id)
+            ids.extend(toks)
+            pos.extend(range(start, start + q_len))
+            slots.extend(table[i // bs] * bs + i % bs for i in range(start, start + q_len))
+            seq_lens.append(start + q_len)
+            tables.append(table)
+        g = self.graphs.get((key, bucket, q_len))
+        if g is None:
+            g = StepGraph(fn, bucket, q_len, self.max_blocks, bs, self.device, causal=causal,
+                          max_seq_len=self.max_blocks * bs, attn=[attn])
+            g.fill(ids, pos, slots, seq_lens, tables)
+            g.capture(pool=self.graph_pool)
+            self.graphs[(key, bucket, q_len)] = g
+        out = g.run(ids, pos, slots, seq_lens, tables)
+        n = len(ids)
+        cut = tuple(o[:n] if o is not None else None for o in out) if isinstance(out, tuple) else out[:n]
+        return cut, [i * q_len for i in range(len(seqs) + 1)]
 
     def sampling_batch(self, seqs: list[Sequence], positions: list[int]) -> SamplingBatch:
         """One row per (seq, position) pair, in order."""

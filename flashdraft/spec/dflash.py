@@ -104,7 +104,7 @@ class DFlashSpeculator:
         self.k_cache = torch.zeros(shape, device=engine.device, dtype=engine.dtype)
         self.v_cache = torch.zeros(shape, device=engine.device, dtype=engine.dtype)
         self.kv = [(self.k_cache[i], self.v_cache[i]) for i in range(c.num_hidden_layers)]
-        self.attn = make_backend(engine.config.attention_backend)
+        self.attn = make_backend(engine.runner.backend_name)
         self.stats = SpecStats(self.num_draft)
         self.poison_rejected = False  # tests: fill every slot a rejected draft touched with NaN
 
@@ -167,10 +167,16 @@ class DFlashSpeculator:
         """Draft B-1 tokens per request in one non-causal drafter forward."""
         eng, B = self.engine, self.block_size
         blocks = [[s.token_ids[-1]] + [self.mask_token_id] * (B - 1) for s in seqs]
-        ids, pos, batch = eng.runner.build_batch(seqs, blocks, eng.block_manager, causal=False)
-        self.attn.prepare(batch, eng.device)
         embed = self.drafter.embed_tokens or eng.runner.model.embed_tokens
-        hidden = self.drafter(embed(ids), pos, self.kv, self.attn, batch)
+        out = None if self.poison_rejected else eng.runner.graphed(
+            ("draft",), seqs, blocks, eng.block_manager, False, self.attn,
+            lambda g: self.drafter(embed(g.input_ids), g.positions, self.kv, self.attn, g.meta))
+        if out is not None:
+            hidden = out[0]
+        else:
+            ids, pos, batch = eng.runner.build_batch(seqs, blocks, eng.block_manager, causal=False)
+            self.attn.prepare(batch, eng.device)
+            hidden = self.drafter(embed(ids), pos, self.kv, self.attn, batch)
         hidden = hidden.view(len(seqs), B, -1)[:, 1:]
         if self.drafter.lm_head is not None:
             draft = self.drafter.lm_head(hidden).argmax(-1)
