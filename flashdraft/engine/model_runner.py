@@ -92,22 +92,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
-                tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+                tap_layers: tuple[int, ...] = (), input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         """Run the target; returns final hidden [T, H], taps [T, n*H] or None, and row offsets.
-        Steps where every sequence brings the same number of tokens (decode, verify) replay a
-        captured CUDA graph when graphs are on."""
+        input_ids (on the device) replaces the token values of `tokens`, which then only give
+        lengths. Steps where every sequence brings the same number of tokens (decode, verify)
+        replay a captured CUDA graph when graphs are on."""
         out = self.graphed(("target", tap_layers), seqs, tokens, bm, True, self.attn,
-                           lambda g: self.model(g.input_ids, g.positions, self.kv, self.attn, g.meta, tap_layers))
+                           lambda g: self.model(g.input_ids, g.positions, self.kv, self.attn, g.meta, tap_layers),
+                           input_ids)
         if out is not None:
             (hidden, taps), qsl = out
             return hidden, taps, qsl
-        input_ids, positions, batch = self.build_batch(seqs, tokens, bm)
+        ids, positions, batch = self.build_batch(seqs, tokens, bm)
+        input_ids = ids if input_ids is None else input_ids
         self.attn.prepare(batch, self.device)
         hidden, taps = self.model(input_ids, positions, self.kv, self.attn, batch, tap_layers)
         return hidden, taps, batch.query_start_loc
 
     def graphed(self, key: tuple, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager, causal: bool,
-                attn: AttentionBackend, fn) -> tuple | None:
+                attn: AttentionBackend, fn, input_ids: torch.Tensor | None = None) -> tuple | None:
         """Run fn(graph) through the captured graph of this step's shape (bucket of sequences x
         rows per sequence), capturing it on first use; None when the step is not graphable. The
         outputs (tensors or tuples of tensors, rows first) are cut to this step's rows."""
@@ -133,7 +137,7 @@ class ModelRunner:
             g.fill(ids, pos, slots, seq_lens, tables)
             g.capture(pool=self.graph_pool)
             self.graphs[(key, bucket, q_len)] = g
-        out = g.run(ids, pos, slots, seq_lens, tables)
+        out = g.run(ids if input_ids is None else input_ids, pos, slots, seq_lens, tables)
         n = len(ids)
         cut = tuple(o[:n] if o is not None else None for o in out) if isinstance(out, tuple) else out[:n]
         return cut, [i * q_len for i in range(len(seqs) + 1)]

@@ -150,18 +150,40 @@ class DFlashSpeculator:
             p.row = row
             row += p.n
         drafting = [p for p in plans if p.drafts is not None]
-        if drafting:
-            for p, d in zip(drafting, self.propose([p.seq for p in drafting])):
-                p.drafts = d[: p.n - 1]
-        tokens = [p.seq.token_ids[p.seq.num_computed_tokens:][:p.n] if p.drafts is None
-                  else [p.seq.token_ids[-1], *p.drafts] for p in plans]
-        hidden, taps, _ = eng.runner.forward(batch.seqs, tokens, eng.block_manager, self.tap_layers)
-        chosen = self._target_tokens(plans, hidden)
+        # drafts stay on the device: they are patched into the verify input there, and read back
+        # together with the target's tokens in the step's one device->host transfer
+        ids, tokens, draft_t = self._verify_input(plans, drafting)
+        hidden, taps, _ = eng.runner.forward(batch.seqs, tokens, eng.block_manager, self.tap_layers, input_ids=ids)
+        chosen = self._target_tokens(plans, hidden, draft_t, drafting)
         for i, p in enumerate(plans):
             if p.drafts is not None:
                 p.accepted = int(accepted_lengths(torch.tensor([p.drafts]), torch.tensor([chosen[i]]))[0])
         self._write_context(plans, taps)
         return self._commit(plans, chosen)
+
+    def _verify_input(self, plans: list[_Plan], drafting: list[_Plan]):
+        """Token ids of the verify forward on the device, drafts included without a host round
+        trip; the host lists carry the lengths (drafts as placeholders)."""
+        dev = self.engine.device
+        draft_t = None
+        if drafting:
+            d = self.propose([p.seq for p in drafting])
+            draft_t = d if isinstance(d, torch.Tensor) else torch.tensor(d, dtype=torch.long, device=dev)
+        tokens, dst, src = [], [], []
+        k = 0
+        for p in plans:
+            if p.drafts is None:
+                tokens.append(p.seq.token_ids[p.seq.num_computed_tokens:][:p.n])
+                continue
+            tokens.append([p.seq.token_ids[-1]] + [0] * (p.n - 1))
+            dst.extend(range(p.row + 1, p.row + p.n))
+            src.extend(range(k * draft_t.shape[1], k * draft_t.shape[1] + p.n - 1))
+            k += 1
+        ids = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long, device=dev)
+        if dst:
+            idx = torch.tensor([dst, src], dtype=torch.long, device=dev)
+            ids[idx[0]] = draft_t.flatten()[idx[1]]
+        return ids, tokens, draft_t
 
     def propose(self, seqs: list[Sequence]) -> list[list[int]]:
         """Draft B-1 tokens per request in one non-causal drafter forward."""
@@ -186,15 +208,17 @@ class DFlashSpeculator:
             draft = eng.runner.model.compute_logits(hidden).argmax(-1)
         if self.poison_rejected:  # the block's scratch K/V must never be read again
             self._poison(self.k_cache, self.v_cache, batch.slot_mapping)
-        return draft.tolist()
+        return draft  # [S, B-1] on the device
 
-    def _target_tokens(self, plans: list[_Plan], hidden: torch.Tensor) -> dict[int, list[int]]:
-        """Target-chosen tokens: every verify slot of drafting requests, the last row of others."""
+    def _target_tokens(self, plans: list[_Plan], hidden: torch.Tensor, draft_t: torch.Tensor | None,
+                       drafting: list[_Plan]) -> dict[int, list[int]]:
+        """Target-chosen tokens: every verify slot of drafting requests, the last row of others.
+        The step's only device->host transfer reads them together with the drafts."""
         rows, seqs, positions, owner = [], [], [], []
         for i, p in enumerate(plans):
             s, start = p.seq, p.seq.num_computed_tokens
             if p.drafts is not None:
-                width = len(p.drafts) + 1
+                width = p.n
             elif start + p.n == s.num_tokens:
                 width = 1
             else:
@@ -209,9 +233,14 @@ class DFlashSpeculator:
             return out
         eng = self.engine
         logits = eng.runner.model.compute_logits(hidden[torch.tensor(rows, device=eng.device)])
-        toks = sample(logits, eng.runner.sampling_batch(seqs, positions)).tolist()
-        for i, t in zip(owner, toks):
+        toks = sample(logits, eng.runner.sampling_batch(seqs, positions))
+        host = torch.cat([toks, draft_t.flatten()]).tolist() if draft_t is not None else toks.tolist()
+        for i, t in zip(owner, host):
             out.setdefault(i, []).append(t)
+        if draft_t is not None:
+            width, flat = draft_t.shape[1], host[len(rows):]
+            for k, p in enumerate(drafting):
+                p.drafts = flat[k * width: k * width + p.n - 1]
         return out
 
     def _write_context(self, plans: list[_Plan], taps: torch.Tensor) -> None:
