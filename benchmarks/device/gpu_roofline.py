@@ -13,9 +13,14 @@ code path with --tiny, about a minute, most of it compiling flex_attention; --no
 Smoke test anywhere (small shapes, CPU allowed, no graphs off CUDA, Triton only if importable):
 
     python benchmarks/device/gpu_roofline.py --tiny --device cpu --out /tmp/roofline-tiny
+    TRITON_INTERPRET=1 python benchmarks/device/gpu_roofline.py --tiny --device cpu --out /tmp/rt
+
+(the second also runs the triton rows, in the Triton interpreter: about 10 minutes on 2 cores).
 
 Writes DIR/roofline.json (all numbers, errors included) and DIR/roofline.md (summary tables).
-Backends: `triton` (flashdraft.attention.triton_paged, CUDA only, when importable), `torch_static`
+Backends: `triton` (flashdraft.attention.triton_paged, CUDA only, when importable, or on CPU under
+TRITON_INTERPRET=1), `triton+fused` (the same with the fused Triton norm / RoPE + KV store / silu
+kernels of flashdraft.models.fused; every other row runs the torch elementwise ops), `torch_static`
 (StaticTorchAttention; the plain-PyTorch + CUDA-graph baseline) and, for decode only, `torch_eager`
 (TorchAttention without graphs: the engine's current GPU path). Each failing measurement is
 recorded in the JSON and the run goes on. Optional parts (flex_attention, torch_eager) are skipped
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -46,7 +52,7 @@ from flashdraft.attention.torch_ref import StaticTorchAttention, TorchAttention 
 from flashdraft.engine.graphs import StepGraph  # noqa: E402
 from flashdraft.engine.model_runner import kv_bytes_per_token  # noqa: E402
 from flashdraft.models.dflash_draft import DFlashDraftModel  # noqa: E402
-from flashdraft.models.transformer import DecoderLM  # noqa: E402
+from flashdraft.models.transformer import DecoderLM, fused_mode  # noqa: E402
 from flashdraft.spec.formats import DraftSpec, default_target_layer_ids  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -267,11 +273,13 @@ class Roofline:
         log(f"built target {self.w_target / 1e9:.2f} GB + drafter {self.w_drafter / 1e9:.2f} GB + KV "
             f"{info['kv_cache_bytes'] / 1e9:.2f} GB in {self.sync_build_s:.1f}s")
         self.backends = {}
-        if self.cuda:
+        if self.cuda or os.environ.get("TRITON_INTERPRET") == "1":
             try:
                 from flashdraft.attention.triton_paged import TritonAttention
+                from flashdraft.models import fused  # noqa: F401
 
                 self.backends["triton"] = TritonAttention
+                self.backends["triton+fused"] = TritonAttention
             except Exception as e:
                 self.error("import triton backend", e)
         else:
@@ -334,7 +342,8 @@ class Roofline:
             for S in self.batches:
                 row = {"backend": name, "batch": S, "graph": self.cuda, **self.decode_roofline(S)}
                 try:
-                    row |= self._decode_one(name, cls, S, first)
+                    with fused_mode("on" if name.endswith("+fused") else "off"):  # captured with the graph
+                        row |= self._decode_one(name, cls, S, first)
                     log(f"decode {name} b={S}: {row['ms']:.3f} ms/step ({row['tok_s']:.0f} tok/s), roofline "
                         f"{row['roofline_ms']:.3f} ms ({row['bound']}), x{row['ms'] / row['roofline_ms']:.2f}; "
                         f"with host inputs {row['run_from_host_lists']['ms']:.3f} ms")
@@ -351,7 +360,8 @@ class Roofline:
                 continue
             row = {"backend": "torch_eager", "batch": S, "graph": False, **self.decode_roofline(S)}
             try:
-                row |= self._decode_eager(S)
+                with fused_mode("off"):
+                    row |= self._decode_eager(S)
                 row["vs_roofline"] = row["ms"] / row["roofline_ms"]
                 log(f"decode torch_eager b={S}: {row['ms']:.3f} ms/step, x{row['vs_roofline']:.2f} of roofline")
             except Exception as e:
@@ -408,7 +418,8 @@ class Roofline:
                 row = {"backend": name, "batch": S, "graph": self.cuda, "step_roofline": self.dflash_roofline(S),
                        "decode_roofline_ms": self.decode_roofline(S)["mem_ms"]}
                 try:
-                    row |= self._dflash_one(cls, S)
+                    with fused_mode("on" if name.endswith("+fused") else "off"):
+                        row |= self._dflash_one(cls, S)
                     ms = row["step_ms"] = row["step"]["ms"]
                     row["step_vs_roofline"] = ms / row["step_roofline"]["roofline_ms"]
                     # tokens per step needed to beat an ideal plain decoder / our own graph decode

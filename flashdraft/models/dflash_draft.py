@@ -10,7 +10,14 @@ import torch.nn.functional as F
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch
 from flashdraft.models.rope import RotaryTable, apply_rope
-from flashdraft.models.transformer import DecoderLayer, RMSNorm, load_packed
+from flashdraft.models.transformer import (
+    DecoderLayer,
+    RMSNorm,
+    forward_layers_fused,
+    fused_enabled,
+    load_packed,
+    step_slots,
+)
 from flashdraft.spec.formats import DraftSpec
 
 # tensors some checkpoints carry that serving does not use
@@ -48,6 +55,7 @@ class DFlashDraftModel(nn.Module):
         self._ctx_kv_weight = torch.cat([a.qkv_proj.weight[a.q_size:] for a in att], 0)
         biases = [a.qkv_proj.bias[a.q_size:] for a in att if a.qkv_proj.bias is not None]
         self._ctx_kv_bias = torch.cat(biases) if biases else None
+        self._ctx_k_norm_weight = torch.stack([a.k_norm.weight for a in att])  # [L, D], the fused context write
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         weights = {k.removeprefix("model."): w for k, w in weights.items() if k not in _IGNORED}
@@ -57,6 +65,14 @@ class DFlashDraftModel(nn.Module):
                       batch: AttentionBatch) -> None:
         """Context K/V for committed positions: K = rope(k_norm(k_proj(f))), V = v_proj(f) with
         f = hidden_norm(fc(taps)), for every layer, stored at batch.slot_mapping."""
+        if fused_enabled(taps):
+            from flashdraft.models import fused
+
+            f, _ = fused.add_rmsnorm(self.fc(taps), None, self.hidden_norm.weight, self.hidden_norm.eps)
+            kv = F.linear(f, self._ctx_kv_weight, self._ctx_kv_bias)
+            fused.context_kv_store(kv, positions, self.rope.cos, self.rope.sin, self._ctx_k_norm_weight,
+                                   self.layers[0].self_attn.k_norm.eps, kv_cache, step_slots(attn, batch))
+            return
         f = self.hidden_norm(self.fc(taps))
         kv = F.linear(f, self._ctx_kv_weight, self._ctx_kv_bias)
         cos, sin = self.rope.lookup(positions)
@@ -71,6 +87,8 @@ class DFlashDraftModel(nn.Module):
                 batch: AttentionBatch) -> torch.Tensor:
         """Draft blocks (batch.causal is False): the block's K/V are written to scratch slots past
         the committed context, which the next context write overwrites; nothing of it is kept."""
+        if fused_enabled(embeds):
+            return forward_layers_fused(self.layers, embeds, positions, self.rope, kv_cache, attn, batch, self.norm)[0]
         cos, sin = self.rope.lookup(positions)
         h = embeds
         for i, layer in enumerate(self.layers):

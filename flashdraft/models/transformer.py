@@ -3,6 +3,8 @@ q/k RMSNorm, Qwen2 adds q/k/v biases. q/k/v and gate/up are packed into one matm
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Sequence
 
 import torch
@@ -13,6 +15,43 @@ from flashdraft.attention.base import AttentionBackend, AttentionBatch
 from flashdraft.models.rope import RotaryTable, apply_rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2")
+
+# The fused Triton kernels of flashdraft/models/fused.py (add+RMSNorm, q/k norm + RoPE + K/V store,
+# silu*mul) replace the elementwise torch ops: "auto" for CUDA activations when triton imports, "on"
+# also for CPU tensors under TRITON_INTERPRET=1 (tests), "off" never. No backward: never with grad.
+FUSED = os.environ.get("FLASHDRAFT_FUSED", "auto")
+_triton_ok: bool | None = None
+
+
+def fused_enabled(x: torch.Tensor) -> bool:
+    """Whether a forward over activations like `x` takes the fused path (see FUSED)."""
+    global _triton_ok
+    if FUSED == "off" or torch.is_grad_enabled():
+        return False
+    if FUSED not in ("auto", "on"):
+        raise ValueError(f"FLASHDRAFT_FUSED must be auto, on or off, got {FUSED!r}")
+    if FUSED == "auto" and x.device.type != "cuda":
+        return False
+    if _triton_ok is None:
+        try:
+            import flashdraft.models.fused  # noqa: F401
+            _triton_ok = True
+        except ImportError:
+            _triton_ok = False
+    if FUSED == "on" and not (_triton_ok and (x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")):
+        raise RuntimeError("FLASHDRAFT_FUSED=on needs triton and CUDA tensors (or TRITON_INTERPRET=1)")
+    return _triton_ok
+
+
+@contextlib.contextmanager
+def fused_mode(mode: str):
+    """Temporarily set FUSED (tests, benchmarks). CUDA graphs keep the path they were captured with."""
+    global FUSED
+    old, FUSED = FUSED, mode
+    try:
+        yield
+    finally:
+        FUSED = old
 
 
 class RMSNorm(nn.Module):
@@ -52,6 +91,17 @@ class Attention(nn.Module):
         o = attn.forward(q, k_cache, v_cache, batch, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
+    def forward_fused(self, x, positions, rope: RotaryTable, k_cache, v_cache, attn: AttentionBackend, batch):
+        """One kernel for q/k norm, RoPE and the K/V store (the backend's store_kv is not called)."""
+        from flashdraft.models import fused
+
+        norm = self.q_norm is not None
+        q = fused.qk_norm_rope_store(self.qkv_proj(x), positions, rope.cos, rope.sin,
+                                     self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                                     self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch))
+        o = attn.forward(q, k_cache, v_cache, batch, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
@@ -63,6 +113,11 @@ class MLP(nn.Module):
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def forward_fused(self, x):
+        from flashdraft.models import fused
+
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -76,6 +131,41 @@ class DecoderLayer(nn.Module):
     def forward(self, h, cos, sin, k_cache, v_cache, attn, batch):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, attn, batch)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_fused(self, x, residual, positions, rope, k_cache, v_cache, attn, batch):
+        """x: this layer's input_layernorm output; residual: the stream it was taken from. Returns
+        (mlp output, residual): the layer's output is their sum, which the next add_rmsnorm forms."""
+        from flashdraft.models import fused
+
+        a = self.self_attn.forward_fused(x, positions, rope, k_cache, v_cache, attn, batch)
+        norm = self.post_attention_layernorm
+        x, residual = fused.add_rmsnorm(a, residual, norm.weight, norm.eps)
+        return self.mlp.forward_fused(x), residual
+
+
+def step_slots(attn: AttentionBackend, batch) -> torch.Tensor:
+    """The cache slots of this step's rows: the batch's (AttentionBatch or DeviceMeta), or the
+    backend's installed meta's when batch is None."""
+    return (batch if batch is not None else attn.meta).slot_mapping
+
+
+def forward_layers_fused(layers, h, positions, rope: RotaryTable, kv_cache, attn, batch, final_norm: RMSNorm,
+                         tap_layers: Sequence[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The fused path of a layer stack: every residual add is folded into the next RMSNorm, the
+    last into `final_norm`. Returns final_norm(output) and {i: output of layer i} for tap_layers."""
+    from flashdraft.models import fused
+
+    x, residual, taps = h, None, {}
+    for i, layer in enumerate(layers):
+        ln = layer.input_layernorm
+        x, residual = fused.add_rmsnorm(x, residual, ln.weight, ln.eps)
+        if i > 0 and i - 1 in tap_layers:
+            taps[i - 1] = residual
+        x, residual = layer.forward_fused(x, residual, positions, rope, kv_cache[i][0], kv_cache[i][1], attn, batch)
+    out, residual = fused.add_rmsnorm(x, residual, final_norm.weight, final_norm.eps)
+    if len(layers) - 1 in tap_layers:
+        taps[len(layers) - 1] = residual
+    return out, taps
 
 
 class DecoderLM(nn.Module):
@@ -111,6 +201,10 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: Sequence[tuple],
                 attn: AttentionBackend, batch: AttentionBatch, tap_layers: Sequence[int] = ()):
+        if fused_enabled(self.embed_tokens.weight):
+            out, taps = forward_layers_fused(self.layers, self.embed_tokens(input_ids), positions, self.rope, kv_cache,
+                                             attn, batch, self.norm, tap_layers)
+            return out, (torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None)
         cos, sin = self.rope.lookup(positions)
         h = self.embed_tokens(input_ids)
         taps: dict[int, torch.Tensor] = {}

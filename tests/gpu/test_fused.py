@@ -1,0 +1,305 @@
+"""The fused Triton kernels of flashdraft/models/fused.py against the torch path they replace:
+add + RMSNorm, q/k norm + RoPE + paged K/V store (Llama without q/k norm, Qwen3 with; head_dim 64
+and 128; GQA; scaled rope tables; slot -1 rows), silu * mul, the DFlash context write (stacked and
+separate caches); whole model forwards (hidden, taps, caches); the engine end to end (greedy
+tokens, plain and DFlash, eager and through the graph runner's static buffers).
+
+Runs on CUDA, or on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, where bf16 casts
+truncate instead of rounding: bf16 tolerances are loose); skipped when neither is available."""
+
+from __future__ import annotations
+
+import os
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from fixtures import tiny_config  # noqa: E402
+
+from flashdraft.attention.base import AttentionBatch  # noqa: E402
+from flashdraft.attention.torch_ref import TorchAttention  # noqa: E402
+from flashdraft.models import fused, transformer  # noqa: E402
+from flashdraft.models.dflash_draft import DFlashDraftModel  # noqa: E402
+from flashdraft.models.rope import RotaryTable, apply_rope  # noqa: E402
+from flashdraft.models.transformer import MLP, DecoderLM, RMSNorm, fused_mode  # noqa: E402
+from flashdraft.spec.formats import DraftSpec  # noqa: E402
+
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+TOL = {torch.float32: 2e-5, torch.bfloat16: 6e-2}
+
+
+def randn(*shape, dtype=torch.float32, gen=None, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
+
+
+def close(got, want, dtype, what=""):
+    err = (got.float() - want.float()).abs().max().item() if got.numel() else 0.0
+    bound = TOL[dtype] * max(1.0, want.float().abs().max().item())
+    assert err <= bound, f"{what}: max abs diff {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n", [(1, 64), (5, 100), (3, 4096)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rmsnorm(rows, n, with_residual, dtype):
+    g = torch.Generator().manual_seed(n + rows)
+    norm = RMSNorm(n, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + randn(n, gen=g, scale=0.2))
+    x, res = randn(rows, n, dtype=dtype, gen=g), randn(rows, n, dtype=dtype, gen=g, scale=3.0)
+    with torch.no_grad():
+        want_res = x + res if with_residual else x
+        want = norm(want_res)
+    out, new_res = fused.add_rmsnorm(x, res if with_residual else None, norm.weight, norm.eps)
+    assert out.dtype == want.dtype and out.shape == want.shape and new_res.shape == x.shape
+    close(new_res, want_res, dtype, "residual")
+    close(out, want, dtype, "normed")
+    if dtype == torch.float32:
+        assert torch.equal(new_res, want_res)
+
+
+QK_CASES = {  # (model kind -> rope table and q/k norm, head_dim, heads, kv heads)
+    "llama-d64-g2": ("llama", 64, 4, 2),
+    "qwen3-d128-g4": ("qwen3", 128, 8, 2),
+    "qwen3-d64-mha": ("qwen3", 64, 2, 2),
+    "llama-d128-g8": ("llama", 128, 8, 1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize("case", list(QK_CASES))
+def test_qk_norm_rope_store(case, T, dtype):
+    kind, hd, H, KV = QK_CASES[case]
+    g = torch.Generator().manual_seed(hd * 31 + H + T)
+    rnd = random.Random(T + H)
+    cfg = tiny_config(kind, 320, head_dim=hd, num_attention_heads=H, num_key_value_heads=KV)
+    rope = RotaryTable(cfg, hd, 300, DEVICE, dtype)  # llama: the llama3-scaled table
+    qk_norm = kind == "qwen3"
+    q_norm, k_norm = RMSNorm(hd, 1e-6).to(DEVICE, dtype), RMSNorm(hd, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        q_norm.weight.copy_(1 + randn(hd, gen=g, scale=0.3))
+        k_norm.weight.copy_(1 + randn(hd, gen=g, scale=0.3))
+    qkv = randn(T, (H + 2 * KV) * hd, dtype=dtype, gen=g, scale=2.0)
+    positions = torch.tensor([rnd.randrange(300) for _ in range(T)], device=DEVICE)
+    page, n_blocks = 8, 6
+    slots = rnd.sample(range(page * n_blocks), T)
+    if T > 1:
+        slots[1] = slots[-1] = -1  # padding rows: not stored
+    slot_mapping = torch.tensor(slots, device=DEVICE)
+    kc, vc = randn(n_blocks, page, KV, hd, dtype=dtype, gen=g), randn(n_blocks, page, KV, hd, dtype=dtype, gen=g)
+
+    with torch.no_grad():  # the torch path of Attention.forward
+        q, k, v = qkv.split([H * hd, KV * hd, KV * hd], dim=-1)
+        q, k, v = q.view(-1, H, hd), k.view(-1, KV, hd), v.view(-1, KV, hd)
+        if qk_norm:
+            q, k = q_norm(q), k_norm(k)
+        cos, sin = rope.lookup(positions)
+        want_q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        want_kc, want_vc = kc.clone(), vc.clone()
+        keep = slot_mapping >= 0
+        TorchAttention().store_kv(want_kc, want_vc, k[keep], v[keep], AttentionBatch(slot_mapping[keep], [], [], [],
+                                                                                     page))
+    got_kc, got_vc = kc.clone(), vc.clone()
+    got_q = fused.qk_norm_rope_store(qkv, positions, rope.cos, rope.sin, q_norm.weight if qk_norm else None,
+                                     k_norm.weight if qk_norm else None, 1e-6, got_kc, got_vc, slot_mapping)
+    assert got_q.shape == (T, H, hd)
+    close(got_q, want_q, dtype, "q")
+    close(got_kc, want_kc, dtype, "k cache")
+    assert torch.equal(got_vc, want_vc)  # V is copied raw
+    untouched = torch.ones(n_blocks * page, dtype=torch.bool, device=DEVICE)
+    untouched[slot_mapping[keep]] = False
+    assert torch.equal(got_kc.view(-1, KV, hd)[untouched], kc.view(-1, KV, hd)[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,inter", [(1, 96), (3, 1500)])
+def test_silu_mul(T, inter, dtype):
+    g = torch.Generator().manual_seed(inter)
+    mlp = MLP(8, inter)
+    x = randn(T, 2 * inter, dtype=dtype, gen=g, scale=3.0)
+    gate, up = x.split(inter, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = fused.silu_mul(x)
+    assert got.shape == (T, inter) and mlp.inter == inter
+    close(got, want, dtype, "silu_mul")
+
+
+def random_drafter(n_layers=3, hd=64, dtype=torch.float32, seed=0, H=4, KV=2):
+    layer = SimpleNamespace(hidden_size=96, intermediate_size=160, num_hidden_layers=n_layers, num_attention_heads=H,
+                            num_key_value_heads=KV, head_dim=hd, rms_norm_eps=1e-6, attention_bias=False,
+                            rope_theta=10000.0, rope_scaling=None, rope_parameters=None, max_position_embeddings=512,
+                            vocab_size=50, model_type="qwen3")
+    spec = DraftSpec(layer, 4, 49, [0, 2], None, "z-lab")
+    torch.manual_seed(seed)
+    d = DFlashDraftModel(spec)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    d = d.to(DEVICE, dtype).eval()
+    d.setup(200)
+    return d
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("hd,dtype", [(64, torch.float32), (128, torch.float32), (64, torch.bfloat16)])
+def test_context_write(hd, dtype, stacked):
+    """DFlashDraftModel.write_context: fused (one launch over stacked caches, or one per layer for
+    separate tensors) against the torch path; slot -1 rows stay unwritten."""
+    drafter = random_drafter(hd=hd, dtype=dtype)
+    L, KV, page, n_blocks, T = 3, 2, 8, 5, 6
+    g = torch.Generator().manual_seed(hd)
+    taps = randn(T, 2 * 96, dtype=dtype, gen=g)
+    positions = torch.tensor([3, 17, 18, 100, 150, 7], device=DEVICE)
+    slots = torch.tensor([5, 9, -1, 33, 0, 39], device=DEVICE)
+    kc, vc = randn(L, n_blocks, page, KV, hd, dtype=dtype, gen=g), randn(L, n_blocks, page, KV, hd, dtype=dtype, gen=g)
+    keep = slots >= 0
+
+    def run(mode):
+        k, v = kc.clone(), vc.clone()
+        kv = [(k[i], v[i]) for i in range(L)] if stacked else [(k[i].clone(), v[i].clone()) for i in range(L)]
+        rows = slice(None) if mode == "on" else keep  # the torch store takes real slots only
+        with fused_mode(mode), torch.inference_mode():
+            drafter.write_context(taps[rows], positions[rows], kv, TorchAttention(),
+                                  AttentionBatch(slots[rows], [], [], [], page))
+        return torch.stack([a for a, _ in kv]), torch.stack([b for _, b in kv])
+
+    want_k, want_v = run("off")
+    launches = []
+    kernel = fused._context_kv_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    fused._context_kv_kernel = Counted()
+    try:
+        got_k, got_v = run("on")
+    finally:
+        fused._context_kv_kernel = kernel
+    assert len(launches) == (1 if stacked else L)
+    close(got_k, want_k, dtype, "k caches")
+    close(got_v, want_v, dtype, "v caches")
+    assert torch.equal(got_k.flatten(1, 2)[:, 2 * page + 2], kc.flatten(1, 2)[:, 2 * page + 2])  # row 2 untouched
+
+
+def random_target(kind, dtype=torch.float32, seed=0, **overrides):
+    cfg = tiny_config(kind, 120, **overrides)
+    torch.manual_seed(seed)
+    m = DecoderLM(cfg)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    m = m.to(DEVICE, dtype).eval()
+    m.setup_rope(128)
+    return m
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_decoder_forward_matches_torch_path(kind):
+    """A mixed step (prefill chunk after context, decode row, 3-row verify) through the whole model:
+    final hidden, taps and every layer's caches agree with the torch path."""
+    model = random_target(kind, head_dim=32, num_hidden_layers=3)
+    page, n_blocks = 8, 12
+    L, KV, hd = 3, 2, 32
+    g = torch.Generator().manual_seed(5)
+    kc, vc = randn(L, n_blocks, page, KV, hd, gen=g), randn(L, n_blocks, page, KV, hd, gen=g)
+    tables = [[3, 7, 1], [0, 9], [4, 11, 2, 5]]
+    q_lens, ctx = [5, 1, 3], [10, 4, 20]
+    ids, pos, slots, qsl = [], [], [], [0]
+    for t, q, c in zip(tables, q_lens, ctx):
+        for p in range(c, c + q):
+            ids.append((p * 7) % 120)
+            pos.append(p)
+            slots.append(t[p // page] * page + p % page)
+        qsl.append(qsl[-1] + q)
+    batch = AttentionBatch(torch.tensor(slots, device=DEVICE), qsl, [c + q for c, q in zip(ctx, q_lens)], tables, page)
+    ids, pos = torch.tensor(ids, device=DEVICE), torch.tensor(pos, device=DEVICE)
+
+    def run(mode):
+        k, v = kc.clone(), vc.clone()
+        attn = TorchAttention()
+        attn.prepare(batch, DEVICE)
+        with fused_mode(mode), torch.inference_mode():
+            hidden, taps = model(ids, pos, [(k[i], v[i]) for i in range(L)], attn, batch, tap_layers=(0, 2))
+        return hidden, taps, k, v
+
+    want = run("off")
+    got = run("on")
+    for a, b, what in zip(got, want, ("hidden", "taps", "k caches", "v caches")):
+        close(a, b, torch.float32, what)
+
+
+def test_switch():
+    """auto: only CUDA activations; off: never; never with grad (no backward)."""
+    x = torch.zeros(2, device=DEVICE)
+    with torch.inference_mode():
+        with fused_mode("auto"):
+            assert transformer.fused_enabled(x) == (DEVICE.type == "cuda")
+        with fused_mode("off"):
+            assert not transformer.fused_enabled(x)
+        with fused_mode("on"):
+            assert transformer.fused_enabled(x)
+    with fused_mode("on"):
+        assert not transformer.fused_enabled(x)  # grad enabled
+
+
+@pytest.mark.parametrize("with_drafter,graphs,backend", [(False, False, "triton"), (True, False, "torch"),
+                                                         (True, True, "triton")])
+def test_engine_tokens_match_torch_path(tiny_qwen3, tmp_path, monkeypatch, with_drafter, graphs, backend):
+    """Greedy generation with the fused path (DFlash draft, verify and context writes; optionally
+    through the graph runner's static buffers; the torch attention backend beside it works too, as
+    on a GPU with attention_backend="torch") gives the torch path's tokens."""
+    from fixtures import build_random_drafter
+
+    from flashdraft import LLM, SamplingParams
+
+    draft = str(build_random_drafter(tmp_path / "d", tiny_qwen3, block_size=4)) if with_drafter else None
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 60))]
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    kw = dict(draft=draft, device=str(DEVICE), dtype="float32", max_num_batched_tokens=24, kv_block_size=8)
+    from flashdraft.spec.dflash import DFlashSpeculator
+
+    drafts = []  # every proposal: tokens are lossless whatever the drafter does, the drafts show it agrees
+    propose = DFlashSpeculator.propose
+
+    def recorded(self, seqs):
+        d = propose(self, seqs)
+        drafts.append(d.tolist() if isinstance(d, torch.Tensor) else [list(x) for x in d])
+        return d
+
+    monkeypatch.setattr(DFlashSpeculator, "propose", recorded)
+    with fused_mode("off"):
+        ref = LLM(str(tiny_qwen3), attention_backend="torch", **kw)
+        want = [o.token_ids for o in ref.generate(prompts, params)]
+    want_drafts, drafts[:] = list(drafts), []
+    counts = {}
+
+    def counting(name, fn):
+        def counted(*a, **k):
+            counts[name] = counts.get(name, 0) + 1
+            return fn(*a, **k)
+        return counted
+
+    for name in ("add_rmsnorm", "qk_norm_rope_store", "silu_mul", "context_kv_store"):
+        monkeypatch.setattr(fused, name, counting(name, getattr(fused, name)))
+    with fused_mode("on"):
+        llm = LLM(str(tiny_qwen3), attention_backend=backend, **kw)
+        llm.engine.runner.use_graphs = graphs  # on CPU the graph runner replays eagerly over its buffers
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+    assert counts["qk_norm_rope_store"] > 0 and counts["silu_mul"] > 0 and counts["add_rmsnorm"] > 0
+    assert ("context_kv_store" in counts) == with_drafter
+    if graphs:
+        assert llm.engine.runner.graphs
+    if with_drafter:
+        assert llm.engine.spec_totals()["num_drafts"] > 0
+        assert drafts == want_drafts
