@@ -191,9 +191,10 @@ class Roofline:
             info["triton"] = triton.__version__
         except Exception:
             info["triton"] = None
-        try:
-            info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                            text=True, timeout=10).stdout.strip() or None
+        try:  # a copied tree may carry a stale .git: FLASHDRAFT_COMMIT names the commit explicitly
+            info["commit"] = os.environ.get("FLASHDRAFT_COMMIT") or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                timeout=10).stdout.strip() or None
         except Exception:
             info["commit"] = None
         self.res["machine"] = info
