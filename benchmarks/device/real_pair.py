@@ -53,8 +53,21 @@ def hf_baseline(gguf: str, prompts, max_tokens: int) -> tuple[dict, list[list[in
     dt = time.perf_counter() - t0
     same = sum(a == b for o, t in zip(ours, theirs) for a, b in zip(o, t))
     first = [next((i for i, (a, b) in enumerate(zip(o, t)) if a != b), None) for o, t in zip(ours, theirs)]
+    # at each first divergence: HF's own logits there, to tell a bf16 near-tie from a logic bug
+    ties = []
+    for p, o, t, i in zip(ids, ours, theirs, first):
+        if i is None:
+            continue
+        x = torch.tensor([p + t[:i]], device="cuda")
+        with torch.no_grad():
+            logits = hf(x, attention_mask=torch.ones_like(x)).logits[0, -1].float()
+        top2 = logits.topk(2)
+        ties.append({"position": i, "hf_token": t[i], "flashdraft_token": o[i],
+                     "hf_top2_tokens": top2.indices.tolist(), "hf_top2_gap": float(top2.values[0] - top2.values[1]),
+                     "hf_logit_gap_to_flashdraft_token": float(logits[t[i]] - logits[o[i]])})
     res = {"prompts": len(ids), "tokens": n_tok, "wall_s": dt, "tok_s": n_tok / dt,
-           "token_match_vs_flashdraft_plain": same / max(1, n_tok), "first_divergence": first}
+           "token_match_vs_flashdraft_plain": same / max(1, n_tok), "first_divergence": first,
+           "divergences": ties}
     del hf
     torch.cuda.empty_cache()
     return res, ours, theirs
@@ -78,7 +91,8 @@ def main() -> None:
     prompts = load_prompts(args.prompts, args.hf_prompts)
     hf, _, _ = hf_baseline(args.gguf, prompts, args.max_tokens)
     log(f"HF generate batch 1: {hf['tok_s']:.1f} tok/s; flashdraft plain vs HF bf16 token match "
-        f"{hf['token_match_vs_flashdraft_plain']:.4f}, first divergences {hf['first_divergence']}")
+        f"{hf['token_match_vs_flashdraft_plain']:.4f}, first divergences {hf['first_divergence']}; "
+        f"HF logit gap there: {[round(d['hf_logit_gap_to_flashdraft_token'], 3) for d in hf['divergences']]}")
     (out / "hf.json").write_text(json.dumps(hf, indent=1))
     cmd = [sys.executable, "-m", "flashdraft", "bench", "--model", args.gguf, "--draft", args.draft,
            "--dataset", args.prompts, "--num-prompts", str(args.num_prompts), "--max-tokens", str(args.max_tokens),

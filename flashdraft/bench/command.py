@@ -162,9 +162,8 @@ def cmd_bench(args: argparse.Namespace, engine: LLMEngine | None = None) -> int:
     raises ValueError / FileNotFoundError before any model is loaded. `engine` reuses a loaded engine."""
     from tqdm import tqdm
 
-    from flashdraft.bench.remote import BenchError, RemoteBackend
     from flashdraft.bench.report import format_report, write_json, write_plots
-    from flashdraft.bench.runner import EngineBackend
+    from flashdraft.bench.runner import BenchError, EngineBackend
 
     concurrencies, prompts = validate(args)
     out_dir = Path(args.out).expanduser() if args.out else None
@@ -175,6 +174,8 @@ def cmd_bench(args: argparse.Namespace, engine: LLMEngine | None = None) -> int:
     workload = Workload(args.max_tokens, args.temperature, args.seed, args.ignore_eos)
     try:
         if args.url:
+            from flashdraft.bench.remote import RemoteBackend  # needs the openai client
+
             backend = RemoteBackend(args.url, prompts, args.chat, workload, model=args.model, api_key=args.api_key)
             arms = parse_arms(args.arms, None)
             setup = {"model": backend.model, "draft": None, "device": "remote", "dtype": None}

@@ -19,7 +19,7 @@ import httpx
 import openai
 
 from flashdraft.bench.datasets import Prompt
-from flashdraft.bench.runner import ArmRun, Workload
+from flashdraft.bench.runner import ArmRun, BenchError, Workload
 from flashdraft.bench.stats import RequestResult, spec_delta, sum_spec
 
 SPEC_KEYS = ("acceptance_length", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
@@ -27,10 +27,6 @@ SPEC_KEYS = ("acceptance_length", "num_drafts", "num_draft_tokens", "num_accepte
 PROMETHEUS = {"spec_decode_num_drafts": "num_drafts", "spec_decode_num_draft_tokens": "num_draft_tokens",
               "spec_decode_num_accepted_tokens": "num_accepted_tokens"}
 SAMPLE = re.compile(r"^([\w:]+?)(?:_total)?(\{[^}]*\})?\s+(\S+)")
-
-
-class BenchError(RuntimeError):
-    """The server could not be reached or refused a request."""
 
 
 def api_base(url: str) -> str:

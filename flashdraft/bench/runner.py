@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     from flashdraft.engine.sequence import Sequence
 
 ARMS = ("plain", "dflash")
+
+
+class BenchError(RuntimeError):
+    """The server could not be reached or refused a request."""
+
 WARMUP_TOKENS = 16
 
 
