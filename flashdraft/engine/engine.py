@@ -49,6 +49,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.kv_block_size)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(loaded.model, config, self.device, self.dtype, num_blocks, self.max_model_len)
+        self.runner.capture_graphs(("target", ()), 1, True, self.runner.attn, self.runner.target_step(()),
+                                   config.max_num_seqs)
         self.spec = None
         draft = shipped_drafter(config.model) if config.draft == "auto" else config.draft
         if draft is not None:

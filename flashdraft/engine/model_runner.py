@@ -98,8 +98,7 @@ class ModelRunner:
         input_ids (on the device) replaces the token values of `tokens`, which then only give
         lengths. Steps where every sequence brings the same number of tokens (decode, verify)
         replay a captured CUDA graph when graphs are on."""
-        out = self.graphed(("target", tap_layers), seqs, tokens, bm, True, self.attn,
-                           lambda g: self.model(g.input_ids, g.positions, self.kv, self.attn, g.meta, tap_layers),
+        out = self.graphed(("target", tap_layers), seqs, tokens, bm, True, self.attn, self.target_step(tap_layers),
                            input_ids)
         if out is not None:
             (hidden, taps), qsl = out
@@ -130,17 +129,35 @@ class ModelRunner:
             slots.extend(table[i // bs] * bs + i % bs for i in range(start, start + q_len))
             seq_lens.append(start + q_len)
             tables.append(table)
-        g = self.graphs.get((key, bucket, q_len))
-        if g is None:
-            g = StepGraph(fn, bucket, q_len, self.max_blocks, bs, self.device, causal=causal,
-                          max_seq_len=self.max_blocks * bs, attn=[attn])
-            g.fill(ids, pos, slots, seq_lens, tables)
-            g.capture(pool=self.graph_pool)
-            self.graphs[(key, bucket, q_len)] = g
+        g = self._graph(key, bucket, q_len, causal, attn, fn)
         out = g.run(ids if input_ids is None else input_ids, pos, slots, seq_lens, tables)
         n = len(ids)
         cut = tuple(o[:n] if o is not None else None for o in out) if isinstance(out, tuple) else out[:n]
         return cut, [i * q_len for i in range(len(seqs) + 1)]
+
+    def target_step(self, tap_layers: tuple[int, ...]):
+        return lambda g: self.model(g.input_ids, g.positions, self.kv, self.attn, g.meta, tap_layers)
+
+    def _graph(self, key: tuple, bucket: int, q_len: int, causal: bool, attn: AttentionBackend, fn) -> StepGraph:
+        g = self.graphs.get((key, bucket, q_len))
+        if g is None:  # captured over a placeholder step: launch shapes depend on the bucket only
+            g = StepGraph(fn, bucket, q_len, self.max_blocks, self.block_size, self.device, causal=causal,
+                          max_seq_len=self.max_blocks * self.block_size, attn=[attn])
+            n = bucket * q_len
+            g.fill([0] * n, [0] * n, [-1] * n, [q_len] * bucket, [[0]] * bucket)
+            g.capture(pool=self.graph_pool)
+            self.graphs[(key, bucket, q_len)] = g
+        return g
+
+    def capture_graphs(self, key: tuple, q_len: int, causal: bool, attn: AttentionBackend, fn, max_seqs: int) -> None:
+        """Capture every bucket a step of up to max_seqs sequences can use, largest first (so
+        smaller graphs reuse its memory pool), before serving: no capture stalls mid-run."""
+        if not self.use_graphs:
+            return
+        bucket = 1 << (min(max_seqs, self.max_graph_batch) - 1).bit_length()
+        while bucket >= 1:
+            self._graph(key, bucket, q_len, causal, attn, fn)
+            bucket //= 2
 
     def sampling_batch(self, seqs: list[Sequence], positions: list[int]) -> SamplingBatch:
         """One row per (seq, position) pair, in order."""

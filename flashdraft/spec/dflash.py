@@ -107,6 +107,12 @@ class DFlashSpeculator:
         self.attn = make_backend(engine.runner.backend_name)
         self.stats = SpecStats(self.num_draft)
         self.poison_rejected = False  # tests: fill every slot a rejected draft touched with NaN
+        embed = drafter.embed_tokens or runner.model.embed_tokens
+        self._draft_step = lambda g: self.drafter(embed(g.input_ids), g.positions, self.kv, self.attn, g.meta)
+        n = engine.config.max_num_seqs
+        runner.capture_graphs(("target", self.tap_layers), self.num_draft + 1, True, runner.attn,
+                              runner.target_step(self.tap_layers), n)
+        runner.capture_graphs(("draft",), self.block_size, False, self.attn, self._draft_step, n)
 
     # ---- public hooks used by the engine ----------------------------------------------------
     def totals(self) -> dict:
@@ -191,8 +197,7 @@ class DFlashSpeculator:
         blocks = [[s.token_ids[-1]] + [self.mask_token_id] * (B - 1) for s in seqs]
         embed = self.drafter.embed_tokens or eng.runner.model.embed_tokens
         out = None if self.poison_rejected else eng.runner.graphed(
-            ("draft",), seqs, blocks, eng.block_manager, False, self.attn,
-            lambda g: self.drafter(embed(g.input_ids), g.positions, self.kv, self.attn, g.meta))
+            ("draft",), seqs, blocks, eng.block_manager, False, self.attn, self._draft_step)
         if out is not None:
             hidden = out[0]
         else:

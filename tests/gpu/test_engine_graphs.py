@@ -34,8 +34,17 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter):
     graphed = LLM(str(tiny_llama), draft=draft, device=DEVICE, dtype="float32", attention_backend="triton",
                   kv_block_size=8)
     runner = graphed.engine.runner
-    runner.use_graphs = True  # already on with CUDA; forced on for the interpreter's eager replay
+    if not runner.use_graphs:  # on CUDA the engine captured at start; the interpreter replays eagerly
+        runner.use_graphs = True
+        runner.capture_graphs(("target", ()), 1, True, runner.attn, runner.target_step(()), 3)
+        if with_drafter:
+            sp = graphed.engine.spec
+            runner.capture_graphs(("target", sp.tap_layers), sp.num_draft + 1, True, runner.attn,
+                                  runner.target_step(sp.tap_layers), 3)
+            runner.capture_graphs(("draft",), sp.block_size, False, sp.attn, sp._draft_step, 3)
+    captured = set(runner.graphs)
     got = [o.token_ids for o in graphed.generate(prompts, params)]
+    assert set(runner.graphs) == captured  # every step shape was captured before serving
     assert got == want
     kinds = {key[0][0] for key in runner.graphs}
     assert kinds == ({"target", "draft"} if with_drafter else {"target"}), runner.graphs.keys()
