@@ -42,6 +42,22 @@ class DeviceMeta:
     block_size: int
     causal: bool = True
 
+    @classmethod
+    def from_batch(cls, batch: AttentionBatch, device: torch.device, max_blocks: int | None = None) -> DeviceMeta:
+        """The list-based batch as device tensors, through one host->device copy; tables are padded
+        to max_blocks (default: the longest table)."""
+        S, qsl = batch.num_seqs, batch.query_start_loc
+        width = max_blocks or max([len(t) for t in batch.block_tables] + [1])
+        host = list(qsl) + list(batch.seq_lens)
+        for t in batch.block_tables:
+            host += list(t[:width]) + [0] * (width - len(t[:width]))
+        packed = torch.tensor(host, dtype=torch.int32).to(device, non_blocking=True)
+        return cls(slot_mapping=batch.slot_mapping.to(device=device, dtype=torch.long),
+                   query_start_loc=packed[: len(qsl)], seq_lens=packed[len(qsl): len(qsl) + S],
+                   block_tables=packed[len(qsl) + S:].view(S, width),
+                   max_query_len=max([qsl[s + 1] - qsl[s] for s in range(S)] + [1]),
+                   max_seq_len=max(list(batch.seq_lens) + [1]), block_size=batch.block_size, causal=batch.causal)
+
 
 class AttentionBackend(ABC):
     """Stores new K/V into a paged cache and attends over it."""

@@ -125,24 +125,6 @@ class TorchAttention(AttentionBackend):
         return o[self.out_rows]
 
 
-def device_meta_from_batch(batch: AttentionBatch, device: torch.device, max_blocks: int | None = None,
-                           max_query_len: int | None = None, max_seq_len: int | None = None) -> DeviceMeta:
-    """The DeviceMeta of a host-side AttentionBatch (one host->device copy). Bounds default to the
-    batch's own maxima; pass larger ones to match a bucket's static shapes."""
-    qsl, lens = batch.query_start_loc, batch.seq_lens
-    S = batch.num_seqs
-    n_blk = max_blocks or max([len(t) for t in batch.block_tables] + [1])
-    rows = [list(t[:n_blk]) + [0] * (n_blk - len(t[:n_blk])) for t in batch.block_tables]
-    host = torch.tensor([r + [n] for r, n in zip(rows, lens)], dtype=torch.int32).view(S, n_blk + 1)
-    host = torch.cat([host.flatten(), torch.tensor(qsl, dtype=torch.int32)]).to(device, non_blocking=True)
-    table = host[: S * (n_blk + 1)].view(S, n_blk + 1)
-    q_lens = [qsl[s + 1] - qsl[s] for s in range(S)]
-    return DeviceMeta(slot_mapping=batch.slot_mapping.to(device=device, dtype=torch.long),
-                      query_start_loc=host[S * (n_blk + 1):], seq_lens=table[:, n_blk], block_tables=table[:, :n_blk],
-                      max_query_len=max_query_len or max(q_lens + [1]), max_seq_len=max_seq_len or max(lens + [1]),
-                      block_size=batch.block_size, causal=batch.causal)
-
-
 class StaticTorchAttention(AttentionBackend):
     """Pure-torch paged attention over a DeviceMeta with static shapes only: every sequence gathers
     all `max_blocks` pages of its table (keys past seq_len masked), query rows are padded to
@@ -163,7 +145,7 @@ class StaticTorchAttention(AttentionBackend):
         self._store: tuple | None = None
 
     def prepare(self, batch: AttentionBatch, device: torch.device) -> None:
-        self.set_meta(device_meta_from_batch(batch, device))
+        self.set_meta(DeviceMeta.from_batch(batch, device))
 
     def set_meta(self, meta: DeviceMeta) -> None:
         self.meta = meta

@@ -283,27 +283,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-def build_meta(batch: AttentionBatch, device: torch.device) -> DeviceMeta:
-    """The list-based batch as device tensors, through one host->device copy."""
-    S = batch.num_seqs
-    qsl = batch.query_start_loc
-    width = max([len(t) for t in batch.block_tables] + [1])
-    host = list(qsl) + list(batch.seq_lens)
-    for t in batch.block_tables:
-        host += list(t) + [0] * (width - len(t))
-    packed = torch.tensor(host, dtype=torch.int32).to(device, non_blocking=True)
-    return DeviceMeta(
-        slot_mapping=batch.slot_mapping.to(device),
-        query_start_loc=packed[: len(qsl)],
-        seq_lens=packed[len(qsl): len(qsl) + S],
-        block_tables=packed[len(qsl) + S:].view(S, width),
-        max_query_len=max([qsl[s + 1] - qsl[s] for s in range(S)] + [0]),
-        max_seq_len=max(list(batch.seq_lens) + [0]),
-        block_size=batch.block_size,
-        causal=batch.causal,
-    )
-
-
 class TritonAttention(AttentionBackend):
     """Triton kernels over a DeviceMeta, built by `prepare` or installed by a graph runner with
     `set_meta`. With an installed meta, output rows past its last sequence (a graph bucket's
@@ -314,7 +293,7 @@ class TritonAttention(AttentionBackend):
         self.zero_padding_rows = False
 
     def prepare(self, batch: AttentionBatch, device: torch.device) -> None:
-        self.meta = build_meta(batch, device)
+        self.meta = DeviceMeta.from_batch(batch, device)
         self.zero_padding_rows = False  # every row of a built batch belongs to a sequence
 
     def set_meta(self, meta: DeviceMeta) -> None:

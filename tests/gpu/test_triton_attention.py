@@ -23,7 +23,6 @@ from flashdraft.attention.base import AttentionBatch, DeviceMeta  # noqa: E402
 from flashdraft.attention.torch_ref import TorchAttention  # noqa: E402
 from flashdraft.attention.triton_paged import (  # noqa: E402
     TritonAttention,
-    build_meta,
     paged_attention,
     store_kv,
 )
@@ -76,7 +75,7 @@ def reference(c):
 
 def run_triton(c, num_splits=None, meta=None):
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
-    meta = meta or build_meta(c["batch"], DEVICE)
+    meta = meta or DeviceMeta.from_batch(c["batch"], DEVICE)
     store_kv(kc, vc, c["k"], c["v"], meta.slot_mapping)
     out = paged_attention(c["q"], kc, vc, meta, c["scale"], num_splits=num_splits)
     return kc, vc, out[: c["rows"]]
@@ -127,7 +126,7 @@ def test_draft_and_verify_mixed_with_decode_bf16(causal):
 def test_split_k_long_context(q_len, causal):
     """Batch 1 with 4k keys: the heuristic splits the key range; same result as one partition."""
     c = make_case([q_len], [4096 - q_len], n_kv=2, group=4, hd=64, causal=causal, seed=1)
-    meta = build_meta(c["batch"], DEVICE)
+    meta = DeviceMeta.from_batch(c["batch"], DEVICE)
     assert triton_paged._num_splits(2, 4096, 64, DEVICE) > 1  # one 64-row query tile x 2 kv heads
     check(c)
     assert torch.allclose(run_triton(c, meta=meta)[2], run_triton(c, num_splits=1, meta=meta)[2], atol=2e-5)
@@ -143,7 +142,7 @@ def test_split_k_ragged(dtype):
 def test_static_bounds_larger_than_batch():
     """A graph runner's meta: max_query_len / max_seq_len / table width above the real batch."""
     c = make_case([1, 16, 3], [40, 5, 70], n_kv=2, group=3, hd=64, seed=4)
-    m = build_meta(c["batch"], DEVICE)
+    m = DeviceMeta.from_batch(c["batch"], DEVICE)
     tables = torch.zeros(m.block_tables.shape[0], m.block_tables.shape[1] + 5, dtype=torch.int32, device=DEVICE)
     tables[:, : m.block_tables.shape[1]] = m.block_tables
     padded = DeviceMeta(m.slot_mapping, m.query_start_loc, m.seq_lens, tables, max_query_len=64, max_seq_len=2048,
@@ -191,7 +190,7 @@ def test_backend_prepare_store_forward_and_store_only_batch():
     assert torch.equal(kc.view(-1, 2, 64)[[5, 2]], c["k"][:2])
     # a graph runner's meta replaces the prepared one; batch arguments are then ignored, and rows
     # past the last sequence (a bucket's padding) come out zero
-    be.set_meta(build_meta(b, DEVICE))
+    be.set_meta(DeviceMeta.from_batch(b, DEVICE))
     q = torch.cat([c["q"], torch.randn(3, *c["q"].shape[1:], device=DEVICE)])
     got = be.forward(q, want_k, want_v, None, c["scale"])
     assert (got[: c["rows"]] - want).abs().max().item() < TOL[torch.float32]
@@ -222,7 +221,7 @@ def test_cuda_graph_replay_with_refilled_meta():
     """Capture once with static buffers, refill them in place for another batch, replay."""
     kw = dict(n_kv=2, group=4, hd=128, dtype=torch.bfloat16, n_blocks=200)
     cases = [make_case([1, 16, 1], [100, 30, 2000], seed=6, **kw), make_case([16, 1, 1], [7, 1500, 60], seed=7, **kw)]
-    metas = [build_meta(c["batch"], DEVICE) for c in cases]
+    metas = [DeviceMeta.from_batch(c["batch"], DEVICE) for c in cases]
     width = max(m.block_tables.shape[1] for m in metas)
     static = DeviceMeta(torch.empty_like(metas[0].slot_mapping), torch.empty_like(metas[0].query_start_loc),
                         torch.empty_like(metas[0].seq_lens), torch.zeros(3, width, dtype=torch.int32, device=DEVICE),
