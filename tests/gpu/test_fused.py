@@ -132,6 +132,15 @@ def test_silu_mul(T, inter, dtype):
     close(got, want, dtype, "silu_mul")
 
 
+def randomize(model, scale):
+    """Norm weights around 1, everything else N(0, scale): far from the identity, so a wrong fused
+    kernel cannot hide behind unit norms."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
+    return model
+
+
 def random_drafter(n_layers=3, hd=64, dtype=torch.float32, seed=0, H=4, KV=2):
     layer = SimpleNamespace(hidden_size=96, intermediate_size=160, num_hidden_layers=n_layers, num_attention_heads=H,
                             num_key_value_heads=KV, head_dim=hd, rms_norm_eps=1e-6, attention_bias=False,
@@ -139,11 +148,7 @@ def random_drafter(n_layers=3, hd=64, dtype=torch.float32, seed=0, H=4, KV=2):
                             vocab_size=50, model_type="qwen3")
     spec = DraftSpec(layer, 4, 49, [0, 2], None, "z-lab")
     torch.manual_seed(seed)
-    d = DFlashDraftModel(spec)
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-    d = d.to(DEVICE, dtype).eval()
+    d = randomize(DFlashDraftModel(spec), 0.2).to(DEVICE, dtype).eval()
     d.setup(200)
     return d
 
@@ -194,11 +199,7 @@ def test_context_write(hd, dtype, stacked):
 def random_target(kind, dtype=torch.float32, seed=0, **overrides):
     cfg = tiny_config(kind, 120, **overrides)
     torch.manual_seed(seed)
-    m = DecoderLM(cfg)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    m = m.to(DEVICE, dtype).eval()
+    m = randomize(DecoderLM(cfg), 0.15).to(DEVICE, dtype).eval()
     m.setup_rope(128)
     return m
 
