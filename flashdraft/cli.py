@@ -93,7 +93,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                       batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr, seed=args.seed,
                       device=args.device, dtype=args.dtype, save_every=args.save_every, resume=args.resume,
                       gen_batch=args.gen_batch, precondition_taps=not args.no_precondition_taps,
-                      init_layers_from=args.init_layers_from, time_budget_s=args.time_budget)
+                      init_layers_from=args.init_layers_from, time_budget_s=args.time_budget,
+                      local_context=args.local_context, local_context_frac=args.local_context_frac)
     out = train(cfg)
     print(f"drafter written to {out}")
     return 0
@@ -164,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="start the drafter layers from target layers N, N+1, ... (default: random)")
     t.add_argument("--time-budget", type=float, default=None,
                    help="seconds of training: the schedule is shortened to fit, measured after 30 steps")
+    t.add_argument("--local-context", type=int, default=None,
+                   help="curriculum: for the first --local-context-frac of the steps, blocks see only the last "
+                        "N context positions")
+    t.add_argument("--local-context-frac", type=float, default=0.1)
     t.set_defaults(func=cmd_train_drafter)
 
     args = parser.parse_args(argv)

@@ -9,7 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from flashdraft import LLM, SamplingParams
-from flashdraft.train.loss import block_attention_mask
+import torch.nn.functional as F
+
+from flashdraft.train.loss import block_attention_mask, head_cross_entropy
 from flashdraft.train.trainer import TrainConfig, train
 
 
@@ -22,6 +24,29 @@ def test_block_mask_strictly_before_anchor_and_own_block_only():
     assert blocks[:3, :3].all() and not blocks[:3, 3:].any() and blocks[3:, 3:].all() and not blocks[3:, :3].any()
 
 
+def test_block_mask_local_window_keeps_recent_context_and_position_zero():
+    anchors, valid = torch.tensor([[6]]), torch.tensor([[True]])
+    m = block_attention_mask(anchors, valid, ctx_len=8, block=2, window=2)[0]
+    assert m[:, :8].nonzero()[:, 1].unique().tolist() == [0, 4, 5]  # sink + the 2 positions before the anchor
+    assert m[:, 8:].all()
+
+
+def test_chunked_head_cross_entropy_matches_full_logits():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(11, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(20, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 20, (11,), generator=g)
+    ce, pred = head_cross_entropy(h, w, y, chunk=4)  # 3 chunks, recomputed in backward
+    (ce * torch.arange(11.0, dtype=torch.float64)).sum().backward()
+    gh, gw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    logits = h @ w.T
+    ref = F.cross_entropy(logits, y, reduction="none")
+    (ref * torch.arange(11.0, dtype=torch.float64)).sum().backward()
+    assert torch.allclose(ce, ref) and torch.equal(pred, logits.argmax(-1))
+    assert torch.allclose(gh, h.grad) and torch.allclose(gw, w.grad)
+
+
 def test_train_few_steps_and_roundtrip(tiny_llama, tmp_path):
     out = tmp_path / "drafter"
     prompts = tmp_path / "prompts.jsonl"
@@ -30,7 +55,7 @@ def test_train_few_steps_and_roundtrip(tiny_llama, tmp_path):
     cfg = TrainConfig(model=str(tiny_llama), out=str(out), prompts=str(prompts), max_new_tokens=48,
                       num_layers=1, block_size=4, target_layer_ids=[0, 2], mask_token_id=3, max_steps=40,
                       batch_size=5, num_anchors=16, lr=3e-3, device="cpu", dtype="float32", save_every=20,
-                      gen_batch=8)
+                      gen_batch=8, local_context=4, local_context_frac=0.25)  # the curriculum for 10 steps
     train(cfg)
     losses = [r["loss"] for r in cfg.log]
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses

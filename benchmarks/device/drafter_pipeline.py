@@ -91,6 +91,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--init-layers-from", type=int, default=None)
+    ap.add_argument("--local-context", type=int, default=None)
+    ap.add_argument("--local-context-frac", type=float, default=0.1)
+    ap.add_argument("--save-every", type=int, default=100000,
+                    help="also write the drafter every N steps (to --work/drafter)")
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--data", default=None, help="reuse an existing data.jsonl[.gz]")
     args = ap.parse_args()
@@ -111,8 +115,9 @@ def main() -> None:
     cfg = TrainConfig(model=args.gguf, out=str(work / "drafter"), data=str(data), num_layers=args.num_layers,
                       block_size=args.block_size, target_layer_ids=[1, 14, 27], mask_token_id=16,
                       epochs=args.epochs, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr,
-                      device="cuda", dtype="bfloat16", save_every=100000, time_budget_s=args.train_seconds,
-                      init_layers_from=args.init_layers_from)
+                      device="cuda", dtype="bfloat16", save_every=args.save_every, time_budget_s=args.train_seconds,
+                      init_layers_from=args.init_layers_from, local_context=args.local_context,
+                      local_context_frac=args.local_context_frac)
     t0 = time.time()
     drafter = train(cfg)
     last = cfg.log[-1]

@@ -9,6 +9,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.rope import apply_rope
@@ -39,12 +40,17 @@ def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, num_anchors: 
     return anchors, valid
 
 
-def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block: int) -> torch.Tensor:
-    """[b, N*B, ctx_len + N*B] bool, True = visible."""
+def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int, block: int,
+                         window: int | None = None) -> torch.Tensor:
+    """[b, N*B, ctx_len + N*B] bool, True = visible. window: see only the last `window` context
+    positions before the anchor (and position 0), a curriculum for the first steps."""
     b, n = anchors.shape
     q_anchor = anchors.repeat_interleave(block, dim=1)  # [b, NB]
     q_block = torch.arange(n, device=anchors.device).repeat_interleave(block)
-    ctx = torch.arange(ctx_len, device=anchors.device)[None, None, :] < q_anchor[:, :, None]
+    pos = torch.arange(ctx_len, device=anchors.device)[None, None, :]
+    ctx = pos < q_anchor[:, :, None]
+    if window:
+        ctx &= (pos >= q_anchor[:, :, None] - window) | (pos == 0)
     own = q_block[:, None] == q_block[None, :]
     own = own[None].expand(b, -1, -1) & valid.repeat_interleave(block, dim=1)[:, None, :]
     mask = torch.cat([ctx, own], dim=-1)
@@ -85,9 +91,27 @@ def draft_hidden(drafter: DFlashDraftModel, taps: torch.Tensor, embed: torch.Ten
     return drafter.norm(h)
 
 
+def _ce_chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = F.linear(h, w)
+    logits = logits.float() if logits.element_size() < 4 else logits
+    return F.cross_entropy(logits, y, reduction="none"), logits.argmax(-1)
+
+
+def head_cross_entropy(hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor,
+                       chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy and argmax of lm_head(hidden) [rows, H] against labels [rows], in
+    row chunks recomputed in the backward pass: the full float32 logits (rows x vocab, 13 GB for
+    16 sequences x 512 anchors x 8 slots of a 49k vocabulary) never exist at once."""
+    if hidden.shape[0] <= chunk or not torch.is_grad_enabled():
+        return _ce_chunk(hidden, lm_head, labels)
+    parts = [checkpoint(_ce_chunk, h, lm_head, y, use_reentrant=False)
+             for h, y in zip(hidden.split(chunk), labels.split(chunk))]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
 def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: torch.Tensor, taps: torch.Tensor,
                 ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
-                mask_token_id: int, gamma: float) -> tuple[torch.Tensor, dict]:
+                mask_token_id: int, gamma: float, window: int | None = None) -> tuple[torch.Tensor, dict]:
     """Weighted same-position cross-entropy; also per-slot accuracy and the acceptance length a
     greedy verify would see on these blocks (leading correct slots + 1)."""
     b, s = ids.shape
@@ -101,14 +125,14 @@ def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: t
     k = torch.arange(block, device=dev, dtype=torch.float32)
     w = torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
     weight = w[None, None, :] * (in_seq & valid[:, :, None]).float()
-    mask = block_attention_mask(anchors, valid, s, block)
+    mask = block_attention_mask(anchors, valid, s, block, window)
     hidden = draft_hidden(drafter, taps, F.embedding(blocks.flatten(1), embed_table), anchors, mask)
-    logits = F.linear(hidden, lm_head).float().view(b, -1, block, lm_head.shape[0])
-    ce = F.cross_entropy(logits[:, :, 1:].flatten(0, 2), labels[:, :, 1:].flatten(), reduction="none")
+    hidden = hidden.view(b, -1, block, hidden.shape[-1])[:, :, 1:].flatten(0, 2)  # slot 0 is never scored
+    ce, pred = head_cross_entropy(hidden, lm_head, labels[:, :, 1:].flatten())
     wt = weight[:, :, 1:].flatten()
     loss = (ce * wt).sum() / wt.sum().clamp_min(1e-6)
     with torch.no_grad():
-        correct = (logits[:, :, 1:].argmax(-1) == labels[:, :, 1:]) & (weight[:, :, 1:] > 0)
+        correct = (pred.view_as(labels[:, :, 1:]) == labels[:, :, 1:]) & (weight[:, :, 1:] > 0)
         scored = weight[:, :, 1:] > 0
         acc = correct.float().sum((0, 1)) / scored.float().sum((0, 1)).clamp_min(1)
         full = valid & in_seq[:, :, -1]  # blocks whose every slot lies inside the sequence

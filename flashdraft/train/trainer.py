@@ -48,11 +48,13 @@ class TrainConfig:
     device: str | None = None
     dtype: str = "bfloat16"
     save_every: int = 200
-    time_budget_s: float | None = None  # shorten the schedule to fit (measured after 10 steps)
+    time_budget_s: float | None = None  # shorten the schedule to fit (rate measured at steps 10-30, 100-300)
     resume: bool = False
     gen_batch: int = 256
     precondition_taps: bool = True  # train on taps / RMS, fold the scale into the saved fc
     init_layers_from: int | None = None  # start the drafter layers from target layers N, N+1, ...
+    local_context: int | None = None  # curriculum: blocks see only this many context positions ...
+    local_context_frac: float = 0.1  # ... for this fraction of the steps
     log: list = field(default_factory=list, repr=False)
 
 
@@ -214,6 +216,7 @@ def train(cfg: TrainConfig) -> Path:
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     steps_per_epoch = math.ceil(len(samples) / cfg.batch_size)
     plan = {"total": cfg.max_steps or steps_per_epoch * cfg.epochs}
+    plan["full"] = plan["total"]
     plan["warm"] = max(1, int(cfg.warmup_ratio * plan["total"]))
 
     def lr_factor(s: int) -> float:  # linear warm-up, then cosine to zero over the (possibly shortened) plan
@@ -260,7 +263,9 @@ def train(cfg: TrainConfig) -> Path:
                 if scale is not None:
                     taps = (taps.float() * scale).to(taps.dtype)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                loss, stats = dflash_loss(drafter, lm_head, embed, taps, ids, lengths, anchors, valid, mask_id, gamma)
+                window = cfg.local_context if step < cfg.local_context_frac * plan["total"] else None
+                loss, stats = dflash_loss(drafter, lm_head, embed, taps, ids, lengths, anchors, valid, mask_id, gamma,
+                                          window)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -274,12 +279,14 @@ def train(cfg: TrainConfig) -> Path:
             cfg.log.append(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau']:.2f}")
             bar.update(1)
-            if step == 10:
-                t10 = time.time()
-            if cfg.time_budget_s and step == 30:  # rate measured after warm-up
-                fit = int(30 + (cfg.time_budget_s - (time.time() - t0)) * 20 / (time.time() - t10))
-                if fit < plan["total"]:
-                    plan["total"] = max(fit, 31)
+            if step in (10, 100):
+                t_mark = (step, time.time())
+            if cfg.time_budget_s and step in (30, 300):  # rate measured after warm-up, then re-measured
+                rate = (step - t_mark[0]) / (time.time() - t_mark[1])
+                fit = int(step + (cfg.time_budget_s - (time.time() - t0)) * rate)
+                total = min(plan["full"], max(fit, step + 1))  # shrink, or grow back if it ran faster
+                if total != plan["total"]:
+                    plan["total"] = total
                     plan["warm"] = max(1, int(cfg.warmup_ratio * plan["total"]))
                     bar.total = plan["total"]
             if step % cfg.save_every == 0 or step == plan["total"]:
