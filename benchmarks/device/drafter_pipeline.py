@@ -33,6 +33,10 @@ def gen_data(args, out: Path) -> Path:
     convs = read_prompt_file(Path(args.data_dir) / "train_prompts.jsonl")[: args.num_prompts]
     llm = LLM(args.gguf, draft=None, device="cuda", dtype="bfloat16", max_num_seqs=args.gen_batch,
               max_num_batched_tokens=16384, kv_cache_memory_gb=40, max_model_len=1024)
+    if args.skip_data:  # only the prompts an earlier data file lacks
+        done = {tuple(ids) for ids, p in ((s[: p], p) for s, p in read_samples(args.skip_data))}
+        convs = [c for c in convs if tuple(llm.engine.apply_chat_template(c)) not in done]
+        log(f"{len(done)} prompts already in {args.skip_data}; generating {len(convs)}")
     t0 = time.time()
     n_seq = generate_responses(llm, convs, data, args.max_new_tokens, 512, time_budget_s=args.gen_seconds)
     dt = time.time() - t0
@@ -97,6 +101,7 @@ def main() -> None:
                     help="also write the drafter every N steps (to --work/drafter)")
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--data", default=None, help="reuse an existing data.jsonl[.gz]")
+    ap.add_argument("--skip-data", default=None, help="gen: leave out the prompts this data file already has")
     args = ap.parse_args()
     out, work = Path(args.out), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
