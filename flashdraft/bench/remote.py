@@ -68,8 +68,9 @@ class RemoteBackend:
             return None
         return parse_prometheus(r.text) if r.status_code == 200 else None
 
-    def warmup(self, speculative: bool) -> None:
-        asyncio.run(self._arm(speculative, 1, [0], None, min(16, self.workload.max_tokens)))
+    def warmup(self, speculative: bool, concurrency: int = 1) -> None:
+        indices = [i % len(self.prompts) for i in range(concurrency)]
+        asyncio.run(self._arm(speculative, concurrency, indices, None, min(16, self.workload.max_tokens)))
 
     def run(self, speculative: bool, concurrency: int, on_done: Callable[[], None] | None = None) -> ArmRun:
         before = self.prometheus_spec() if speculative else None

@@ -2,7 +2,7 @@
 
 For every concurrency c, the arms run one after the other on the same prompts: plain
 (`speculative=False`) then DFlash, both on one engine, so weights, prompts and batching code are the
-same and only speculation differs. Each arm starts with a warm-up request, then keeps c requests in
+same and only speculation differs. Each arm starts with a warm-up round of c short requests, then keeps c requests in
 flight: whenever one finishes the next prompt is added, and it joins the running batch at the next step.
 """
 
@@ -38,7 +38,7 @@ class ArmRun:
 
 
 class Backend(Protocol):
-    def warmup(self, speculative: bool) -> None: ...
+    def warmup(self, speculative: bool, concurrency: int = 1) -> None: ...
 
     def run(self, speculative: bool, concurrency: int, on_done: Callable[[], None]) -> ArmRun: ...
 
@@ -68,15 +68,20 @@ class EngineBackend:
         if self.engine.has_unfinished():
             raise RuntimeError("the engine has requests in flight; the benchmark needs it to itself")
 
-    def warmup(self, speculative: bool) -> None:
+    def warmup(self, speculative: bool, concurrency: int = 1) -> None:
+        """A short round of `concurrency` requests at once: the batch shapes the arm will meet run
+        (and compile, for kernels specialised on them) before the clock starts."""
         self._check_idle()
-        params = self.workload.params(0, speculative, min(WARMUP_TOKENS, self.workload.max_tokens))
-        seq = self.engine.add_request(None, params, prompt_token_ids=self.prompt_ids[0])
+        seqs = [self.engine.add_request(None, self.workload.params(i, speculative,
+                                                                   min(WARMUP_TOKENS, self.workload.max_tokens)),
+                                        prompt_token_ids=self.prompt_ids[i % len(self.prompt_ids)])
+                for i in range(concurrency)]
         try:
-            while not seq.is_finished:
+            while not all(s.is_finished for s in seqs):
                 self.engine.step()
         finally:
-            self.engine.abort(seq)
+            for s in seqs:
+                self.engine.abort(s)
 
     def run(self, speculative: bool, concurrency: int, on_done: Callable[[], None] | None = None) -> ArmRun:
         eng = self.engine
@@ -136,7 +141,7 @@ def run_sweep(backend: Backend, arms: list[str], concurrencies: list[int], bar=N
         for arm in arms:
             if bar is not None:
                 bar.set_description(f"c={c} {arm}")
-            backend.warmup(arm == "dflash")
+            backend.warmup(arm == "dflash", c)
             runs[arm] = backend.run(arm == "dflash", c, (lambda: bar.update(1)) if bar is not None else None)
         row: dict = {"concurrency": c, "arms": {a: summarize(r.results, r.wall_s, r.spec) for a, r in runs.items()}}
         if "plain" in runs and "dflash" in runs:
