@@ -86,7 +86,9 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
     ids = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
     cfg = TrainConfig(model=args.model, out=args.out, data=args.data, prompts=args.prompts,
-                      num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                      num_prompts=args.num_prompts, prompt_turns=args.prompt_turns,
+                      samples_per_prompt=args.samples_per_prompt, gen_temperature=args.gen_temperature,
+                      max_new_tokens=args.max_new_tokens,
                       max_prompt_tokens=args.max_prompt_tokens, num_layers=args.num_layers,
                       intermediate_size=args.intermediate_size, block_size=args.block_size, target_layer_ids=ids,
                       mask_token_id=args.mask_token_id, epochs=args.epochs, max_steps=args.max_steps,
@@ -141,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--data", default=None, help="existing jsonl of {prompt_ids, response_ids}; skips generation")
     t.add_argument("--prompts", default=None, help="jsonl of {prompt} or {messages} (default: ShareGPT train split)")
     t.add_argument("--num-prompts", type=int, default=None)
+    t.add_argument("--prompt-turns", choices=["first", "all"], default="first",
+                   help="ShareGPT prompts: first human turns only, or every human turn with its history")
+    t.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="responses generated per prompt (more than 1 needs --gen-temperature above 0)")
+    t.add_argument("--gen-temperature", type=float, default=0.0,
+                   help="sampling temperature of the self-distillation responses (default greedy)")
     t.add_argument("--max-new-tokens", type=int, default=256)
     t.add_argument("--max-prompt-tokens", type=int, default=512)
     t.add_argument("--num-layers", type=int, default=3)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from flashdraft import LLM, SamplingParams
-import torch.nn.functional as F
-
 from flashdraft.train.loss import block_attention_mask, head_cross_entropy
 from flashdraft.train.trainer import TrainConfig, train
 
@@ -104,3 +104,36 @@ def test_tap_preconditioner_folds_into_saved_fc(tiny_llama, tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(ctx_got, ctx_want, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(ctx_unfolded, ctx_want, atol=1e-1)  # the fold is what makes them agree
+
+
+def test_sharegpt_all_turns_adds_later_turns_and_keeps_heldout_out():
+    from flashdraft.bench.datasets import first_human_turn, sharegpt_split
+    from flashdraft.train.data import sharegpt_conversations
+
+    first, every = sharegpt_conversations("first"), sharegpt_conversations("all")
+    assert len(every) > 2 * len(first)
+    assert {c[0]["content"] for c in first} <= {c[0]["content"] for c in every if len(c) == 1}
+    held = {p.strip() for p in map(first_human_turn, sharegpt_split()[1]) if p}
+    for conv in every:
+        assert [m["role"] for m in conv] == ["user", "assistant"] * (len(conv) // 2) + ["user"]
+        assert conv[0]["content"] not in held
+    assert len({tuple(m["content"] for m in c) for c in every}) == len(every)
+
+
+def test_generate_responses_several_seeded_samples_per_prompt(tiny_llama, tmp_path):
+    from flashdraft.train.data import generate_responses, read_samples
+
+    llm = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+    convs = [[{"role": "user", "content": "the quick brown fox"}], [{"role": "user", "content": "1 + 1 ="}]]
+    out = tmp_path / "data.jsonl"
+    assert generate_responses(llm, convs, out, 12, 512, samples_per_prompt=3, temperature=1.0, seed=5) == 6
+    got = sorted((tuple(s[:p]), tuple(s[p:])) for s, p in read_samples(out))
+    # the reference: each draw generated on its own with the seed generate_responses gives it
+    ids = [llm.engine.apply_chat_template(c) for c in convs]
+    ref = sorted((tuple(ids[i]), tuple(llm.generate([ids[i]], SamplingParams(temperature=1.0, max_tokens=12,
+                                                                            seed=5 + 3 * i + j))[0].token_ids))
+                 for i in range(2) for j in range(3))
+    assert got == ref
+    assert len({r for _, r in got}) > 2  # the draws differ
+    with pytest.raises(ValueError, match="temperature above 0"):
+        generate_responses(llm, convs, out, 12, 512, samples_per_prompt=2)

@@ -30,7 +30,7 @@ def log(msg: str) -> None:
 
 def gen_data(args, out: Path) -> Path:
     data = out / "data.jsonl"
-    convs = read_prompt_file(Path(args.data_dir) / "train_prompts.jsonl")[: args.num_prompts]
+    convs = read_prompt_file(Path(args.data_dir) / args.prompt_file)[: args.num_prompts]
     llm = LLM(args.gguf, draft=None, device="cuda", dtype="bfloat16", max_num_seqs=args.gen_batch,
               max_num_batched_tokens=16384, kv_cache_memory_gb=40, max_model_len=1024)
     if args.skip_data:  # only the prompts an earlier data file lacks
@@ -38,7 +38,8 @@ def gen_data(args, out: Path) -> Path:
         convs = [c for c in convs if tuple(llm.engine.apply_chat_template(c)) not in done]
         log(f"{len(done)} prompts already in {args.skip_data}; generating {len(convs)}")
     t0 = time.time()
-    n_seq = generate_responses(llm, convs, data, args.max_new_tokens, 512, time_budget_s=args.gen_seconds)
+    n_seq = generate_responses(llm, convs, data, args.max_new_tokens, 512, time_budget_s=args.gen_seconds,
+                               samples_per_prompt=args.samples_per_prompt, temperature=args.gen_temperature)
     dt = time.time() - t0
     n_tok = sum(len(json.loads(x)["response_ids"]) for x in data.read_text().splitlines())
     log(f"self-distillation: {n_seq} of {len(convs)} prompts, {n_tok} response tokens in {dt:.0f}s "
@@ -101,6 +102,10 @@ def main() -> None:
                     help="also write the drafter every N steps (to --work/drafter)")
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--data", default=None, help="reuse an existing data.jsonl[.gz]")
+    ap.add_argument("--prompt-file", default="train_prompts.jsonl",
+                    help="in --data-dir; train_conversations.jsonl has every human turn with its history")
+    ap.add_argument("--samples-per-prompt", type=int, default=1)
+    ap.add_argument("--gen-temperature", type=float, default=0.0)
     ap.add_argument("--skip-data", default=None, help="gen: leave out the prompts this data file already has")
     args = ap.parse_args()
     out, work = Path(args.out), Path(args.work)

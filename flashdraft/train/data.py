@@ -30,6 +30,38 @@ def sharegpt_prompts(split: str) -> list[str]:
     return [p for p in dict.fromkeys(train) if p not in seen]  # repeated turns once each
 
 
+ROLES = {"human": "user", "gpt": "assistant"}
+
+
+def sharegpt_conversations(turns: str = "first") -> list[list[dict]]:
+    """Training prompts as chat conversations. turns "first": the first human turn of each training
+    conversation (`sharegpt_prompts("train")`). turns "all": one prompt per human turn, ending at
+    that turn with ShareGPT's own earlier turns as history (several times the prompts of "first");
+    the first turns plus every later human turn of conversations that alternate human/gpt from the
+    start (up to the first turn that does not) and do not open with a held-out first turn; each
+    distinct prompt once."""
+    if turns == "first":
+        return [[{"role": "user", "content": p}] for p in sharegpt_prompts("train")]
+    if turns != "all":
+        raise ValueError(f"unknown turns {turns!r}; use first or all")
+    first = sharegpt_conversations("first")
+    out = {(c[0]["content"],): c for c in first}
+    rest, heldout = sharegpt_split()
+    held = {p.strip() for p in map(first_human_turn, heldout) if p and p.strip()}
+    for rec in rest:
+        msgs = []
+        for k, turn in enumerate(rec.get("conversations") or []):
+            role, text = ROLES.get(turn.get("from")), turn.get("value")
+            if role != ("user" if k % 2 == 0 else "assistant") or not isinstance(text, str) or not text.strip():
+                break  # keep the well-formed prefix only
+            msgs.append({"role": role, "content": text.strip()})
+        if not msgs or msgs[0]["content"] in held:
+            continue
+        for n in range(3, len(msgs) + 1, 2):  # later turns; the first turns came from "first"
+            out.setdefault(tuple(m["content"] for m in msgs[:n]), msgs[:n])
+    return list(out.values())
+
+
 def read_prompt_file(path: str | Path) -> list[list[dict]]:
     """jsonl lines of {"prompt": str} or {"messages": [{"role", "content"}, ...]} -> conversations."""
     path = Path(path)
@@ -55,15 +87,22 @@ def read_prompt_file(path: str | Path) -> list[list[dict]]:
 
 
 def generate_responses(llm, conversations: list[list[dict]], out_path: Path, max_new_tokens: int,
-                       max_prompt_tokens: int, time_budget_s: float | None = None) -> int:
-    """Regenerate responses with the target (greedy, chat template) and write
-    {"prompt_ids", "response_ids"} lines to out_path as requests finish. Every prompt is queued at
-    once so continuous batching keeps the engine full to the end; when time_budget_s runs out the
-    unfinished requests are dropped. Returns the number of samples written."""
+                       max_prompt_tokens: int, time_budget_s: float | None = None, samples_per_prompt: int = 1,
+                       temperature: float = 0.0, seed: int = 0) -> int:
+    """Regenerate responses with the target (chat template; greedy, or samples_per_prompt draws at
+    `temperature`, each with its own seed) and write {"prompt_ids", "response_ids"} lines to
+    out_path as requests finish. Every request is queued at once so continuous batching keeps the
+    engine full to the end; when time_budget_s runs out the unfinished requests are dropped.
+    Returns the number of samples written."""
+    if samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt must be at least 1, got {samples_per_prompt}")
+    if samples_per_prompt > 1 and temperature == 0:
+        raise ValueError("samples_per_prompt > 1 needs a temperature above 0 (greedy draws are identical)")
     eng = llm.engine
-    params = SamplingParams(max_tokens=max_new_tokens)
     prompts = [ids for ids in map(eng.apply_chat_template, conversations) if len(ids) <= max_prompt_tokens]
-    seqs = [eng.add_request(None, params, prompt_token_ids=ids) for ids in prompts]
+    seqs = [eng.add_request(None, SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
+                                                 seed=seed + i * samples_per_prompt + j), prompt_token_ids=ids)
+            for i, ids in enumerate(prompts) for j in range(samples_per_prompt)]
     pending, written = set(seqs), 0
     deadline = time.monotonic() + time_budget_s if time_budget_s else float("inf")
     with open(out_path, "w") as f, tqdm(total=len(seqs), desc="self-distillation", unit="seq") as bar:

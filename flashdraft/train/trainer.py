@@ -29,6 +29,9 @@ class TrainConfig:
     data: str | None = None  # jsonl of {"prompt_ids", "response_ids"}; generated when missing
     prompts: str | None = None  # jsonl of prompts/messages; default: ShareGPT train split
     num_prompts: int | None = None
+    prompt_turns: str = "first"  # ShareGPT prompts: "first" human turns, or "all" human turns with history
+    samples_per_prompt: int = 1  # responses per prompt; more than 1 needs gen_temperature > 0
+    gen_temperature: float = 0.0
     max_new_tokens: int = 256
     max_prompt_tokens: int = 512
     num_layers: int = 3
@@ -305,14 +308,16 @@ def train(cfg: TrainConfig) -> Path:
 
 def make_data(cfg: TrainConfig, data_path: Path, device: torch.device) -> int:
     from flashdraft import LLM
-    from flashdraft.train.data import generate_responses, read_prompt_file, sharegpt_prompts
+    from flashdraft.train.data import generate_responses, read_prompt_file, sharegpt_conversations
 
     if cfg.prompts:
         convs = read_prompt_file(cfg.prompts)
     else:
-        convs = [[{"role": "user", "content": p}] for p in sharegpt_prompts("train")]
+        convs = sharegpt_conversations(cfg.prompt_turns)
     if cfg.num_prompts:
         convs = convs[: cfg.num_prompts]
     llm = LLM(cfg.model, draft=None, device=str(device), max_num_seqs=cfg.gen_batch,
               max_num_batched_tokens=max(4096, cfg.gen_batch * 2))
-    return generate_responses(llm, convs, data_path, cfg.max_new_tokens, cfg.max_prompt_tokens)
+    return generate_responses(llm, convs, data_path, cfg.max_new_tokens, cfg.max_prompt_tokens,
+                              samples_per_prompt=cfg.samples_per_prompt, temperature=cfg.gen_temperature,
+                              seed=cfg.seed)
