@@ -13,8 +13,11 @@ Bytes read per (sequence, kv head), e = element size, L = seq_len, D = head_dim:
   bf16, D=128: 516 B per key and kv head; a 4k-key decode with 8 kv heads reads ~17 MB per layer.
   Prefill re-reads K/V once per query tile, i.e. ceil(q_len * group / BLOCK_M) times.
   Split-K adds (D + 2) * 4 B written and read again per (query row, head, partition), about
-  2 * rows / PART of the bf16 K/V bytes of a partition of PART keys; a partition therefore holds
-  at least max(256, 16 * BLOCK_M) keys (<= 3% for decode, <= 12.5% for a 64-row verify tile).
+  2 * rows / PART of the bf16 K/V bytes of a partition of PART keys. A partition holds at least 128
+  keys: splitting only happens when the grid cannot fill the GPU, where the step is latency-bound
+  and the extra bytes (<= 100% of K/V for a 64-row verify tile, 25% for decode: a few MB at batch
+  1) cost less than walking the keys in 8 long programs (a 1k-key verify at batch 1 took 39 us
+  with one partition per kv head, against SDPA's 15 us).
 
 Tiling (tl.dot needs >= 16 along every dim on real hardware, so BLOCK_M >= 16 even for decode):
   BLOCK_D = next power of two >= head_dim (96 -> 128, masked).
@@ -47,7 +50,7 @@ import triton.language as tl
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch, DeviceMeta
 
-MIN_SPLIT_KEYS = 256  # a KV partition holds at least this many keys, and 16 per tile row
+MIN_SPLIT_KEYS = 128  # a KV partition holds at least this many keys
 MAX_SPLITS = 64
 INTERPRETER_SMS = 16  # stand-in SM count when kernels run on CPU tensors (TRITON_INTERPRET=1)
 NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: no inf - inf = nan on empty rows
@@ -233,12 +236,11 @@ def _sm_count(device: torch.device) -> int:
     return _sm_counts[device]
 
 
-def _num_splits(programs: int, max_seq_len: int, block_m: int, device: torch.device) -> int:
+def _num_splits(programs: int, max_seq_len: int, device: torch.device) -> int:
     sms = _sm_count(device)
     if programs >= sms:
         return 1
-    min_keys = max(MIN_SPLIT_KEYS, 16 * block_m)
-    return max(1, min(triton.cdiv(2 * sms, programs), max_seq_len // min_keys, MAX_SPLITS))
+    return max(1, min(triton.cdiv(2 * sms, programs), max_seq_len // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
 def _workspace(device: torch.device, splits: int, T: int, H: int, D: int):
@@ -267,7 +269,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_d, block_m, block_n, warps = _tiles(hd, group, meta.max_query_len)
     tiles = triton.cdiv(meta.max_query_len, block_m // group)
     if num_splits is None:
-        num_splits = _num_splits(tiles * S * n_kv, meta.max_seq_len, block_m, q.device)
+        num_splits = _num_splits(tiles * S * n_kv, meta.max_seq_len, q.device)
     part = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), num_splits), block_n) * block_n
     ws = _workspace(q.device, num_splits, T, H, hd) if num_splits > 1 else (out, out, out)
     consts = dict(N_KV=n_kv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_M=block_m)

@@ -127,7 +127,7 @@ def test_split_k_long_context(q_len, causal):
     """Batch 1 with 4k keys: the heuristic splits the key range; same result as one partition."""
     c = make_case([q_len], [4096 - q_len], n_kv=2, group=4, hd=64, causal=causal, seed=1)
     meta = DeviceMeta.from_batch(c["batch"], DEVICE)
-    assert triton_paged._num_splits(2, 4096, 64, DEVICE) > 1  # one 64-row query tile x 2 kv heads
+    assert triton_paged._num_splits(2, 4096, DEVICE) > 1  # one 64-row query tile x 2 kv heads
     check(c)
     assert torch.allclose(run_triton(c, meta=meta)[2], run_triton(c, num_splits=1, meta=meta)[2], atol=2e-5)
 
@@ -252,3 +252,12 @@ def test_cuda_graph_replay_with_refilled_meta():
         torch.cuda.synchronize()
         _, _, want = reference(c)
         assert (out[: c["rows"]].float() - want.float()).abs().max().item() < TOL[torch.bfloat16]
+
+
+def test_split_heuristic_fills_the_gpu_at_batch_one():
+    """A 16-row verify at batch 1 (8 kv heads, 1k keys) is cut into partitions of >= 128 keys
+    instead of 8 programs walking every key; big grids are not split."""
+    sms = triton_paged._sm_count(DEVICE)  # 132 on an H100: 33 partitions would fit, 1040 keys allow 8
+    assert triton_paged._num_splits(8, 1040, DEVICE) == min(-(-2 * sms // 8), 1040 // 128) > 1
+    assert triton_paged._num_splits(10_000, 1040, DEVICE) == 1
+    assert triton_paged._num_splits(8, 100, DEVICE) == 1  # too few keys to split
