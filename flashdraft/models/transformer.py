@@ -216,7 +216,13 @@ class DecoderLM(nn.Module):
         return self.norm(h), tapped
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        w = self.lm_head_weight
+        if hidden.device.type == "cpu" and hidden.numel() > hidden.shape[-1]:
+            # several rows on CPU (verify, draft block): W @ h^T runs ~2x faster than h @ W^T in
+            # MKL for a vocabulary-sized W (49k x 576 fp32, 8 rows: 10.8 against 21.3 ms)
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            return (w @ flat.T).T.contiguous().view(*hidden.shape[:-1], w.shape[0]).float()
+        return F.linear(hidden, w).float()
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors (model.* prefix), packing q/k/v and gate/up."""
