@@ -34,6 +34,10 @@ kv heads is 8 programs for 132 SMs), the key range is cut into up to 2 x SMs / p
 a float32 workspace; a small reduce kernel merges them. Partitions past a sequence's real keys
 write neutral partials; the last partition runs to the sequence's end.
 
+Compiles: the split count and partition size are runtime arguments, not constants, so eager steps
+with new sequence lengths (prefill chunks) reuse the compiled kernels; as constants, every new
+length could compile another variant in the middle of serving.
+
 Graph safety: grids and workspace shapes depend only on S, n_kv, max_query_len, max_seq_len and T,
 never on tensor values; programs past a sequence's rows return at once; no host syncs; the split-K workspace is
 cached per (device, shape), so a CUDA graph captures a buffer that stays alive. Query rows with
@@ -108,12 +112,12 @@ def _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP: tl.constexpr, BLOCK_M: tl.con
 
 @triton.jit
 def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
-                 qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2, num_tokens, num_heads,
+                 qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2, num_tokens, num_heads, num_splits, part,
                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  stride_ot, stride_oh, stride_bt,
                  N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, PART: tl.constexpr, F32_DOT: tl.constexpr):
+                 SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
     """Grid (query tile, sequence * n_kv, partition). One split: normalised output straight to
     `out`. Several: unnormalised partials to the workspace, merged by `_reduce_kernel`."""
     tile = tl.program_id(0)
@@ -133,8 +137,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
         kv_end = tl.minimum(seq_len, tl.max(tl.where(valid, pos, -1)) + 1)
     else:
         kv_end = seq_len
-    lo = split * PART
-    hi = tl.where(split == NUM_SPLITS - 1, kv_end, tl.minimum(kv_end, lo + PART))  # the last takes the rest
+    lo = split * part
+    hi = tl.where(split == num_splits - 1, kv_end, tl.minimum(kv_end, lo + part))  # the last takes the rest
 
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -162,7 +166,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
         m_i = m_new
 
     mask = valid[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=mask)
@@ -174,9 +178,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
 
 
 @triton.jit
-def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_tokens, num_heads, stride_ot, stride_oh,
-                   N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr):
+def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_tokens, num_heads, num_splits, stride_ot,
+                   stride_oh, N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
     """Merges the split-K partials of one (query tile, sequence, kv head) into normalised output."""
     tile = tl.program_id(0)
     seq = tl.program_id(1) // N_KV
@@ -189,7 +193,7 @@ def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_tokens, n
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for split in range(NUM_SPLITS):
+    for split in range(num_splits):
         idx = (split * num_tokens + q_start + row) * num_heads + head
         m_p = tl.load(ws_m_ptr + idx, mask=valid, other=NEG)
         l_p = tl.load(ws_l_ptr + idx, mask=valid, other=0.0)
@@ -275,13 +279,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     consts = dict(N_KV=n_kv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_M=block_m)
     _attn_kernel[(tiles, S * n_kv, num_splits)](
         q, k_cache, v_cache, out, *ws, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        scale * 1.4426950408889634, T, H, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        scale * 1.4426950408889634, T, H, num_splits, part, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         out.stride(0), out.stride(1), meta.block_tables.stride(0), **consts, BLOCK_N=block_n,
-        PAGE=k_cache.shape[1], CAUSAL=meta.causal, NUM_SPLITS=num_splits, PART=part,
+        PAGE=k_cache.shape[1], CAUSAL=meta.causal, SPLIT=num_splits > 1,
         F32_DOT=INTERPRET or q.dtype == torch.float32, num_warps=warps)
     if num_splits > 1:
-        _reduce_kernel[(tiles, S * n_kv)](out, *ws, meta.query_start_loc, T, H, out.stride(0), out.stride(1),
-                                          **consts, NUM_SPLITS=num_splits, num_warps=4)
+        _reduce_kernel[(tiles, S * n_kv)](out, *ws, meta.query_start_loc, T, H, num_splits, out.stride(0),
+                                          out.stride(1), **consts, num_warps=4)
     return out
 
 
