@@ -279,7 +279,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     consts = dict(N_KV=n_kv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_M=block_m)
     _attn_kernel[(tiles, S * n_kv, num_splits)](
         q, k_cache, v_cache, out, *ws, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        scale * 1.4426950408889634, T, H, num_splits, part, q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        scale * 1.4426950408889634, T, H, num_splits, part, q.stride(0), q.stride(1), *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
         out.stride(0), out.stride(1), meta.block_tables.stride(0), **consts, BLOCK_N=block_n,
         PAGE=k_cache.shape[1], CAUSAL=meta.causal, SPLIT=num_splits > 1,
         F32_DOT=INTERPRET or q.dtype == torch.float32, num_warps=warps)
