@@ -137,3 +137,24 @@ def test_generate_responses_several_seeded_samples_per_prompt(tiny_llama, tmp_pa
     assert len({r for _, r in got}) > 2  # the draws differ
     with pytest.raises(ValueError, match="temperature above 0"):
         generate_responses(llm, convs, out, 12, 512, samples_per_prompt=2)
+
+
+def test_read_prompt_file_plain_and_gzipped_and_bad_lines(tmp_path):
+    import gzip
+
+    from flashdraft.train.data import read_prompt_file
+
+    lines = [json.dumps({"prompt": "hi"}), "",
+             json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                      {"role": "user", "content": "c"}]})]
+    plain, packed = tmp_path / "p.jsonl", tmp_path / "p.jsonl.gz"
+    plain.write_text("\n".join(lines))
+    packed.write_bytes(gzip.compress("\n".join(lines).encode()))
+    want = [[{"role": "user", "content": "hi"}],
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]]
+    assert read_prompt_file(plain) == want and read_prompt_file(packed) == want
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "x"}))
+    with pytest.raises(ValueError, match="bad.jsonl:1: expected a non-empty 'prompt'"):
+        read_prompt_file(tmp_path / "bad.jsonl")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_prompt_file(tmp_path / "missing.jsonl")

@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--data", default=None, help="reuse an existing data.jsonl[.gz]")
     ap.add_argument("--prompt-file", default="train_prompts.jsonl",
-                    help="in --data-dir; train_conversations.jsonl has every human turn with its history")
+                    help="in --data-dir; train_conversations.jsonl.gz has every human turn with its history")
     ap.add_argument("--samples-per-prompt", type=int, default=1)
     ap.add_argument("--gen-temperature", type=float, default=0.0)
     ap.add_argument("--skip-data", default=None, help="gen: leave out the prompts this data file already has")

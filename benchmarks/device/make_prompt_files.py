@@ -1,6 +1,6 @@
 """Write the prompt files the GPU pipeline reads (the prompt packages are not installed there):
 train_prompts.jsonl (ShareGPT training split, first turns of at most 1,500 characters),
-train_conversations.jsonl (every human turn with its history, at most 3,000 characters in all),
+train_conversations.jsonl.gz (every human turn with its history, at most 3,000 characters in all),
 humaneval.jsonl, mt_bench.jsonl (first turns) and sharegpt_heldout.jsonl (first 200 held-out).
 
     python benchmarks/device/make_prompt_files.py DIR
@@ -8,6 +8,7 @@ humaneval.jsonl, mt_bench.jsonl (first turns) and sharegpt_heldout.jsonl (first 
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -26,8 +27,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     write(out / "train_prompts.jsonl", [p for p in sharegpt_prompts("train") if len(p) <= 1500])
     convs = [c for c in sharegpt_conversations("all") if sum(len(m["content"]) for m in c) <= 3000]
-    (out / "train_conversations.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
-    print(f"{out / 'train_conversations.jsonl'}: {len(convs)} conversations")
+    lines = "".join(json.dumps({"messages": c}) + "\n" for c in convs)
+    (out / "train_conversations.jsonl.gz").write_bytes(gzip.compress(lines.encode()))  # 23 MB -> 5.5 MB
+    print(f"{out / 'train_conversations.jsonl.gz'}: {len(convs)} conversations")
     write(out / "sharegpt_heldout.jsonl", sharegpt_prompts("heldout")[:200])
     for name, key in (("humaneval", "humaneval"), ("mt_bench", "mt-bench")):
         write(out / f"{name}.jsonl", [p.messages[0]["content"] for p in load_prompts(key)])

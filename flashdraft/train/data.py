@@ -63,12 +63,14 @@ def sharegpt_conversations(turns: str = "first") -> list[list[dict]]:
 
 
 def read_prompt_file(path: str | Path) -> list[list[dict]]:
-    """jsonl lines of {"prompt": str} or {"messages": [{"role", "content"}, ...]} -> conversations."""
+    """jsonl (or .jsonl.gz) lines of {"prompt": str} or {"messages": [{"role", "content"}, ...]}
+    -> conversations."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
