@@ -261,3 +261,23 @@ def test_split_heuristic_fills_the_gpu_at_batch_one():
     assert triton_paged._num_splits(8, 1040, DEVICE) == min(-(-2 * sms // 8), 1040 // 128) > 1
     assert triton_paged._num_splits(10_000, 1040, DEVICE) == 1
     assert triton_paged._num_splits(8, 100, DEVICE) == 1  # too few keys to split
+
+
+def _compiled_variants(fn) -> int:
+    caches = getattr(fn, "device_caches", None)  # Triton >= 3.3: device -> (kernel cache, ...)
+    if caches is None:
+        pytest.skip("no compiled-kernel cache to inspect (interpreter or another Triton layout)")
+    return sum(len(c[0]) for c in caches.values())
+
+
+@pytest.mark.parametrize("q_len", [1, 16])
+def test_new_sequence_lengths_do_not_compile_new_variants(q_len):
+    """Split-K sizes depend on the sequence length; they are runtime arguments, so steps with new
+    lengths (every prefill chunk) reuse the compiled kernels instead of compiling new variants.
+    Runtime integers may still split into Triton's divisibility classes: at most a few variants."""
+    lengths = [300, 333, 420, 555, 640, 777, 901, 1000]
+    check(make_case([q_len], [lengths[0]], n_kv=2, group=4, hd=64, dtype=torch.bfloat16, seed=7))
+    before = _compiled_variants(triton_paged._attn_kernel)
+    for n, ctx in enumerate(lengths[1:]):
+        check(make_case([q_len], [ctx], n_kv=2, group=4, hd=64, dtype=torch.bfloat16, seed=n))
+    assert _compiled_variants(triton_paged._attn_kernel) - before <= 2
