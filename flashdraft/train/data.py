@@ -22,12 +22,15 @@ def sharegpt_prompts(split: str) -> list[str]:
     if split not in ("train", "heldout"):
         raise ValueError(f"unknown ShareGPT split {split!r}; use train or heldout")
     rest, heldout = sharegpt_split()
-    held = [p.strip() for p in map(first_human_turn, heldout) if p and p.strip()]
+    held = _first_turns(heldout)
     if split == "heldout":
         return held
     seen = set(held)
-    train = (p.strip() for p in map(first_human_turn, rest) if p and p.strip())
-    return [p for p in dict.fromkeys(train) if p not in seen]  # repeated turns once each
+    return [p for p in dict.fromkeys(_first_turns(rest)) if p not in seen]  # repeated turns once each
+
+
+def _first_turns(records: list[dict]) -> list[str]:
+    return [p.strip() for p in map(first_human_turn, records) if p and p.strip()]
 
 
 ROLES = {"human": "user", "gpt": "assistant"}
@@ -44,10 +47,9 @@ def sharegpt_conversations(turns: str = "first") -> list[list[dict]]:
         return [[{"role": "user", "content": p}] for p in sharegpt_prompts("train")]
     if turns != "all":
         raise ValueError(f"unknown turns {turns!r}; use first or all")
-    first = sharegpt_conversations("first")
-    out = {(c[0]["content"],): c for c in first}
+    out = {(p,): [{"role": "user", "content": p}] for p in sharegpt_prompts("train")}
     rest, heldout = sharegpt_split()
-    held = {p.strip() for p in map(first_human_turn, heldout) if p and p.strip()}
+    held = set(_first_turns(heldout))
     for rec in rest:
         msgs = []
         for k, turn in enumerate(rec.get("conversations") or []):
