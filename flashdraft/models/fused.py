@@ -79,6 +79,15 @@ def _norm_rope(x, xr, w, wr, c, s, lo, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl
 
 
 @triton.jit
+def _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, d, HEAD_DIM: tl.constexpr):
+    """The rotary cos/sin rows [1, BLOCK_D] of token t's position."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    c = tl.load(cos_ptr + pos * stride_cos + d, mask=d < HEAD_DIM, other=0.0)[None, :]
+    s = tl.load(sin_ptr + pos * stride_sin + d, mask=d < HEAD_DIM, other=0.0)[None, :]
+    return c, s
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
                                eps, stride_t, stride_cos, stride_sin, stride_qt, stride_qh,
                                stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
@@ -109,9 +118,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
     else:
         w = x
         wr = xr
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    c = tl.load(cos_ptr + pos * stride_cos + d, mask=d < HEAD_DIM, other=0.0)[None, :]
-    s = tl.load(sin_ptr + pos * stride_sin + d, mask=d < HEAD_DIM, other=0.0)[None, :]
+    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, d, HEAD_DIM)
     out = _norm_rope(x, xr, w, wr, c, s, lo, eps, HEAD_DIM, HAS_NORM)
     tl.store(q_ptr + t * stride_qt + r[:, None] * stride_qh + d[None, :], out, mask=is_q & d_ok)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -170,9 +177,7 @@ def _context_kv_kernel(kv_ptr, pos_ptr, cos_ptr, sin_ptr, kw_ptr, kc_ptr, vc_ptr
     else:
         w = x
         wr = xr
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    c = tl.load(cos_ptr + pos * stride_cos + d, mask=d < HEAD_DIM, other=0.0)[None, :]
-    s = tl.load(sin_ptr + pos * stride_sin + d, mask=d < HEAD_DIM, other=0.0)[None, :]
+    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, d, HEAD_DIM)
     k = _norm_rope(x, xr, w, wr, c, s, lo, eps, HEAD_DIM, HAS_NORM)
     v = tl.load(row + N_KV * HEAD_DIM + d[None, :], mask=mask, other=0.0)
     lay = layer.to(tl.int64)

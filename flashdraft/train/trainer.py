@@ -244,6 +244,7 @@ def train(cfg: TrainConfig) -> Path:
         scale = tap_scale(target, samples, tap_idx, device) if cfg.precondition_taps else None
     log_f = open(out / "train_log.jsonl", "a")
     t0 = time.time()
+    t_mark = (step, t0)  # the rate marks at steps 10 and 100 replace it (a resumed run may start past them)
     bar = tqdm(total=plan["total"], initial=step, desc="training drafter", unit="step")
     epoch = start_epoch
     while step < plan["total"]:
