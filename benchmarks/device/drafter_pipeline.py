@@ -5,6 +5,8 @@ lands in --out (config, weights split in parts, logs, eval.json).
     python benchmarks/device/make_prompt_files.py prompts          # on a machine with the prompt packages
     python benchmarks/device/drafter_pipeline.py --gguf smollm2.gguf --data-dir prompts --out results
     # or in two calls: --phase gen --out data-out, then --phase train --data data-out/data.jsonl.gz
+    # on several GPUs: one --phase gen --shard K/N process per GPU, then
+    # torchrun --nproc-per-node N drafter_pipeline.py --phase train ... (rank 0 evaluates)
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ def gen_data(args, out: Path) -> Path:
         done = {tuple(ids) for ids, p in ((s[: p], p) for s, p in read_samples(args.skip_data))}
         convs = [c for c in convs if tuple(llm.engine.apply_chat_template(c)) not in done]
         log(f"{len(done)} prompts already in {args.skip_data}; generating {len(convs)}")
+    k, n = map(int, args.shard.split("/"))  # this process answers conversations k, k + n, ...
+    convs = convs[k::n]
     t0 = time.time()
     n_seq = generate_responses(llm, convs, data, args.max_new_tokens, 512, time_budget_s=args.gen_seconds,
-                               samples_per_prompt=args.samples_per_prompt, temperature=args.gen_temperature)
+                               samples_per_prompt=args.samples_per_prompt, temperature=args.gen_temperature,
+                               seed=args.seed + k * args.samples_per_prompt, seed_stride=n)
     dt = time.time() - t0
     n_tok = sum(len(json.loads(x)["response_ids"]) for x in data.read_text().splitlines())
     log(f"self-distillation: {n_seq} of {len(convs)} prompts, {n_tok} response tokens in {dt:.0f}s "
@@ -107,6 +112,9 @@ def main() -> None:
     ap.add_argument("--samples-per-prompt", type=int, default=1)
     ap.add_argument("--gen-temperature", type=float, default=0.0)
     ap.add_argument("--skip-data", default=None, help="gen: leave out the prompts this data file already has")
+    ap.add_argument("--shard", default="0/1", help="gen: K/N answers every N-th conversation from the K-th "
+                                                   "(one process per GPU)")
+    ap.add_argument("--seed", type=int, default=0, help="gen: sampling seeds start here")
     args = ap.parse_args()
     out, work = Path(args.out), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -129,7 +137,9 @@ def main() -> None:
                       init_layers_from=args.init_layers_from, local_context=args.local_context,
                       local_context_frac=args.local_context_frac)
     t0 = time.time()
-    drafter = train(cfg)
+    drafter = train(cfg)  # data parallel over the GPUs when started by torchrun
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     last = cfg.log[-1]
     log(f"training: {last['step']} steps, {last['epoch'] + 1} epochs, {time.time() - t0:.0f}s, "
         f"final loss {last['loss']:.3f}, train tau {last['tau']:.2f}")

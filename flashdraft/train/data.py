@@ -92,10 +92,11 @@ def read_prompt_file(path: str | Path) -> list[list[dict]]:
 
 def generate_responses(llm, conversations: list[list[dict]], out_path: Path, max_new_tokens: int,
                        max_prompt_tokens: int, time_budget_s: float | None = None, samples_per_prompt: int = 1,
-                       temperature: float = 0.0, seed: int = 0) -> int:
+                       temperature: float = 0.0, seed: int = 0, seed_stride: int = 1) -> int:
     """Regenerate responses with the target (chat template; greedy, or samples_per_prompt draws at
-    `temperature`, each with its own seed) and write {"prompt_ids", "response_ids"} lines to
-    out_path as requests finish. Every request is queued at once so continuous batching keeps the
+    `temperature`, draw j of conversation i seeded seed + i * seed_stride * samples_per_prompt + j;
+    a shard of every n-th conversation passes seed_stride n) and write {"prompt_ids",
+    "response_ids"} lines to out_path as requests finish. Every request is queued at once so continuous batching keeps the
     engine full to the end; when time_budget_s runs out the unfinished requests are dropped.
     Returns the number of samples written."""
     if samples_per_prompt < 1:
@@ -103,10 +104,11 @@ def generate_responses(llm, conversations: list[list[dict]], out_path: Path, max
     if samples_per_prompt > 1 and temperature == 0:
         raise ValueError("samples_per_prompt > 1 needs a temperature above 0 (greedy draws are identical)")
     eng = llm.engine
-    prompts = [ids for ids in map(eng.apply_chat_template, conversations) if len(ids) <= max_prompt_tokens]
+    prompts = list(enumerate(map(eng.apply_chat_template, conversations)))  # long ones skipped, not renumbered
+    step = seed_stride * samples_per_prompt
     seqs = [eng.add_request(None, SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
-                                                 seed=seed + i * samples_per_prompt + j), prompt_token_ids=ids)
-            for i, ids in enumerate(prompts) for j in range(samples_per_prompt)]
+                                                 seed=seed + i * step + j), prompt_token_ids=ids)
+            for i, ids in prompts if len(ids) <= max_prompt_tokens for j in range(samples_per_prompt)]
     pending, written = set(seqs), 0
     deadline = time.monotonic() + time_budget_s if time_budget_s else float("inf")
     with open(out_path, "w") as f, tqdm(total=len(seqs), desc="self-distillation", unit="seq") as bar:

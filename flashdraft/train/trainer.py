@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
+from datetime import timedelta
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -180,6 +183,44 @@ def _batches(samples, batch_size: int, rng: random.Random):
     return groups
 
 
+def _init_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
+    """Data parallel when started by torchrun (WORLD_SIZE > 1): one process per GPU (cuda:LOCAL_RANK),
+    NCCL on CUDA and gloo on CPU. -> (rank, world size, device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if world == 1:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():  # data generation can take hours before the first collective
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=4))
+    return dist.get_rank(), world, device
+
+
+def _average(tensors: list[torch.Tensor], world: int) -> None:
+    """All-reduce and average in place (gradients, logged scalars) in one flat message."""
+    if world == 1:
+        return
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    dist.all_reduce(flat)
+    flat /= world
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
+
+
+def _check_in_sync(params: list[torch.Tensor], world: int) -> None:
+    """Every rank must hold the same weights; a missed gradient reduction shows up here."""
+    if world == 1:
+        return
+    with torch.no_grad():
+        mine = torch.stack([p.double().sum() for p in params])
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+    if any(not torch.allclose(e, everyone[0], rtol=1e-6, atol=1e-6) for e in everyone):
+        raise RuntimeError("data-parallel ranks hold different drafter weights")
+
+
 def train(cfg: TrainConfig) -> Path:
     from transformers import AutoModelForCausalLM
 
@@ -187,13 +228,14 @@ def train(cfg: TrainConfig) -> Path:
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rank, world, device = _init_distributed(cfg)
+    main = rank == 0
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
     folder = resolve_model_dir(cfg.model)
     target_cfg = load_config(folder)
     data_path = Path(cfg.data) if cfg.data else out / "data.jsonl"
     if not data_path.exists():
-        make_data(cfg, data_path, device)
+        make_data(cfg, data_path, device, rank, world)
     samples = read_samples(data_path)
     from flashdraft.models.loader import load_tokenizer
 
@@ -217,7 +259,9 @@ def train(cfg: TrainConfig) -> Path:
     drafter.rope.cos, drafter.rope.sin = drafter.rope.cos.float(), drafter.rope.sin.float()
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    steps_per_epoch = math.ceil(len(samples) / cfg.batch_size)
+    # each rank takes every world-th batch of the same shuffled order; the tail that cannot be dealt
+    # evenly waits for the next epoch's order
+    steps_per_epoch = max(1, math.ceil(len(samples) / cfg.batch_size) // world)
     plan = {"total": cfg.max_steps or steps_per_epoch * cfg.epochs}
     plan["full"] = plan["total"]
     plan["warm"] = max(1, int(cfg.warmup_ratio * plan["total"]))
@@ -235,21 +279,24 @@ def train(cfg: TrainConfig) -> Path:
         opt.load_state_dict(st["opt"])
         sched.load_state_dict(st["sched"])
         step, start_epoch = st["step"], st["epoch"]
-    gen = torch.Generator().manual_seed(cfg.seed + step)
+    gen = torch.Generator().manual_seed(cfg.seed + step + 1_000_003 * rank)  # ranks draw their own anchors
     gamma = gamma_for(cfg.block_size)
     tap_idx = [i + 1 for i in spec.target_layer_ids]
     if cfg.resume and ckpt.exists():
         scale = st.get("tap_scale")
     else:
         scale = tap_scale(target, samples, tap_idx, device) if cfg.precondition_taps else None
-    log_f = open(out / "train_log.jsonl", "a")
+        if scale is not None and world > 1:
+            dist.broadcast(scale, 0)  # one preconditioner for all ranks
+    log_f = open(out / "train_log.jsonl", "a") if main else None
     t0 = time.time()
     t_mark = (step, t0)  # the rate marks at steps 10 and 100 replace it (a resumed run may start past them)
-    bar = tqdm(total=plan["total"], initial=step, desc="training drafter", unit="step")
+    bar = tqdm(total=plan["total"], initial=step, desc="training drafter", unit="step", disable=not main)
     epoch = start_epoch
     while step < plan["total"]:
         rng = random.Random(cfg.seed * 1000 + epoch)  # anchors and order resampled every epoch
-        for group in _batches(samples, cfg.batch_size, rng)[step % steps_per_epoch if epoch == start_epoch else 0:]:
+        groups = _batches(samples, cfg.batch_size, rng)[rank::world][:steps_per_epoch]
+        for group in groups[step % steps_per_epoch if epoch == start_epoch else 0:]:
             seqs = [samples[i] for i in group]
             s_max = max(len(s) for s, _ in seqs)
             ids = torch.zeros(len(seqs), s_max, dtype=torch.long)
@@ -272,14 +319,17 @@ def train(cfg: TrainConfig) -> Path:
                                           window)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            logged = torch.tensor([loss.item(), stats["tau"], stats["acc_per_slot"][0]], device=device)
+            _average([p.grad for p in params] + [logged], world)  # the all-ranks batch's gradient
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             sched.step()
             step += 1
-            rec = {"step": step, "epoch": epoch, "loss": loss.item(), "grad_norm": float(gnorm),
-                   "lr": sched.get_last_lr()[0], "tau": stats["tau"],
-                   "acc_slot1": stats["acc_per_slot"][0], "elapsed_s": time.time() - t0}
-            log_f.write(json.dumps(rec) + "\n")
+            loss_v, tau_v, acc1_v = logged.tolist()
+            rec = {"step": step, "epoch": epoch, "loss": loss_v, "grad_norm": float(gnorm),
+                   "lr": sched.get_last_lr()[0], "tau": tau_v, "acc_slot1": acc1_v, "elapsed_s": time.time() - t0}
+            if main:
+                log_f.write(json.dumps(rec) + "\n")
             cfg.log.append(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau']:.2f}")
             bar.update(1)
@@ -289,25 +339,36 @@ def train(cfg: TrainConfig) -> Path:
                 rate = (step - t_mark[0]) / (time.time() - t_mark[1])
                 fit = int(step + (cfg.time_budget_s - (time.time() - t0)) * rate)
                 total = min(plan["full"], max(fit, step + 1))  # shrink, or grow back if it ran faster
+                if world > 1:  # rank 0's clock decides for everyone
+                    t = torch.tensor([total], device=device)
+                    dist.broadcast(t, 0)
+                    total = int(t.item())
                 if total != plan["total"]:
                     plan["total"] = total
                     plan["warm"] = max(1, int(cfg.warmup_ratio * plan["total"]))
                     bar.total = plan["total"]
             if step % cfg.save_every == 0 or step == plan["total"]:
-                torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                            "step": step, "epoch": epoch, "config": asdict(cfg) | {"log": []}, "tap_scale": scale},
-                           ckpt)
-                save_checkpoint(drafter, target_cfg, out, fc_scale=scale)
+                _check_in_sync(params, world)
+                if main:
+                    torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(),
+                                "sched": sched.state_dict(), "step": step, "epoch": epoch,
+                                "config": asdict(cfg) | {"log": []}, "tap_scale": scale}, ckpt)
+                    save_checkpoint(drafter, target_cfg, out, fc_scale=scale)
             if step >= plan["total"]:
                 break
         epoch += 1
     bar.close()
-    log_f.close()
-    save_checkpoint(drafter, target_cfg, out, fc_scale=scale)
+    if main:
+        log_f.close()
+        save_checkpoint(drafter, target_cfg, out, fc_scale=scale)
+    if world > 1:
+        dist.barrier()  # the checkpoint exists before any rank returns
     return out
 
 
-def make_data(cfg: TrainConfig, data_path: Path, device: torch.device) -> int:
+def make_data(cfg: TrainConfig, data_path: Path, device: torch.device, rank: int = 0, world: int = 1) -> None:
+    """Self-distillation data into data_path. Data parallel: rank r answers every world-th prompt
+    into its own part file, then rank 0 joins the parts in rank order."""
     from flashdraft import LLM
     from flashdraft.train.data import generate_responses, read_prompt_file, sharegpt_conversations
 
@@ -319,6 +380,17 @@ def make_data(cfg: TrainConfig, data_path: Path, device: torch.device) -> int:
         convs = convs[: cfg.num_prompts]
     llm = LLM(cfg.model, draft=None, device=str(device), max_num_seqs=cfg.gen_batch,
               max_num_batched_tokens=max(4096, cfg.gen_batch * 2))
-    return generate_responses(llm, convs, data_path, cfg.max_new_tokens, cfg.max_prompt_tokens,
-                              samples_per_prompt=cfg.samples_per_prompt, temperature=cfg.gen_temperature,
-                              seed=cfg.seed)
+    part = data_path if world == 1 else data_path.with_name(f"{data_path.name}.part{rank}")
+    # seeds follow the global prompt index, so the data does not depend on the number of ranks
+    generate_responses(llm, convs[rank::world], part, cfg.max_new_tokens, cfg.max_prompt_tokens,
+                       samples_per_prompt=cfg.samples_per_prompt, temperature=cfg.gen_temperature,
+                       seed=cfg.seed + rank * cfg.samples_per_prompt, seed_stride=world)
+    del llm
+    if world > 1:
+        dist.barrier()
+        if rank == 0:
+            parts = [data_path.with_name(f"{data_path.name}.part{r}") for r in range(world)]
+            data_path.write_text("".join(p.read_text() for p in parts))
+            for p in parts:
+                p.unlink()
+        dist.barrier()
