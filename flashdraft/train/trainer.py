@@ -9,8 +9,8 @@ import math
 import os
 import random
 import time
-from datetime import timedelta
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
