@@ -97,7 +97,8 @@ def generate_responses(llm, conversations: list[list[dict]], out_path: Path, max
     `temperature`, draw j of conversation i seeded seed + i * seed_stride * samples_per_prompt + j;
     a shard of every n-th conversation passes seed_stride n) and write {"prompt_ids",
     "response_ids"} lines to out_path as requests finish. Every request is queued at once so
-    continuous batching keeps the engine full to the end; when time_budget_s runs out the unfinished requests are dropped.
+    continuous batching keeps the engine full to the end; when time_budget_s runs out the
+    unfinished requests are dropped.
     Returns the number of samples written."""
     if samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt must be at least 1, got {samples_per_prompt}")
