@@ -110,7 +110,10 @@ def _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP: tl.constexpr, BLOCK_M: tl.con
     return q_start, q_len, row, head, valid
 
 
-@triton.jit
+# integers that change from step to step are not specialised on (Triton would otherwise compile a
+# variant per divisibility class, "== 1" and "% 16 == 0", the first time a step's token count hits one:
+# a compile stall in the middle of serving)
+@triton.jit(do_not_specialize=["num_tokens", "num_splits", "part"])
 def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
                  qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2, num_tokens, num_heads, num_splits, part,
                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -177,7 +180,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
         tl.store(ws_l_ptr + idx, l_i, mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_tokens, num_heads, num_splits, stride_ot,
                    stride_oh, N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr):
@@ -288,6 +291,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _reduce_kernel[(tiles, S * n_kv)](out, *ws, meta.query_start_loc, T, H, num_splits, out.stride(0),
                                           out.stride(1), **consts, num_warps=4)
     return out
+
+
+def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: torch.dtype, device: torch.device,
+                     causal: bool = True) -> int:
+    """Compile, before serving, every attention variant an eager step (prefill, mixed prefill +
+    decode) can pick: each query-tile height (from the step's longest query, 16 to the cap rows)
+    with and without split-K. Otherwise the first step that needs one compiles it mid-run, a stall
+    of a second or so. Returns how many variants were launched."""
+    group = n_heads // n_kv
+    heights = {}
+    for q_len in (1 << i for i in range(12)):
+        heights.setdefault(_tiles(head_dim, group, q_len)[1], q_len)
+    pages = triton.cdiv(max(heights.values()), page) + 1
+    k = torch.zeros(pages, page, n_kv, head_dim, device=device, dtype=dtype)
+    v = torch.zeros_like(k)
+    for q_len in heights.values():
+        batch = AttentionBatch(slot_mapping=torch.full((q_len,), -1, dtype=torch.long), query_start_loc=[0, q_len],
+                               seq_lens=[pages * page], block_tables=[list(range(pages))], block_size=page,
+                               causal=causal)
+        meta = DeviceMeta.from_batch(batch, device)
+        q = torch.zeros(q_len, n_heads, head_dim, device=device, dtype=dtype)
+        for splits in (1, 2):
+            paged_attention(q, k, v, meta, 1.0, num_splits=splits)
+    return 2 * len(heights)
 
 
 class TritonAttention(AttentionBackend):

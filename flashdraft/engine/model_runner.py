@@ -68,6 +68,11 @@ class ModelRunner:
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.kv = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.num_hidden_layers)]
+        if self.backend_name == "triton" and device.type == "cuda":  # no kernel compiles once serving
+            from flashdraft.attention.triton_paged import compile_variants
+
+            compile_variants(cfg.num_attention_heads, cfg.num_key_value_heads, model.head_dim, self.block_size,
+                             dtype, device)
 
     def build_batch(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
                     causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:

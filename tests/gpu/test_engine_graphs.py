@@ -51,3 +51,26 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter):
     assert {key[1] for key in runner.graphs} >= {1, 2, 4}
     if with_drafter:
         assert graphed.engine.spec_totals()["num_drafts"] > 0
+
+
+@pytest.mark.skipif(INTERPRET, reason="counts compiled kernels")
+def test_serving_compiles_no_attention_kernel_after_start(tiny_llama, tmp_path):
+    """Every attention variant a step can pick is compiled when the engine starts: prefill chunks of
+    every length, mixed prefill + decode steps and batches of 1 to 12 then launch no compile."""
+    from fixtures import build_random_drafter
+
+    from flashdraft import LLM, SamplingParams
+    from flashdraft.attention import triton_paged
+
+    def variants() -> int:
+        return sum(len(c[0]) for fn in (triton_paged._attn_kernel, triton_paged._reduce_kernel)
+                   for c in fn.device_caches.values())
+
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
+    llm = LLM(str(tiny_llama), draft=draft, device="cuda", dtype="bfloat16", kv_block_size=16,
+              max_num_batched_tokens=64)  # long prompts arrive in chunks, with short remainders
+    before = variants()
+    prompts = [list(range(3, 3 + n)) for n in (1, 5, 9, 16, 17, 33, 64, 100, 150, 7, 250, 2)]
+    for group in (prompts[:1], prompts[:3], prompts):
+        llm.generate(group, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert variants() == before

@@ -271,13 +271,19 @@ def _compiled_variants(fn) -> int:
 
 
 @pytest.mark.parametrize("q_len", [1, 16])
-def test_new_sequence_lengths_do_not_compile_new_variants(q_len):
-    """Split-K sizes depend on the sequence length; they are runtime arguments, so steps with new
-    lengths (every prefill chunk) reuse the compiled kernels instead of compiling new variants.
-    Runtime integers may still split into Triton's divisibility classes: at most a few variants."""
+def test_new_lengths_and_token_counts_do_not_compile_new_variants(q_len):
+    """Split-K sizes depend on the sequence length and the token count on the batch; both are
+    runtime arguments that Triton does not specialise on, so steps with new lengths (every prefill
+    chunk) or token counts (1, 15, 16, 17, 32, ...) reuse the compiled kernels instead of compiling
+    a new variant mid-serving."""
     lengths = [300, 333, 420, 555, 640, 777, 901, 1000]
     check(make_case([q_len], [lengths[0]], n_kv=2, group=4, hd=64, dtype=torch.bfloat16, seed=7))
-    before = _compiled_variants(triton_paged._attn_kernel)
+    check(make_case([q_len, q_len], [lengths[0]] * 2, n_kv=2, group=4, hd=64, dtype=torch.bfloat16, seed=7))
+    before = _compiled_variants(triton_paged._attn_kernel), _compiled_variants(triton_paged._reduce_kernel)
     for n, ctx in enumerate(lengths[1:]):
         check(make_case([q_len], [ctx], n_kv=2, group=4, hd=64, dtype=torch.bfloat16, seed=n))
-    assert _compiled_variants(triton_paged._attn_kernel) - before <= 2
+    for n, batch in enumerate([3, 8, 15, 16, 17, 32]):  # token counts across the divisibility classes
+        check(make_case([q_len] * batch, lengths[:1] * batch, n_kv=2, group=4, hd=64, dtype=torch.bfloat16,
+                        seed=n))
+    after = _compiled_variants(triton_paged._attn_kernel), _compiled_variants(triton_paged._reduce_kernel)
+    assert after == before
