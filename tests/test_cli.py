@@ -36,3 +36,12 @@ def test_generate_with_drafter_prints_tau(tmp_path):
     assert spec.returncode == 0, spec.stderr
     assert spec.stdout == plain.stdout
     assert "tau=" in spec.stderr and "drafts=" in spec.stderr and "accepted=" in spec.stderr
+
+
+def test_generate_speculates_by_default_with_the_shipped_drafter():
+    args = [sys.executable, "-m", "flashdraft", "generate", "What is the capital of France?", "--max-tokens", "24"]
+    spec = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    plain = subprocess.run(args + ["--no-spec"], capture_output=True, text=True, timeout=300)
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and "Paris" in spec.stdout
+    assert "tau=" in spec.stderr and "tau=" not in plain.stderr

@@ -275,3 +275,19 @@ def test_validation_errors(tiny_llama, tmp_path, change, message):
 def test_missing_drafter_path(tiny_llama, tmp_path):
     with pytest.raises(FileNotFoundError, match="drafter path"):
         LLM(str(tiny_llama), draft=str(tmp_path / "none"), device="cpu")
+
+
+def test_shipped_drafter_is_the_default_and_lossless(smollm2):
+    """LLM() with no arguments runs SmolLM2 with the trained drafter shipped in the package: the
+    greedy tokens equal plain decoding's and its drafts are accepted (tau well above a random
+    drafter's 1.0)."""
+    default = LLM(device="cpu", dtype="float32")
+    assert default.engine.spec is not None and default.engine.spec.block_size == 8
+    qs = ["Write a Python function that returns the sum of a list.", "What is the capital of France?",
+          "Explain what a hash table is in two sentences.", "List three prime numbers."]
+    prompts = [default.engine.apply_chat_template([{"role": "user", "content": q}]) for q in qs]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    want = [o.token_ids for o in smollm2.generate(prompts, params)]
+    assert [o.token_ids for o in default.generate(prompts, params)] == want
+    assert default.engine.spec_totals()["acceptance_length"] > 1.5
+    assert LLM(draft=None, device="cpu", dtype="float32").engine.spec is None

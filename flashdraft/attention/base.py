@@ -48,13 +48,17 @@ class DeviceMeta:
         to max_blocks (default: the longest table)."""
         S, qsl = batch.num_seqs, batch.query_start_loc
         width = max_blocks or max([len(t) for t in batch.block_tables] + [1])
-        host = list(qsl) + list(batch.seq_lens)
+        # each part starts 16-byte aligned whatever S is: kernels are compiled per pointer alignment,
+        # so a batch-size-dependent offset would compile new variants mid-serving
+        a_lens = -(-(S + 1) // 4) * 4
+        a_tables = a_lens + -(-S // 4) * 4
+        host = list(qsl) + [0] * (a_lens - S - 1) + list(batch.seq_lens) + [0] * (a_tables - a_lens - S)
         for t in batch.block_tables:
             host += list(t[:width]) + [0] * (width - len(t[:width]))
         packed = torch.tensor(host, dtype=torch.int32).to(device, non_blocking=True)
         return cls(slot_mapping=batch.slot_mapping.to(device=device, dtype=torch.long),
-                   query_start_loc=packed[: len(qsl)], seq_lens=packed[len(qsl): len(qsl) + S],
-                   block_tables=packed[len(qsl) + S:].view(S, width),
+                   query_start_loc=packed[: S + 1], seq_lens=packed[a_lens: a_lens + S],
+                   block_tables=packed[a_tables:].view(S, width),
                    max_query_len=max([qsl[s + 1] - qsl[s] for s in range(S)] + [1]),
                    max_seq_len=max(list(batch.seq_lens) + [1]), block_size=batch.block_size, causal=batch.causal)
 

@@ -113,7 +113,7 @@ def _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP: tl.constexpr, BLOCK_M: tl.con
 # integers that change from step to step are not specialised on (Triton would otherwise compile a
 # variant per divisibility class, "== 1" and "% 16 == 0", the first time a step's token count hits one:
 # a compile stall in the middle of serving)
-@triton.jit(do_not_specialize=["num_tokens", "num_splits", "part"])
+@triton.jit(do_not_specialize=["num_tokens", "num_splits", "part", "stride_bt"])
 def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
                  qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2, num_tokens, num_heads, num_splits, part,
                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
