@@ -198,3 +198,38 @@ def test_data_parallel_training_with_torchrun(tiny_llama, tmp_path):
     ids = [s[:p] for s, p in read_samples(out / "data.jsonl")][:4]
     params = SamplingParams(max_tokens=24)
     assert [o.token_ids for o in spec.generate(ids, params)] == [o.token_ids for o in llm.generate(ids, params)]
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_grouped_draft_attention_equals_dense(tiny_llama, window):
+    """Attention per anchor group over only the keys the group can see gives the values and
+    gradients of every query over every key (float64), padded blocks and the curriculum window
+    included."""
+    from flashdraft.models.loader import load_config
+    from flashdraft.train.loss import draft_hidden, key_groups
+    from flashdraft.train.trainer import drafter_spec, init_drafter
+
+    cfg = load_config(tiny_llama)
+    drafter = init_drafter(drafter_spec(cfg, TrainConfig(num_layers=2, block_size=4, target_layer_ids=[0, 2]), 3),
+                           "cpu", 0).double()
+    drafter.setup(64)
+    g = torch.Generator().manual_seed(1)
+    b, s, n, block = 3, 30, 10, 4
+    anchors = torch.stack([torch.randperm(s - 1, generator=g)[:n].sort().values for _ in range(b)])
+    valid = torch.ones(b, n, dtype=torch.bool)
+    valid[2, 7:] = False  # a sequence with fewer anchors: padded blocks
+    anchors[2, 7:] = 0
+    taps = torch.randn(b, s, drafter.fc.weight.shape[1], generator=g, dtype=torch.float64)
+    embed = torch.randn(b, n * block, cfg.hidden_size, generator=g, dtype=torch.float64)
+    mask = block_attention_mask(anchors, valid, s, block, window)
+    assert len(key_groups(anchors, 3)) == 3 and max(c for *_, c in key_groups(anchors, 3)) <= s
+    results = []
+    for groups in (0, 3, 8):
+        drafter.zero_grad()
+        out = draft_hidden(drafter, taps, embed, anchors, mask, groups=groups)
+        (out * torch.linspace(-1, 1, out.shape[-1], dtype=torch.float64)).sum().backward()
+        results.append((out.detach(), [p.grad.clone() for p in drafter.parameters()]))
+    for out, grads in results[1:]:
+        torch.testing.assert_close(out, results[0][0], rtol=1e-10, atol=1e-10)
+        for got, want in zip(grads, results[0][1]):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
