@@ -291,3 +291,22 @@ def test_shipped_drafter_is_the_default_and_lossless(smollm2):
     assert [o.token_ids for o in default.generate(prompts, params)] == want
     assert default.engine.spec_totals()["acceptance_length"] > 1.5
     assert LLM(draft=None, device="cpu", dtype="float32").engine.spec is None
+
+
+def test_shipped_drafter_follows_the_embedded_gguf_under_any_name(tmp_path):
+    import shutil
+
+    from flashdraft.engine.engine import shipped_drafter
+    from flashdraft.models.loader import default_model_path
+
+    shipped = shipped_drafter(None)
+    assert shipped is not None
+    copy = tmp_path / "smollm2.gguf"
+    shutil.copy(default_model_path(), copy)
+    assert shipped_drafter(str(default_model_path())) == shipped_drafter(str(copy)) == shipped
+    other = tmp_path / "other.gguf"
+    data = bytearray(copy.read_bytes())
+    data[-10] ^= 0xFF  # same size, different weights
+    other.write_bytes(bytes(data))
+    assert shipped_drafter(str(other)) is None
+    assert shipped_drafter(str(tmp_path)) is None  # an HF folder that is not the default

@@ -21,11 +21,37 @@ log = logging.getLogger(__name__)
 
 
 def shipped_drafter(model: str | None) -> str | None:
-    """The drafter this project trained and ships for `model` (only the embedded default has one)."""
+    """The drafter this project trained and ships for `model`: only the embedded default has one,
+    whether named by None or given as its GGUF file (any path or name of the same file)."""
     from pathlib import Path
 
     path = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m-dflash"
-    return str(path) if model is None and (path / "config.json").exists() else None
+    if not (path / "config.json").exists():
+        return None
+    return str(path) if model is None or _is_default_model(Path(model).expanduser()) else None
+
+
+def _fingerprint(path) -> tuple[int, bytes]:
+    """Size and the first and last MiB: tells the embedded GGUF from others without reading it all."""
+    import hashlib
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(1 << 20)
+        f.seek(max(0, size - (1 << 20)))
+        return size, hashlib.sha256(head + f.read()).digest()
+
+
+def _is_default_model(path) -> bool:
+    from flashdraft.models.loader import default_model_path
+
+    if not path.is_file() or path.suffix != ".gguf":
+        return False
+    try:
+        default = default_model_path()
+    except FileNotFoundError:
+        return False
+    return path.stat().st_size == default.stat().st_size and _fingerprint(path) == _fingerprint(default)
 
 
 class LLMEngine:
