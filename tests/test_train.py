@@ -233,3 +233,19 @@ def test_grouped_draft_attention_equals_dense(tiny_llama, window):
         torch.testing.assert_close(out, results[0][0], rtol=1e-10, atol=1e-10)
         for got, want in zip(grads, results[0][1]):
             torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_data_parallel_refuses_too_little_data(tiny_llama, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10, 11]}) + "\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29534",
+           "-m", "flashdraft", "train-drafter", "--model", str(tiny_llama), "--out", str(tmp_path / "d"),
+           "--data", str(data), "--num-layers", "1", "--block-size", "4", "--target-layer-ids", "0,2",
+           "--mask-token-id", "3", "--batch-size", "8", "--device", "cpu", "--dtype", "float32"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert r.returncode != 0
+    assert "1 samples make 1 batches of 8; 2 data-parallel processes need at least one batch each" in r.stderr

@@ -237,6 +237,9 @@ def train(cfg: TrainConfig) -> Path:
     if not data_path.exists():
         make_data(cfg, data_path, device, rank, world)
     samples = read_samples(data_path)
+    if math.ceil(len(samples) / cfg.batch_size) < world:
+        raise ValueError(f"{len(samples)} samples make {math.ceil(len(samples) / cfg.batch_size)} batches of "
+                         f"{cfg.batch_size}; {world} data-parallel processes need at least one batch each")
     from flashdraft.models.loader import load_tokenizer
 
     mask_id = _mask_token(load_tokenizer(folder), cfg.mask_token_id)
