@@ -22,6 +22,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit KV budget in blocks (overrides kv_cache_memory_gb)
     kv_cache_memory_gb: float | None = None  # None: 2 GiB on cpu, 85% of free memory on cuda
     num_speculative_tokens: int | None = None  # None: block_size - 1 of the drafter
+    # pause speculation for a step when at least this many requests are running (plain decode
+    # steps, drafter context kept current); None: always speculate
+    speculative_disable_batch_size: int | None = None
     seed: int = 0
     attention_backend: str = "auto"  # "auto": triton on CUDA when it imports, else torch
     cuda_graphs: bool = True  # replay captured steps (decode, verify, draft) on CUDA with the triton backend
@@ -46,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose auto, torch or triton")
         if self.max_graph_batch < 1:
             raise ValueError(f"max_graph_batch must be >= 1, got {self.max_graph_batch}")
+        if self.speculative_disable_batch_size is not None and self.speculative_disable_batch_size < 1:
+            raise ValueError(f"speculative_disable_batch_size must be >= 1, got {self.speculative_disable_batch_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 

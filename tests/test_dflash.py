@@ -4,6 +4,7 @@ decoding, oracle drafts, rollback hygiene."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -310,3 +311,37 @@ def test_shipped_drafter_follows_the_embedded_gguf_under_any_name(tmp_path):
     other.write_bytes(bytes(data))
     assert shipped_drafter(str(other)) is None
     assert shipped_drafter(str(tmp_path)) is None  # an HF folder that is not the default
+
+
+def test_speculation_pauses_at_large_batches(tiny_llama, drafter, plain):
+    """speculative_disable_batch_size N: steps with N or more running requests decode without
+    drafts, the drafter's context stays current, and drafting resumes (losslessly) once fewer run."""
+    prompts = MIXED[:3]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 10, 40)]  # they finish one by one
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    runs, written = {}, {}
+    for limit in (None, 2, 1):
+        llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32",
+                  speculative_disable_batch_size=limit)
+        sp = llm.engine.spec
+        sp.poison_rejected = True  # a draft K/V read that should not happen turns to NaN
+        positions = Counter()
+        write = sp.drafter.write_context
+
+        def counting(taps, pos, *args, write=write, positions=positions):
+            positions.update(pos.tolist())
+            return write(taps, pos, *args)
+
+        sp.drafter.write_context = counting
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        runs[limit], written[limit] = llm.engine.spec_totals(), positions
+    # every committed position of every request enters the drafter's context, paused or not
+    assert written[2] == written[1] == written[None]
+    assert sum(written[None].values()) == sum(len(p) + n - 1 for p, n in zip(prompts, (4, 10, 40)))
+    assert runs[1]["num_drafts"] == 0 and runs[1]["paused_steps"] > 0  # never speculates
+    assert runs[None]["paused_steps"] == 0
+    # paused while 2-3 run; once only the 40-token request is left it drafts again
+    assert 0 < runs[2]["num_drafts"] < runs[None]["num_drafts"] and runs[2]["paused_steps"] > 0
+    with pytest.raises(ValueError, match="speculative_disable_batch_size must be >= 1"):
+        LLM(str(tiny_llama), draft=None, device="cpu", speculative_disable_batch_size=0)
+

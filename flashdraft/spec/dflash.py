@@ -113,6 +113,11 @@ class DFlashSpeculator:
         runner.capture_graphs(("target", self.tap_layers), self.num_draft + 1, True, runner.attn,
                               runner.target_step(self.tap_layers), n)
         runner.capture_graphs(("draft",), self.block_size, False, self.attn, self._draft_step, n)
+        self.pause_at = engine.config.speculative_disable_batch_size
+        self.paused = False  # this step decodes without drafts (too many requests running)
+        if self.pause_at is not None:  # paused steps: one row per request, taps still read
+            runner.capture_graphs(("target", self.tap_layers), 1, True, runner.attn,
+                                  runner.target_step(self.tap_layers), n)
 
     # ---- public hooks used by the engine ----------------------------------------------------
     def totals(self) -> dict:
@@ -126,7 +131,8 @@ class DFlashSpeculator:
         """Nothing to free: draft K/V lives in the target's pages, freed with them."""
 
     def lookahead(self, seq: Sequence) -> int:
-        if not seq.params.speculative or seq.num_tokens - 1 + self.block_size > self.engine.max_model_len:
+        if self.paused or not seq.params.speculative or \
+                seq.num_tokens - 1 + self.block_size > self.engine.max_model_len:
             return 0
         return self.num_draft
 
@@ -134,6 +140,8 @@ class DFlashSpeculator:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         eng = self.engine
+        self.paused = self.pause_at is not None and len(eng.scheduler.running) >= self.pause_at
+        self.stats.paused_steps += self.paused
         batch = eng.scheduler.schedule(self.lookahead)
         eng.stats["num_preemptions"] += len(batch.preempted)
         if not batch.seqs:

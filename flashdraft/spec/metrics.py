@@ -15,6 +15,7 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     histogram: list[int] = field(default_factory=list)  # histogram[a] = verify steps that accepted a
+    paused_steps: int = 0  # engine steps decoded without drafts (speculative_disable_batch_size)
 
     def __post_init__(self) -> None:
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_draft_slots
@@ -45,4 +46,4 @@ class SpecStats:
                 "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
                 "accepted_per_position": list(self.accepted_per_position),
                 "acceptance_rate_per_position": [c / n if n else 0.0 for c in self.accepted_per_position],
-                "acceptance_histogram": list(self.histogram)}
+                "acceptance_histogram": list(self.histogram), "paused_steps": self.paused_steps}
