@@ -98,7 +98,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                       batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr, seed=args.seed,
                       device=args.device, dtype=args.dtype, save_every=args.save_every, resume=args.resume,
                       gen_batch=args.gen_batch, precondition_taps=not args.no_precondition_taps,
-                      init_layers_from=args.init_layers_from, time_budget_s=args.time_budget,
+                      init_layers_from=args.init_layers_from, init_drafter=args.init_drafter,
+                      time_budget_s=args.time_budget,
                       local_context=args.local_context, local_context_frac=args.local_context_frac)
     out = train(cfg)
     print(f"drafter written to {out}")
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--resume", action="store_true")
     t.add_argument("--no-precondition-taps", action="store_true",
                    help="feed raw taps to fc while training (default: per-dimension 1/RMS, folded into fc on save)")
+    t.add_argument("--init-drafter", default=None, metavar="DIR",
+                   help="continue training a saved drafter (its block size, layers and taps) with a new schedule")
     t.add_argument("--init-layers-from", type=int, default=None,
                    help="start the drafter layers from target layers N, N+1, ... (default: random)")
     t.add_argument("--time-budget", type=float, default=None,

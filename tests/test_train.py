@@ -4,6 +4,7 @@ checkpoint (z-lab layout) loads back into the engine and drafts what the trained
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -249,3 +250,39 @@ def test_data_parallel_refuses_too_little_data(tiny_llama, tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=300)
     assert r.returncode != 0
     assert "1 samples make 1 batches of 8; 2 data-parallel processes need at least one batch each" in r.stderr
+
+
+
+def test_init_drafter_continues_a_saved_checkpoint(tiny_llama, tmp_path):
+    """--init-drafter starts from a saved drafter (its fc takes raw taps; training unfolds the tap
+    preconditioner): zero steps write the same weights back, and training goes on from it."""
+    from flashdraft.models.loader import load_config
+    from flashdraft.train.trainer import drafter_spec, init_drafter, save_checkpoint
+
+    cfg = load_config(tiny_llama)
+    saved = init_drafter(drafter_spec(cfg, TrainConfig(num_layers=1, block_size=4, target_layer_ids=[0, 2]), 3),
+                         "cpu", 5)
+    save_checkpoint(saved, cfg, tmp_path / "start")  # bf16, as the trainer writes
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["the quick brown fox", "def add(a, b):"]))
+    common = dict(model=str(tiny_llama), prompts=str(prompts), max_new_tokens=24, batch_size=2, num_anchors=8,
+                  device="cpu", dtype="float32", gen_batch=4, init_drafter=str(tmp_path / "start"),
+                  block_size=16, num_layers=3)  # shape options are taken from the saved drafter instead
+    again = TrainConfig(out=str(tmp_path / "zero"), epochs=0, **common)
+    train(again)
+    assert (again.block_size, again.num_layers, again.target_layer_ids) == (4, 1, [0, 2])
+    want, got = load_file(str(tmp_path / "start" / "model.safetensors")), load_file(
+        str(tmp_path / "zero" / "model.safetensors"))
+    assert want.keys() == got.keys()
+    for k in want:  # fc went through fc / scale (unfold) and * scale (fold): one bf16 rounding at most
+        if k == "fc.weight":
+            torch.testing.assert_close(got[k].float(), want[k].float(), rtol=2 ** -7, atol=0)
+        else:
+            assert torch.equal(got[k], want[k]), k
+    more = TrainConfig(out=str(tmp_path / "more"), max_steps=5, lr=1e-3, **common)
+    train(more)
+    assert len(more.log) == 5 and all(math.isfinite(r["loss"]) for r in more.log)
+    scale = torch.load(tmp_path / "more" / "trainer_state.pt", weights_only=False)["tap_scale"]
+    assert scale.max() / scale.min() > 2  # the preconditioner is far from 1: the round trip above means something
+    moved = load_file(str(tmp_path / "more" / "model.safetensors"))
+    assert not torch.allclose(moved["fc.weight"], want["fc.weight"])

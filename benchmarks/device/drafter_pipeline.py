@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--init-layers-from", type=int, default=None)
+    ap.add_argument("--init-drafter", default=None, help="continue from a saved drafter, e.g. the shipped one")
     ap.add_argument("--local-context", type=int, default=None)
     ap.add_argument("--local-context-frac", type=float, default=0.1)
     ap.add_argument("--save-every", type=int, default=100000,
@@ -134,7 +135,8 @@ def main() -> None:
                       block_size=args.block_size, target_layer_ids=[1, 14, 27], mask_token_id=16,
                       epochs=args.epochs, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr,
                       device="cuda", dtype="bfloat16", save_every=args.save_every, time_budget_s=args.train_seconds,
-                      init_layers_from=args.init_layers_from, local_context=args.local_context,
+                      init_layers_from=args.init_layers_from, init_drafter=args.init_drafter,
+                      local_context=args.local_context,
                       local_context_frac=args.local_context_frac)
     t0 = time.time()
     drafter = train(cfg)  # data parallel over the GPUs when started by torchrun

@@ -59,6 +59,7 @@ class TrainConfig:
     gen_batch: int = 256
     precondition_taps: bool = True  # train on taps / RMS, fold the scale into the saved fc
     init_layers_from: int | None = None  # start the drafter layers from target layers N, N+1, ...
+    init_drafter: str | None = None  # continue from a saved drafter folder (its shape and taps; a new schedule)
     local_context: int | None = None  # curriculum: blocks see only this many context positions ...
     local_context_frac: float = 0.1  # ... for this fraction of the steps
     log: list = field(default_factory=list, repr=False)
@@ -242,8 +243,20 @@ def train(cfg: TrainConfig) -> Path:
                          f"{cfg.batch_size}; {world} data-parallel processes need at least one batch each")
     from flashdraft.models.loader import load_tokenizer
 
-    mask_id = _mask_token(load_tokenizer(folder), cfg.mask_token_id)
-    spec = drafter_spec(target_cfg, cfg, mask_id)
+    start = None
+    if cfg.init_drafter:  # the saved drafter decides the shape: block size, layers, taps, mask token
+        from flashdraft.spec.dflash import load_drafter
+
+        if cfg.init_layers_from is not None:
+            raise ValueError("pass either init_drafter or init_layers_from, not both")
+        start = load_drafter(cfg.init_drafter, target_cfg, device, torch.float32)
+        spec = start.spec
+        cfg.block_size, cfg.num_layers = spec.block_size, spec.layer_config.num_hidden_layers
+        cfg.target_layer_ids, cfg.mask_token_id = list(spec.target_layer_ids), spec.mask_token_id
+        mask_id = spec.mask_token_id
+    else:
+        mask_id = _mask_token(load_tokenizer(folder), cfg.mask_token_id)
+        spec = drafter_spec(target_cfg, cfg, mask_id)
     # the frozen target: HF transformers, taps = hidden_states[l + 1]
     target = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval().requires_grad_(False)
     weights = load_weights(folder)
@@ -257,6 +270,9 @@ def train(cfg: TrainConfig) -> Path:
             raise ValueError(f"init_layers_from {cfg.init_layers_from} + {cfg.num_layers} layers exceeds the target's "
                              f"{target_cfg.num_hidden_layers}")
         init_from_target(drafter, weights, cfg.init_layers_from)
+    if start is not None:
+        drafter.load_state_dict(start.state_dict())
+        del start
     max_len = max(len(s[0]) for s in samples) + cfg.block_size + 1
     drafter.setup(max_len)
     drafter.rope.cos, drafter.rope.sin = drafter.rope.cos.float(), drafter.rope.sin.float()
@@ -291,6 +307,9 @@ def train(cfg: TrainConfig) -> Path:
         scale = tap_scale(target, samples, tap_idx, device) if cfg.precondition_taps else None
         if scale is not None and world > 1:
             dist.broadcast(scale, 0)  # one preconditioner for all ranks
+        if cfg.init_drafter and scale is not None:  # the saved fc takes raw taps; training feeds taps * scale
+            with torch.no_grad():
+                drafter.fc.weight.div_(scale.to(drafter.fc.weight.dtype)[None, :])
     log_f = open(out / "train_log.jsonl", "a") if main else None
     t0 = time.time()
     t_mark = (step, t0)  # the rate marks at steps 10 and 100 replace it (a resumed run may start past them)
