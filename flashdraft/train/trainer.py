@@ -304,9 +304,12 @@ def train(cfg: TrainConfig) -> Path:
     if cfg.resume and ckpt.exists():
         scale = st.get("tap_scale")
     else:
-        scale = tap_scale(target, samples, tap_idx, device) if cfg.precondition_taps else None
-        if scale is not None and world > 1:
-            dist.broadcast(scale, 0)  # one preconditioner for all ranks
+        scale = None
+        if cfg.precondition_taps:  # measured once, on rank 0, and sent to the others
+            scale = tap_scale(target, samples, tap_idx, device) if main else \
+                torch.empty(drafter.fc.weight.shape[1], device=device)
+            if world > 1:
+                dist.broadcast(scale, 0)
         if cfg.init_drafter and scale is not None:  # the saved fc takes raw taps; training feeds taps * scale
             with torch.no_grad():
                 drafter.fc.weight.div_(scale.to(drafter.fc.weight.dtype)[None, :])
