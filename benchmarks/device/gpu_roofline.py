@@ -20,7 +20,9 @@ Smoke test anywhere (small shapes, CPU allowed, no graphs off CUDA, Triton only 
 Writes DIR/roofline.json (all numbers, errors included) and DIR/roofline.md (summary tables).
 Backends: `triton` (flashdraft.attention.triton_paged, CUDA only, when importable, or on CPU under
 TRITON_INTERPRET=1), `triton+fused` (the same with the fused Triton norm / RoPE + KV store / silu
-kernels of flashdraft.models.fused; every other row runs the torch elementwise ops), `torch_static`
+kernels of flashdraft.models.fused and the few-row Triton GEMMs of flashdraft.models.skinny: the
+engine's default on CUDA), `triton+fused+cublas` (the same with cuBLAS for every GEMM; every other
+row runs the torch elementwise ops and cuBLAS), `torch_static`
 (StaticTorchAttention; the plain-PyTorch + CUDA-graph baseline) and, for decode only, `torch_eager`
 (TorchAttention without graphs: the engine's current GPU path). Each failing measurement is
 recorded in the JSON and the run goes on. Optional parts (flex_attention, torch_eager) are skipped
@@ -29,6 +31,7 @@ once --budget-s seconds have passed."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -52,7 +55,7 @@ from flashdraft.attention.torch_ref import StaticTorchAttention, TorchAttention 
 from flashdraft.engine.graphs import StepGraph  # noqa: E402
 from flashdraft.engine.model_runner import kv_bytes_per_token  # noqa: E402
 from flashdraft.models.dflash_draft import DFlashDraftModel  # noqa: E402
-from flashdraft.models.transformer import DecoderLM, fused_mode  # noqa: E402
+from flashdraft.models.transformer import DecoderLM, fused_mode, gemm_mode  # noqa: E402
 from flashdraft.spec.formats import DraftSpec, default_target_layer_ids  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -137,6 +140,15 @@ def random_module(make, device: torch.device, dtype: torch.dtype, seed: int) -> 
             else:
                 p.fill_(1.0)
     return m.eval().requires_grad_(False)
+
+
+@contextlib.contextmanager
+def modes(backend: str):
+    """The fused elementwise kernels for "+fused" backends, cuBLAS GEMMs unless "+fused" alone."""
+    fused = "+fused" in backend
+    with fused_mode("on" if fused else "off"), gemm_mode("auto" if fused and not backend.endswith("+cublas")
+                                                          else "cublas"):
+        yield
 
 
 def nbytes(module: torch.nn.Module) -> int:
@@ -281,6 +293,7 @@ class Roofline:
 
                 self.backends["triton"] = TritonAttention
                 self.backends["triton+fused"] = TritonAttention
+                self.backends["triton+fused+cublas"] = TritonAttention
             except Exception as e:
                 self.error("import triton backend", e)
         else:
@@ -343,7 +356,7 @@ class Roofline:
             for S in self.batches:
                 row = {"backend": name, "batch": S, "graph": self.cuda, **self.decode_roofline(S)}
                 try:
-                    with fused_mode("on" if name.endswith("+fused") else "off"):  # captured with the graph
+                    with modes(name):  # captured with the graph
                         row |= self._decode_one(name, cls, S, first)
                     log(f"decode {name} b={S}: {row['ms']:.3f} ms/step ({row['tok_s']:.0f} tok/s), roofline "
                         f"{row['roofline_ms']:.3f} ms ({row['bound']}), x{row['ms'] / row['roofline_ms']:.2f}; "
@@ -419,7 +432,7 @@ class Roofline:
                 row = {"backend": name, "batch": S, "graph": self.cuda, "step_roofline": self.dflash_roofline(S),
                        "decode_roofline_ms": self.decode_roofline(S)["mem_ms"]}
                 try:
-                    with fused_mode("on" if name.endswith("+fused") else "off"):
+                    with modes(name):
                         row |= self._dflash_one(cls, S)
                     ms = row["step_ms"] = row["step"]["ms"]
                     row["step_vs_roofline"] = ms / row["step_roofline"]["roofline_ms"]

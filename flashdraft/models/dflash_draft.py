@@ -12,9 +12,11 @@ from flashdraft.attention.base import AttentionBackend, AttentionBatch
 from flashdraft.models.rope import RotaryTable, apply_rope
 from flashdraft.models.transformer import (
     DecoderLayer,
+    Linear,
     RMSNorm,
     forward_layers_fused,
     fused_enabled,
+    linear,
     load_packed,
     step_slots,
 )
@@ -31,7 +33,7 @@ class DFlashDraftModel(nn.Module):
         self.spec = spec
         self.config = cfg
         h = cfg.hidden_size
-        self.fc = nn.Linear(len(spec.target_layer_ids) * h, h, bias=False)
+        self.fc = Linear(len(spec.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm=True, bias=bool(cfg.attention_bias))
                                     for _ in range(cfg.num_hidden_layers))
@@ -69,7 +71,7 @@ class DFlashDraftModel(nn.Module):
             from flashdraft.models import fused
 
             f, _ = fused.add_rmsnorm(self.fc(taps), None, self.hidden_norm.weight, self.hidden_norm.eps)
-            kv = F.linear(f, self._ctx_kv_weight, self._ctx_kv_bias)
+            kv = linear(f, self._ctx_kv_weight, self._ctx_kv_bias)
             fused.context_kv_store(kv, positions, self.rope.cos, self.rope.sin, self._ctx_k_norm_weight,
                                    self.layers[0].self_attn.k_norm.eps, kv_cache, step_slots(attn, batch))
             return

@@ -66,11 +66,46 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+# Few-row GEMMs (decode batches, verify and draft blocks: <= 32 rows) on the Triton kernels of
+# flashdraft/models/skinny.py, which read the weights closer to the memory bandwidth than cuBLAS
+# does at these shapes: "auto" for CUDA activations in bf16/fp16 when triton imports, "triton" also
+# for CPU tensors under TRITON_INTERPRET=1 (tests), "cublas" never. No backward: never with grad.
+GEMM = os.environ.get("FLASHDRAFT_GEMM", "auto")
+
+
+def skinny_enabled(x: torch.Tensor) -> bool:
+    """Whether a 2-D activation `x` takes the few-row Triton GEMM (see GEMM)."""
+    if GEMM not in ("auto", "triton", "cublas"):
+        raise ValueError(f"FLASHDRAFT_GEMM must be auto, triton or cublas, got {GEMM!r}")
+    if GEMM == "cublas" or torch.is_grad_enabled() or x.dim() != 2 or not 1 <= x.shape[0] <= 32:
+        return False
+    if GEMM == "auto" and (x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16)):
+        return False
+    if GEMM == "triton" and x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return fused_enabled(x) or GEMM == "triton"
+
+
+@contextlib.contextmanager
+def gemm_mode(mode: str):
+    """Temporarily set GEMM (tests, benchmarks). CUDA graphs keep the kernels they were captured with."""
+    global GEMM
+    old, GEMM = GEMM, mode
+    try:
+        yield
+    finally:
+        GEMM = old
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except for 2-64 rows on CPU (verify and draft blocks, small batches): MKL computes
-    W @ x^T there up to ~2x faster than x @ W^T (SmolLM2 shapes, fp32, cache-cold weights: gate_up
-    at 8 rows 0.62 against 0.88 ms, the 49k-row lm_head 10.8 against 21.3 ms); one row and long
-    prefills gain nothing."""
+    """F.linear, except for few rows: on CUDA the Triton kernels of skinny.py (see GEMM), and for
+    2-64 rows on CPU (verify and draft blocks, small batches) W @ x^T, which MKL computes up to ~2x
+    faster than x @ W^T (SmolLM2 shapes, fp32, cache-cold weights: gate_up at 8 rows 0.62 against
+    0.88 ms, the 49k-row lm_head 10.8 against 21.3 ms); one row and long prefills gain nothing there."""
+    if skinny_enabled(x):
+        from flashdraft.models.skinny import skinny_linear
+
+        return skinny_linear(x, weight, bias)
     if x.device.type == "cpu" and x.dim() == 2 and 1 < x.shape[0] <= 64:
         y = (weight @ x.T).T.contiguous()
         return y if bias is None else y + bias
@@ -133,7 +168,12 @@ class MLP(nn.Module):
     def forward_fused(self, x):
         from flashdraft.models import fused
 
-        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if skinny_enabled(gate_up):  # silu * up folded into the down projection's loads
+            from flashdraft.models.skinny import skinny_linear
+
+            return skinny_linear(gate_up, self.down_proj.weight, self.down_proj.bias, act="silu_mul")
+        return self.down_proj(fused.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,146 @@
+"""The few-row Triton GEMMs of flashdraft/models/skinny.py against a float64 reference (M = 1..32,
+even and ragged N and K, bias, the silu * up prologue), their tile rules, their errors, and the model
+and engine paths that use them against the torch path.
+
+Runs on CUDA, or on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1); skipped when
+neither is available."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from flashdraft.models import skinny, transformer  # noqa: E402
+from flashdraft.models.transformer import MLP, gemm_mode  # noqa: E402
+
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+# bf16: inputs are exact bf16 values, products summed in float32, one rounding at the end; the
+# interpreter's bf16 casts truncate, which the silu * up prologue's roundings feel
+TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-2 if INTERPRET else 1e-2}
+
+
+def reference(x, w, bias=None, act=None):
+    """float64 from the same (rounded) inputs; silu * up rounded as the torch MLP rounds it."""
+    if act == "silu_mul":
+        g, u = x.chunk(2, dim=-1)
+        x = F.silu(g) * u  # in x's dtype, like the torch path
+    y = x.double() @ w.double().T
+    return y + bias.double() if bias is not None else y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 2, 7, 16, 17, 32])
+@pytest.mark.parametrize("N,K", [(64, 256), (50, 96), (33, 576)])
+@pytest.mark.parametrize("variant", ["plain", "bias", "silu_mul"])
+def test_matches_float64(dtype, M, N, K, variant):
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    act = "silu_mul" if variant == "silu_mul" else None
+    x = torch.randn(M, 2 * K if act else K, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(DEVICE, dtype)
+    b = torch.randn(N, generator=g).to(DEVICE, dtype) if variant == "bias" else None
+    got = skinny.skinny_linear(x, w, b, act=act)
+    want = reference(x, w, b, act)
+    assert got.shape == (M, N) and got.dtype == dtype
+    err = (got.double() - want).abs().max().item()
+    assert err <= TOL[dtype] * max(1.0, want.abs().max().item()), f"max abs diff {err:.3g}"
+
+
+def test_strided_rows_and_explicit_tiles():
+    """A row view with a stride past its width (a slice of a wider buffer) and every swept tile
+    shape of the benchmark give the same values."""
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(6, 300, generator=g).to(DEVICE)
+    x = big[:, :256]
+    w = torch.randn(40, 256, generator=g).to(DEVICE)
+    want = reference(x, w)
+    for got in (skinny.skinny_linear(x, w), skinny.dot(x.contiguous(), w, 16, 64, 4, 2),
+                skinny.gemv(x[:1].contiguous(), w, 8, 128, 4, 1)):
+        assert (got.double() - want[: got.shape[0]]).abs().max().item() < 1e-4
+
+
+def test_tile_rules():
+    assert skinny._gemv_tiles(4096, 4096) == (4, 1024, 4, 3)
+    assert skinny._gemv_tiles(1536, 576) == (64, 64, 4, 3)  # SmolLM2: 576 = 9 x 64
+    assert skinny._dot_tiles(16, 12288)[:2] == (64, 256)
+    assert skinny._dot_tiles(32, 4096)[:2] == (64, 128)
+    assert skinny._dot_tiles(8, 576)[:2] == (64, 64)
+
+
+def test_bad_input_is_named():
+    w = torch.zeros(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        skinny.skinny_linear(torch.zeros(33, 16, device=DEVICE), w)
+    with pytest.raises(ValueError, match="does not fit"):
+        skinny.skinny_linear(torch.zeros(2, 16, device=DEVICE), w, act="silu_mul")
+    with pytest.raises(ValueError, match="unknown act"):
+        skinny.skinny_linear(torch.zeros(2, 16, device=DEVICE), w, act="gelu")
+
+
+def test_switch():
+    """auto: CUDA bf16/fp16 activations of 1-32 rows only; cublas: never; never with grad."""
+    with torch.inference_mode():
+        for rows, dtype, want in ((1, torch.bfloat16, True), (32, torch.bfloat16, True), (33, torch.bfloat16, False),
+                                  (4, torch.float32, False)):
+            x = torch.zeros(rows, 8, device=DEVICE, dtype=dtype)
+            with gemm_mode("auto"):
+                assert transformer.skinny_enabled(x) == (want and DEVICE.type == "cuda"), (rows, dtype)
+            with gemm_mode("cublas"):
+                assert not transformer.skinny_enabled(x)
+        with gemm_mode("triton"):
+            assert transformer.skinny_enabled(torch.zeros(3, 8, device=DEVICE))
+    with gemm_mode("triton"):
+        assert not transformer.skinny_enabled(torch.zeros(3, 8, device=DEVICE))  # grad enabled
+
+
+def test_mlp_fused_down_projection():
+    """The fused MLP with the silu * up prologue equals the torch MLP."""
+    torch.manual_seed(0)
+    mlp = MLP(64, 96).to(DEVICE)
+    for rows in (1, 5, 20):
+        x = torch.randn(rows, 64, device=DEVICE)
+        with torch.inference_mode():
+            want = mlp(x)
+            with gemm_mode("triton"), transformer.fused_mode("on"):
+                got = mlp.forward_fused(x)
+        assert (got - want).abs().max().item() < 1e-4
+
+
+def test_engine_tokens_match_cublas_path(tiny_qwen3, tmp_path):
+    """Greedy DFlash generation with every few-row GEMM on the Triton kernels gives the tokens of
+    the path without them (float32: no near-ties)."""
+    from fixtures import build_random_drafter
+
+    from flashdraft import LLM, SamplingParams
+
+    draft = str(build_random_drafter(tmp_path / "d", tiny_qwen3, block_size=4))
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 60))]
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    kw = dict(draft=draft, device=str(DEVICE), dtype="float32", max_num_batched_tokens=24, kv_block_size=8)
+    calls = []
+    real = skinny.skinny_linear
+
+    def counted(*a, **k):
+        calls.append(a[0].shape[0])
+        return real(*a, **k)
+
+    out = {}
+    for mode in ("cublas", "triton"):
+        with transformer.fused_mode("on"), gemm_mode(mode):
+            skinny.skinny_linear = counted
+            try:
+                llm = LLM(str(tiny_qwen3), attention_backend="triton", **kw)
+                out[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+            finally:
+                skinny.skinny_linear = real
+        if mode == "cublas":
+            assert not calls
+    assert out["triton"] == out["cublas"]
+    assert calls and max(calls) <= 32
