@@ -1,6 +1,7 @@
 """Few-row GEMMs of a Qwen3-8B decoder on the GPU: cuBLAS (F.linear) against the Triton kernels of
-flashdraft/models/skinny.py over a sweep of tile configs, at M = 1, 8, 16, 32 rows, and the whole
-decode step's GPU time split by kernel (torch profiler over CUDA-graph replays).
+flashdraft/models/skinny.py over a sweep of tile configs, at M = 1, 8, 16, 32 rows, and the GPU
+time of a decode step, a 16-row verify and a draft block split by kernel (torch profiler over
+CUDA-graph replays), and the paged attention kernel at every forced split-K count.
 
 Every GEMM is timed inside one CUDA graph of `calls` launches that cycle through enough copies of
 the weight to overflow L2 (a decode step reads each layer's weights once, cold), CUDA events around
@@ -27,7 +28,7 @@ from gpu_roofline import QWEN3_8B, Clock, Roofline, log, short_error
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
-TINY_SHAPES = {"qkv": (192, 128), "down": (128, 256)}
+TINY_SHAPES = {"qkv": (192, 128), "gate_up": (256, 128), "down": (128, 256)}
 
 
 def gemv_configs(tiny: bool):
@@ -47,6 +48,15 @@ def dot_configs(tiny: bool):
            for bn, bk, s in itertools.product((16, 32, 64, 128), (64, 128, 256), (3, 5))]
     out += [dict(block_n=128, block_k=bk, num_warps=8, num_stages=s) for bk in (64, 128) for s in (3, 4)]
     return out
+
+
+def glu_configs(tiny: bool, M: int):
+    """{} = the tile rules; then explicit (block_n, block_k, warps, stages) per strip."""
+    if tiny or M == 1:
+        return [{}]
+    return [{}] + [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st)
+                   for bn, bk, st in itertools.product((16, 32), (128, 256), (3, 4, 5))
+                   if st * (2 * bn + (16 if M <= 16 else 32)) * bk * 2 <= 220 * 1024]
 
 
 class Sweep:
@@ -88,6 +98,8 @@ class Sweep:
         bw = self.bw
         deadline = time.perf_counter() + self.args.budget_s
         for name, (N, K) in shapes.items():
+            if self.args.shapes and name not in self.args.shapes.split(","):
+                continue
             el = torch.finfo(self.dtype).bits // 8
             wbytes = N * K * el
             copies = max(1, min(16, -(-(400 << 20) // wbytes))) if self.cuda else 1
@@ -102,6 +114,10 @@ class Sweep:
                               for c in gemv_configs(self.args.tiny)]
                 cands += [("dot", c, lambda i, c=c, x=x: skinny.dot(x, ws[i % copies], **c))
                           for c in dot_configs(self.args.tiny)]
+                if name == "gate_up":  # the same bytes with the silu * up epilogue: [M, N/2] out
+                    cands += [("glu", c, lambda i, c=c, x=x: skinny.skinny_linear(
+                        x, ws[i % copies], glu=True, tiles=tuple(c.values()) if c else None))
+                        for c in glu_configs(self.args.tiny, M)]
                 best = None
                 for kind, cfg, fn in cands:
                     if time.perf_counter() > deadline:
@@ -109,11 +125,13 @@ class Sweep:
                         break
                     row = {"shape": name, "N": N, "K": K, "M": M, "kind": kind, **cfg}
                     try:
-                        err = float((fn(0).float() - ref).abs().max() / ref.abs().max())
+                        y = fn(0).float()
+                        want = ref if kind != "glu" else torch.nn.functional.silu(ref[:, : N // 2]) * ref[:, N // 2:]
+                        err = float((y - want).abs().max() / want.abs().max())
                         us = self.graph_time(fn, calls)
                         gbps = (wbytes + M * K * el + M * N * el) / (us * 1e-6) / 1e9
                         row |= {"us": us, "gbps": gbps, "of_copy_bw": gbps / bw, "rel_err": err}
-                        if kind != "cublas" and (best is None or us < best["us"]):
+                        if kind in ("gemv", "dot") and (best is None or us < best["us"]):
                             best = row
                     except Exception as e:
                         row["error"] = short_error(e)
@@ -127,45 +145,110 @@ class Sweep:
             if self.cuda:
                 torch.cuda.empty_cache()
 
-    def profile_decode(self) -> None:
-        """Kernel time split of one fused decode step (batch 1, 1k context) over graph replays."""
-        ns = argparse.Namespace(device=self.args.device, tiny=self.args.tiny, budget_s=60, matmul_n=None,
-                                context=None, batches="1", drafter_layers=None)
-        rl = Roofline(ns)
-        rl.bw, rl.tflops = self.bw, float("inf")  # only the memory roofline is used
-        rl.build()
+    def roofline_run(self) -> Roofline:
+        """The Qwen3-8B-shaped target and 5-layer drafter of gpu_roofline.py, built once."""
+        if getattr(self, "rl", None) is None:
+            ns = argparse.Namespace(device=self.args.device, tiny=self.args.tiny, budget_s=60, matmul_n=None,
+                                    context=None, batches="1,8,32", drafter_layers=None)
+            self.rl = Roofline(ns)
+            self.rl.bw, self.rl.tflops = self.bw, float("inf")  # only the memory roofline is used
+            self.rl.clock = self.clock
+            self.rl.build()
+        return self.rl
+
+    def profile(self) -> None:
+        """Kernel time split of graph replays: plain decode at batch 1 and 32, the 16-row verify
+        (with taps) and the draft block at batch 1; default (fused) path."""
+        rl = self.roofline_run()
         from flashdraft.attention.triton_paged import TritonAttention
         from flashdraft.models.transformer import fused_mode
 
-        attn, target = TritonAttention(), rl.target
-        with fused_mode("on"):
-            g = rl.graph(lambda g: target.compute_logits(target(g.input_ids, g.positions, rl.tkv, attn, g.meta)[0])
-                         .argmax(-1), 1, 1, attn)
-        step = self.clock.time(g.replay)
-        prof_rows = []
+        target, drafter = rl.target, rl.drafter
+        taps = tuple(rl.spec.target_layer_ids)
+        B = rl.block
+        out = self.res["profile"] = {}
+        cases = [("decode", 1, 1), ("decode", 32, 1), ("verify", 1, B), ("draft", 1, B)]
+        if self.args.tiny:
+            cases = cases[:1]
+        for kind, S, q in cases:
+            attn = TritonAttention()
+            if kind == "draft":
+                def fn(g, attn=attn, S=S):
+                    h = drafter(target.embed_tokens(g.input_ids), g.positions, rl.dkv, attn, g.meta)
+                    return target.compute_logits(h.view(S, B, -1)[:, 1:]).argmax(-1)
+            else:
+                def fn(g, attn=attn, kind=kind):
+                    hidden, tapped = target(g.input_ids, g.positions, rl.tkv, attn, g.meta,
+                                            taps if kind == "verify" else ())
+                    return target.compute_logits(hidden).argmax(-1), tapped
+            try:
+                with fused_mode("on"):
+                    g = rl.graph(fn, S, q, attn, causal=kind != "draft")
+                out[f"{kind}_b{S}"] = self._profile_graph(f"{kind} b={S}", g.replay)
+            except Exception as e:
+                log(f"ERROR profile {kind} b={S}: {short_error(e)}")
+                self.res["errors"].append({"where": f"profile {kind} b={S}", "error": short_error(e)})
+            if self.cuda:
+                torch.cuda.empty_cache()
+
+    def _profile_graph(self, name: str, replay) -> dict:
+        step = self.clock.time(replay)
+        rows = []
         if self.cuda:
             from torch.profiler import ProfilerActivity, profile
 
             for _ in range(3):
-                g.replay()
+                replay()
             torch.cuda.synchronize()
             n = 10
             with profile(activities=[ProfilerActivity.CUDA]) as p:
                 for _ in range(n):
-                    g.replay()
+                    replay()
                 torch.cuda.synchronize()
             for e in p.key_averages():
                 t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
                 if t > 0:
-                    prof_rows.append({"name": e.key[:120], "calls_per_step": e.count / n, "us_per_step": t / n})
-            prof_rows.sort(key=lambda r: -r["us_per_step"])
-        busy = sum(r["us_per_step"] for r in prof_rows)
-        self.res["decode_profile"] = {"step_ms": step["ms"], "kernel_busy_us": busy, "kernels": prof_rows,
-                                      "roofline_ms": rl.decode_roofline(1)["mem_ms"]}
-        log(f"decode b=1 step {step['ms']:.3f} ms, kernels busy {busy / 1e3:.3f} ms, roofline "
-            f"{rl.decode_roofline(1)['mem_ms']:.3f} ms")
-        for r in prof_rows[:15]:
+                    rows.append({"name": e.key[:120], "calls_per_step": e.count / n, "us_per_step": t / n})
+            rows.sort(key=lambda r: -r["us_per_step"])
+        busy = sum(r["us_per_step"] for r in rows)
+        log(f"{name}: {step['ms']:.3f} ms per replay, kernels busy {busy / 1e3:.3f} ms")
+        for r in rows[:10]:
             log(f"  {r['us_per_step']:8.1f} us  x{r['calls_per_step']:5.0f}  {r['name'][:90]}")
+        return {"ms": step["ms"], "kernel_busy_us": busy, "kernels": rows}
+
+    def attention_splits(self) -> None:
+        """paged_attention at batch 1 and 8 (decode, 16-row verify and draft, 1k context) with the
+        split-K heuristic and with every forced split count."""
+        rl = self.roofline_run()
+        from flashdraft.attention.base import DeviceMeta
+        from flashdraft.attention.triton_paged import paged_attention
+
+        tc = rl.tcfg
+        out = self.res["attention_splits"] = []
+        for kind, q_len, causal in (("decode", 1, True), ("verify", rl.block, True), ("draft", rl.block, False)):
+            for S in (1, 8):
+                L = rl.ctx + q_len
+                inp = rl.step_inputs(S, q_len)
+                qsl = torch.arange(S + 1, device=self.dev, dtype=torch.int32) * q_len
+                meta = DeviceMeta(inp["slot_mapping"], qsl, inp["seq_lens"], rl.tables[:S].contiguous(), q_len, L,
+                                  rl.bs, causal)
+                q = torch.randn(S * q_len, tc.num_attention_heads, tc.head_dim, device=self.dev, dtype=self.dtype)
+                kc, vc = rl.tk[0], rl.tv[0]
+                scale = tc.head_dim**-0.5
+                ref = paged_attention(q, kc, vc, meta, scale, num_splits=1).float()
+                row = {"kind": kind, "batch": S, "keys": L}
+                for sp in (None, 1, 2, 4, 8, 16, 32):
+                    buf = torch.empty_like(q)
+                    try:
+                        diff = float((paged_attention(q, kc, vc, meta, scale, num_splits=sp).float() - ref).abs().max())
+                        t = rl.time_op(lambda sp=sp, buf=buf: paged_attention(q, kc, vc, meta, scale, out=buf,
+                                                                              num_splits=sp))
+                        row[f"splits_{sp or 'auto'}"] = {"us": t["ms"] * 1e3, "max_abs_diff": diff}
+                    except Exception as e:
+                        row[f"splits_{sp or 'auto'}"] = {"error": short_error(e)}
+                log(f"attention {kind} b={S}: " + ", ".join(f"{k.removeprefix('splits_')}: {v['us']:.1f}"
+                                                             for k, v in row.items() if isinstance(v, dict) and "us" in v))
+                out.append(row)
 
     def run(self) -> None:
         rl = Roofline(argparse.Namespace(device=self.args.device, tiny=self.args.tiny, budget_s=60, matmul_n=None))
@@ -193,12 +276,20 @@ class Sweep:
         for (name, M), grp in itertools.groupby(self.res["gemm"], key=lambda r: (r["shape"], r["M"])):
             grp = [r for r in grp if "us" in r]
             cub = [r for r in grp if r["kind"] == "cublas"]
-            tri = sorted((r for r in grp if r["kind"] != "cublas"), key=lambda r: r["us"])
+            tri = sorted((r for r in grp if r["kind"] in ("gemv", "dot")), key=lambda r: r["us"])
             if cub and tri:
                 b = tri[0]
+                cfg = (f"{b['block_n']}x{b['block_k']} w{b['num_warps']} s{b['num_stages']}" if "block_n" in b
+                       else "tile rules")
                 lines.append(f"| {name} | {M} | {cub[0]['us']:.1f} | {cub[0]['gbps']:.0f} | {b['us']:.1f} | "
-                             f"{b['gbps']:.0f} | {b['of_copy_bw']:.2f} | {b['kind']} {b['block_n']}x{b['block_k']} "
-                             f"w{b['num_warps']} s{b['num_stages']} |")
+                             f"{b['gbps']:.0f} | {b['of_copy_bw']:.2f} | {b['kind']} {cfg} |")
+                glu = sorted((r for r in grp if r["kind"] == "glu"), key=lambda r: r["us"])
+                if glu:
+                    cfg = (f"{glu[0]['block_n']}x{glu[0]['block_k']} s{glu[0]['num_stages']}" if "block_n" in glu[0]
+                           else "tile rules")
+                    rules = [r for r in glu if "block_n" not in r]
+                    lines.append(f"| {name} + silu*up | {M} | | | {glu[0]['us']:.1f} | {glu[0]['gbps']:.0f} | "
+                                 f"{glu[0]['of_copy_bw']:.2f} | glu {cfg}; tile rules {rules[0]['us']:.1f} us |")
         (out / "gemm_sweep.md").write_text("\n".join(lines) + "\n")
 
 
@@ -208,7 +299,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop the sweep after this many seconds")
-    ap.add_argument("--sections", default="gemm,profile_decode")
+    ap.add_argument("--shapes", default=None, help="comma-separated subset of the GEMM shapes")
+    ap.add_argument("--sections", default="gemm,profile,attention_splits")
     args = ap.parse_args()
     s = Sweep(args)
     try:

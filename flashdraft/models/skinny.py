@@ -1,6 +1,6 @@
-"""Triton GEMMs for few rows: y = act(x) @ W^T (+ bias) with x [M, K], M <= 32 (a decode batch, a
-verify or draft block), W [N, K] row-major as nn.Linear stores it. At these M a GEMM only streams W:
-a Qwen3-8B decode step reads 15 GB of weights for 0.03 TFLOP, so its time is set by how close the
+"""Triton GEMMs for few rows: y = x @ W^T (+ bias) with x [M, K], M <= 32 (a decode batch, a verify
+or draft block), W [N, K] row-major as nn.Linear stores it. At these M a GEMM only streams W: a
+Qwen3-8B decode step reads 15 GB of weights for 0.03 TFLOP, so its time is set by how close the
 weight reads come to the memory bandwidth. Both kernels keep many programs in flight, each streaming
 a strip of BLOCK_N weight rows over the whole K (no split-K: no second kernel, no atomics, the same
 sum order on every call).
@@ -12,9 +12,11 @@ On an H100 (benchmarks/device/gemm_sweep.py, Qwen3-8B shapes, weights cold in L2
 0.85-1.06x of the measured copy bandwidth, 4-19% faster than cuBLAS at M = 1-16; the tile rules of
 `_gemv_tiles` / `_dot_tiles` are within 5% of the best swept config on every shape.
 
-act="silu_mul": x is a gate_up row [M, 2K] and the kernel multiplies silu(gate) * up while loading
-it, rounded as fused.silu_mul rounds, so the MLP's down projection needs no separate kernel.
-Accumulation is float32 (bias added in float32), rounded once to x's dtype. Grids depend on shapes only: CUDA-graph safe."""
+glu=True: W is a packed [gate; up] matrix [2N, K] and y = silu(x @ gate^T) * (x @ up^T) [M, N]: each
+program streams the gate strip and the matching up strip, so the MLP's activation costs no kernel
+and no [M, 2N] round trip. Rounded as the torch MLP rounds: gate and up to x's dtype, silu to x's
+dtype, then the product. Accumulation is float32 (bias added in float32), rounded once to x's
+dtype. Grids depend on shapes only: CUDA-graph safe."""
 
 from __future__ import annotations
 
@@ -25,64 +27,85 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 32
+SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allow 227 KB)
 
 
 @triton.jit
-def _load_act(x_ptr, offs, mask, K, ACT: tl.constexpr, dt: tl.constexpr):
-    """x at `offs` (row offsets + column k), or silu(x[k]) * x[K + k] rounded like fused.silu_mul."""
-    if ACT:
-        g = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + offs + K, mask=mask, other=0.0).to(tl.float32)
-        return ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt)
-    return tl.load(x_ptr + offs, mask=mask, other=0.0)
+def _silu_mul(g, u, dt: tl.constexpr):
+    g = g.to(dt).to(tl.float32)
+    u = u.to(dt).to(tl.float32)
+    return ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, ACT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, GLU: tl.constexpr,
                  HAS_BIAS: tl.constexpr):
     dt = y_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    up_row = w_row + N.to(tl.int64) * stride_wn  # GLU: the up strip, N rows below the gate strip
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + k
         if EVEN:
-            w = tl.load(w_row + kk[None, :])
+            x = tl.load(x_ptr + kk).to(tl.float32)[None, :]
+            acc += tl.load(w_row + kk[None, :]).to(tl.float32) * x
+            if GLU:
+                acc_up += tl.load(up_row + kk[None, :]).to(tl.float32) * x
         else:
-            w = tl.load(w_row + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
-        x = _load_act(x_ptr, kk, kk < K, K, ACT, dt)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            mask = (n[:, None] < N) & (kk[None, :] < K)
+            x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(w_row + kk[None, :], mask=mask, other=0.0).to(tl.float32) * x
+            if GLU:
+                acc_up += tl.load(up_row + kk[None, :], mask=mask, other=0.0).to(tl.float32) * x
     y = tl.sum(acc, 1)
     if HAS_BIAS:
         y = y + tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
+    if GLU:
+        y = _silu_mul(y, tl.sum(acc_up, 1), dt)
     tl.store(y_ptr + n, y.to(dt), mask=n < N)
 
 
 @triton.jit
 def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MPAD: tl.constexpr, EVEN: tl.constexpr,
-                ACT: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+                GLU: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
     dt = y_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, MPAD)
     k = tl.arange(0, BLOCK_K)
     w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    up_row = w_row + N.to(tl.int64) * stride_wn
+    x_col = x_ptr + m[None, :] * stride_xm  # x^T tile [BLOCK_K, MPAD]
     acc = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + k
         if EVEN:
             w = tl.load(w_row + kk[None, :])
+            if GLU:
+                wu = tl.load(up_row + kk[None, :])
         else:
-            w = tl.load(w_row + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
-        xt = _load_act(x_ptr, m[None, :] * stride_xm + kk[:, None], (m[None, :] < M) & (kk[:, None] < K), K, ACT, dt)
+            mask = (n[:, None] < N) & (kk[None, :] < K)
+            w = tl.load(w_row + kk[None, :], mask=mask, other=0.0)
+            if GLU:
+                wu = tl.load(up_row + kk[None, :], mask=mask, other=0.0)
+        xt = tl.load(x_col + kk[:, None], mask=(m[None, :] < M) & (kk[:, None] < K), other=0.0)
         if IEEE:  # float32 weights or the interpreter: full-precision float32 products, not TF32
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+            if GLU:
+                acc_up = tl.dot(wu.to(tl.float32), xt.to(tl.float32), acc_up, input_precision="ieee")
         else:
             acc = tl.dot(w, xt.to(w.dtype), acc)
+            if GLU:
+                acc_up = tl.dot(wu, xt.to(w.dtype), acc_up)
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+    if GLU:
+        acc = _silu_mul(acc, acc_up, dt)
     out = y_ptr + m[None, :] * stride_ym + n[:, None]
     tl.store(out, acc.to(dt), mask=(m[None, :] < M) & (n[:, None] < N))
 
@@ -103,29 +126,42 @@ def _gemv_tiles(N: int, K: int) -> tuple[int, int, int, int]:
     return max(4, 4096 // bk), bk, 4, 3
 
 
-def _dot_tiles(M: int, K: int) -> tuple[int, int, int, int]:
+def _dot_tiles(M: int, K: int, elem: int = 2, glu: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages): 64 x 256 x 5 stages up to 16 rows, 64 x 128 x 5 above, as
+    swept best on the 8B shapes; glu streams two strips of 32 rows. Fewer stages (then a shorter
+    BLOCK_K) when the pipelined W and x tiles would not fit in shared memory (float32, glu)."""
     bk = 256 if M <= 16 else 128
     bk = _largest_dividing(K, tuple(b for b in (256, 128, 64, 32, 16) if b <= bk)) or bk
-    return 64, bk, 4, 5
+    bn, mpad, stages = 32 if glu else 64, 16 if M <= 16 else 32, 5
+    while stages * (bn * (2 if glu else 1) + mpad) * bk * elem > SMEM_BUDGET:
+        if stages > 3:
+            stages -= 1
+        elif bk > 16:
+            bk //= 2
+        else:
+            break
+    return bn, bk, 4, stages
 
 
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None,
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
                   tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """act(x) [M, K] @ w[N, K]^T (+ bias) -> [M, N] for 1 <= M <= MAX_ROWS. act: None or
-    "silu_mul" (then x is [M, 2K]). tiles (BLOCK_N, BLOCK_K, warps, stages) overrides the rules."""
-    if act not in (None, "silu_mul"):
-        raise ValueError(f"unknown act {act!r}")
+    """x [M, K] @ w[N, K]^T (+ bias) -> [M, N] for 1 <= M <= MAX_ROWS; glu: w is [gate; up]
+    [2N, K] and the result silu(gate) * up [M, N]. tiles (BLOCK_N, BLOCK_K, warps, stages)
+    overrides the rules."""
     N, K = w.shape
+    if glu:
+        if N % 2 or bias is not None:
+            raise ValueError(f"glu needs an even number of weight rows and no bias, got {tuple(w.shape)}")
+        N //= 2
     M = x.shape[0]
-    width = 2 * K if act else K
-    if x.dim() != 2 or x.shape[1] != width or not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"x {tuple(x.shape)} does not fit w {tuple(w.shape)} (act {act}, at most {MAX_ROWS} rows)")
+    if x.dim() != 2 or x.shape[1] != K or not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"x {tuple(x.shape)} does not fit w {tuple(w.shape)} (at most {MAX_ROWS} rows)")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if w.stride(-1) != 1:
         raise ValueError("w needs a unit last stride")
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    flags = dict(ACT=act is not None, HAS_BIAS=bias is not None)
+    flags = dict(GLU=glu, HAS_BIAS=bias is not None)
     b = bias if bias is not None else w
     if M == 1:
         bn, bk, warps, stages = tiles or _gemv_tiles(N, K)
@@ -133,7 +169,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
                                             EVEN=N % bn == 0 and K % bk == 0, **flags, num_warps=warps,
                                             num_stages=stages)
         return y
-    bn, bk, warps, stages = tiles or _dot_tiles(M, K)
+    bn, bk, warps, stages = tiles or _dot_tiles(M, K, x.element_size(), glu)
     _dot_kernel[(triton.cdiv(N, bn),)](x, w, b, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=bn,
                                        BLOCK_K=bk, MPAD=16 if M <= 16 else 32, EVEN=N % bn == 0 and K % bk == 0,
                                        **flags, IEEE=_ieee(w), num_warps=warps, num_stages=stages)
@@ -155,7 +191,6 @@ def dot(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: int = 256,
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     _dot_kernel[(triton.cdiv(N, block_n),)](x, w, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
                                             BLOCK_N=block_n, BLOCK_K=block_k, MPAD=16 if M <= 16 else 32,
-                                            EVEN=N % block_n == 0 and K % block_k == 0, ACT=False, HAS_BIAS=False,
-                                            IEEE=_ieee(w),
-                                            num_warps=num_warps, num_stages=num_stages)
+                                            EVEN=N % block_n == 0 and K % block_k == 0, GLU=False, HAS_BIAS=False,
+                                            IEEE=_ieee(w), num_warps=num_warps, num_stages=num_stages)
     return y

@@ -168,12 +168,11 @@ class MLP(nn.Module):
     def forward_fused(self, x):
         from flashdraft.models import fused
 
-        gate_up = self.gate_up_proj(x)
-        if skinny_enabled(gate_up):  # silu * up folded into the down projection's loads
+        if skinny_enabled(x):  # silu * up in the gate_up GEMM
             from flashdraft.models.skinny import skinny_linear
 
-            return skinny_linear(gate_up, self.down_proj.weight, self.down_proj.bias, act="silu_mul")
-        return self.down_proj(fused.silu_mul(gate_up))
+            return self.down_proj(skinny_linear(x, self.gate_up_proj.weight, glu=True))
+        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -1,6 +1,6 @@
 """The few-row Triton GEMMs of flashdraft/models/skinny.py against a float64 reference (M = 1..32,
-even and ragged N and K, bias, the silu * up prologue), their tile rules, their errors, and the model
-and engine paths that use them against the torch path.
+even and ragged N and K, bias, the gate/up GEMM with its silu * up epilogue), their tile rules,
+their errors, and the model and engine paths that use them against the torch path.
 
 Runs on CUDA, or on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1); skipped when
 neither is available."""
@@ -23,31 +23,34 @@ from flashdraft.models.transformer import MLP, gemm_mode  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 # bf16: inputs are exact bf16 values, products summed in float32, one rounding at the end; the
-# interpreter's bf16 casts truncate, which the silu * up prologue's roundings feel
+# interpreter's bf16 casts truncate, which the silu * up epilogue's roundings feel
 TOL = {torch.float32: 1e-5, torch.bfloat16: 4e-2 if INTERPRET else 1e-2}
 
 
-def reference(x, w, bias=None, act=None):
-    """float64 from the same (rounded) inputs; silu * up rounded as the torch MLP rounds it."""
-    if act == "silu_mul":
-        g, u = x.chunk(2, dim=-1)
-        x = F.silu(g) * u  # in x's dtype, like the torch path
+def reference(x, w, bias=None, glu=False):
+    """float64 from the same (rounded) inputs; for glu, gate and up rounded to x's dtype and silu *
+    up computed as the torch MLP computes it."""
     y = x.double() @ w.double().T
-    return y + bias.double() if bias is not None else y
+    if bias is not None:
+        y = y + bias.double()
+    if glu:
+        g, u = y.to(x.dtype).chunk(2, dim=-1)
+        y = (F.silu(g) * u).double()
+    return y
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M", [1, 2, 7, 16, 17, 32])
 @pytest.mark.parametrize("N,K", [(64, 256), (50, 96), (33, 576)])
-@pytest.mark.parametrize("variant", ["plain", "bias", "silu_mul"])
+@pytest.mark.parametrize("variant", ["plain", "bias", "glu"])
 def test_matches_float64(dtype, M, N, K, variant):
     g = torch.Generator().manual_seed(M * 1000 + N + K)
-    act = "silu_mul" if variant == "silu_mul" else None
-    x = torch.randn(M, 2 * K if act else K, generator=g).to(DEVICE, dtype)
-    w = (torch.randn(N, K, generator=g) / K**0.5).to(DEVICE, dtype)
+    glu = variant == "glu"
+    x = torch.randn(M, K, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(2 * N if glu else N, K, generator=g) / K**0.5).to(DEVICE, dtype)
     b = torch.randn(N, generator=g).to(DEVICE, dtype) if variant == "bias" else None
-    got = skinny.skinny_linear(x, w, b, act=act)
-    want = reference(x, w, b, act)
+    got = skinny.skinny_linear(x, w, b, glu=glu)
+    want = reference(x, w, b, glu)
     assert got.shape == (M, N) and got.dtype == dtype
     err = (got.double() - want).abs().max().item()
     assert err <= TOL[dtype] * max(1.0, want.abs().max().item()), f"max abs diff {err:.3g}"
@@ -72,6 +75,12 @@ def test_tile_rules():
     assert skinny._dot_tiles(16, 12288)[:2] == (64, 256)
     assert skinny._dot_tiles(32, 4096)[:2] == (64, 128)
     assert skinny._dot_tiles(8, 576)[:2] == (64, 64)
+    # what does not fit in shared memory pipelines less: float32, the glu's two strips
+    assert skinny._dot_tiles(16, 4096, elem=4) == (64, 128, 4, 3)
+    assert skinny._dot_tiles(16, 4096, glu=True) == (32, 256, 4, 5)
+    for M, elem, glu in ((1, 2, True), (16, 4, True), (32, 4, True), (32, 2, False)):
+        bn, bk, _, st = skinny._dot_tiles(M, 4096, elem, glu)
+        assert st * (bn * (2 if glu else 1) + (16 if M <= 16 else 32)) * bk * elem <= skinny.SMEM_BUDGET
 
 
 def test_bad_input_is_named():
@@ -79,9 +88,9 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="at most 32 rows"):
         skinny.skinny_linear(torch.zeros(33, 16, device=DEVICE), w)
     with pytest.raises(ValueError, match="does not fit"):
-        skinny.skinny_linear(torch.zeros(2, 16, device=DEVICE), w, act="silu_mul")
-    with pytest.raises(ValueError, match="unknown act"):
-        skinny.skinny_linear(torch.zeros(2, 16, device=DEVICE), w, act="gelu")
+        skinny.skinny_linear(torch.zeros(2, 15, device=DEVICE), w)
+    with pytest.raises(ValueError, match="glu needs"):
+        skinny.skinny_linear(torch.zeros(2, 16, device=DEVICE), torch.zeros(7, 16, device=DEVICE), glu=True)
 
 
 def test_switch():
@@ -101,7 +110,7 @@ def test_switch():
 
 
 def test_mlp_fused_down_projection():
-    """The fused MLP with the silu * up prologue equals the torch MLP."""
+    """The fused MLP (gate/up GEMM with the silu * up epilogue, then down) equals the torch MLP."""
     torch.manual_seed(0)
     mlp = MLP(64, 96).to(DEVICE)
     for rows in (1, 5, 20):
