@@ -180,36 +180,34 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
         tl.store(ws_l_ptr + idx, l_i, mask=valid)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
-def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_tokens, num_heads, num_splits, stride_ot,
-                   stride_oh, N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr):
-    """Merges the split-K partials of one (query tile, sequence, kv head) into normalised output."""
-    tile = tl.program_id(0)
-    seq = tl.program_id(1) // N_KV
-    kv_head = tl.program_id(1) % N_KV
-    q_start, q_len, row, head, valid = _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP, BLOCK_M)
-    if tile * (BLOCK_M // GROUP) >= q_len:
-        return
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
+def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_seqs, num_tokens, num_heads, num_splits,
+                   stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                   ZERO_PADDING: tl.constexpr):
+    """Grid (token, head): merges that row's split-K partials, all loaded at once (BLOCK_S >= the
+    split count), into normalised output. One small program per (token, head) rather than a loop
+    over the partitions per query tile: a 16-row verify at batch 1 has 512 of them instead of 8
+    (H100: 14.7 us per layer before)."""
+    t = tl.program_id(0)
+    head = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
-    mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-    m_i = tl.full([BLOCK_M], NEG, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for split in range(num_splits):
-        idx = (split * num_tokens + q_start + row) * num_heads + head
-        m_p = tl.load(ws_m_ptr + idx, mask=valid, other=NEG)
-        l_p = tl.load(ws_l_ptr + idx, mask=valid, other=0.0)
-        o_p = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
-        m_new = tl.maximum(m_i, m_p)
-        alpha = tl.exp2(m_i - m_new)
-        beta = tl.exp2(m_p - m_new)
-        l_i = l_i * alpha + l_p * beta
-        acc = acc * alpha[:, None] + o_p * beta[:, None]
-        m_i = m_new
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=mask)
+    d_ok = d < HEAD_DIM
+    if t >= tl.load(qsl_ptr + num_seqs):  # a graph bucket's padding rows: zeros when asked
+        if ZERO_PADDING:
+            tl.store(out_ptr + t * stride_ot + head * stride_oh + d, tl.zeros([BLOCK_D], tl.float32).to(
+                out_ptr.dtype.element_ty), mask=d_ok)
+        return
+    sp = tl.arange(0, BLOCK_S)
+    ok = sp < num_splits
+    idx = (sp * num_tokens + t) * num_heads + head
+    m = tl.load(ws_m_ptr + idx, mask=ok, other=NEG)
+    l_p = tl.load(ws_l_ptr + idx, mask=ok, other=0.0)
+    o = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
+    w = tl.where(ok, tl.exp2(m - tl.max(m, 0)), 0.0)
+    l_i = tl.sum(l_p * w, 0)
+    acc = tl.sum(o * w[:, None], 0)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)
+    tl.store(out_ptr + t * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -260,9 +258,11 @@ def _workspace(device: torch.device, splits: int, T: int, H: int, D: int):
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DeviceMeta, scale: float,
-                    out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, num_splits: int | None = None,
+                    zero_padding: bool = False) -> torch.Tensor:
     """q: [T, n_heads, D] -> [T, n_heads, D] over the paged caches described by `meta`.
-    num_splits overrides the split-K heuristic (tests, tuning)."""
+    num_splits overrides the split-K heuristic (tests, tuning). zero_padding: rows past the last
+    sequence's are zeros (written by the split-K merge when there is one, else a fill first)."""
     T, H, hd = q.shape
     n_kv = k_cache.shape[2]
     group = H // n_kv
@@ -272,12 +272,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = torch.empty_like(q)
     S = meta.seq_lens.shape[0]
     if T == 0 or S == 0 or meta.max_query_len == 0:
-        return out
+        return out.zero_() if zero_padding else out
     block_d, block_m, block_n, warps = _tiles(hd, group, meta.max_query_len)
     tiles = triton.cdiv(meta.max_query_len, block_m // group)
     if num_splits is None:
         num_splits = _num_splits(tiles * S * n_kv, meta.max_seq_len, q.device)
     part = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), num_splits), block_n) * block_n
+    if zero_padding and num_splits == 1:
+        out.zero_()
     ws = _workspace(q.device, num_splits, T, H, hd) if num_splits > 1 else (out, out, out)
     consts = dict(N_KV=n_kv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_M=block_m)
     _attn_kernel[(tiles, S * n_kv, num_splits)](
@@ -288,8 +290,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         PAGE=k_cache.shape[1], CAUSAL=meta.causal, SPLIT=num_splits > 1,
         F32_DOT=INTERPRET or q.dtype == torch.float32, num_warps=warps)
     if num_splits > 1:
-        _reduce_kernel[(tiles, S * n_kv)](out, *ws, meta.query_start_loc, T, H, num_splits, out.stride(0),
-                                          out.stride(1), **consts, num_warps=4)
+        _reduce_kernel[(T, H)](out, *ws, meta.query_start_loc, S, T, H, num_splits, out.stride(0), out.stride(1),
+                               HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, ZERO_PADDING=zero_padding,
+                               num_warps=4)
     return out
 
 
@@ -346,5 +349,4 @@ class TritonAttention(AttentionBackend):
     def forward(self, q, k_cache, v_cache, batch, scale):
         if self.meta is None:
             self.prepare(batch, q.device)
-        out = torch.zeros_like(q) if self.zero_padding_rows else None
-        return paged_attention(q, k_cache, v_cache, self.meta, scale, out=out)
+        return paged_attention(q, k_cache, v_cache, self.meta, scale, zero_padding=self.zero_padding_rows)

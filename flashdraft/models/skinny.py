@@ -127,12 +127,13 @@ def _gemv_tiles(N: int, K: int) -> tuple[int, int, int, int]:
 
 
 def _dot_tiles(M: int, K: int, elem: int = 2, glu: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages): 64 x 256 x 5 stages up to 16 rows, 64 x 128 x 5 above, as
-    swept best on the 8B shapes; glu streams two strips of 32 rows. Fewer stages (then a shorter
-    BLOCK_K) when the pipelined W and x tiles would not fit in shared memory (float32, glu)."""
-    bk = 256 if M <= 16 else 128
+    """(BLOCK_N, BLOCK_K, warps, stages): 64 x 256 x 5 stages up to 16 rows, 64 x 128 x 5 above; glu
+    two strips of 32 x 128 x 3 stages: as swept best on the 8B shapes (within 1-5% everywhere).
+    Fewer stages (then a shorter BLOCK_K) when the pipelined W and x tiles would not fit in shared
+    memory (float32)."""
+    bk = 256 if M <= 16 and not glu else 128
     bk = _largest_dividing(K, tuple(b for b in (256, 128, 64, 32, 16) if b <= bk)) or bk
-    bn, mpad, stages = 32 if glu else 64, 16 if M <= 16 else 32, 5
+    bn, mpad, stages = (32, 16 if M <= 16 else 32, 3) if glu else (64, 16 if M <= 16 else 32, 5)
     while stages * (bn * (2 if glu else 1) + mpad) * bk * elem > SMEM_BUDGET:
         if stages > 3:
             stages -= 1

@@ -77,7 +77,7 @@ def test_tile_rules():
     assert skinny._dot_tiles(8, 576)[:2] == (64, 64)
     # what does not fit in shared memory pipelines less: float32, the glu's two strips
     assert skinny._dot_tiles(16, 4096, elem=4) == (64, 128, 4, 3)
-    assert skinny._dot_tiles(16, 4096, glu=True) == (32, 256, 4, 5)
+    assert skinny._dot_tiles(16, 4096, glu=True) == (32, 128, 4, 3)
     for M, elem, glu in ((1, 2, True), (16, 4, True), (32, 4, True), (32, 2, False)):
         bn, bk, _, st = skinny._dot_tiles(M, 4096, elem, glu)
         assert st * (bn * (2 if glu else 1) + (16 if M <= 16 else 32)) * bk * elem <= skinny.SMEM_BUDGET

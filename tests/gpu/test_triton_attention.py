@@ -139,6 +139,22 @@ def test_split_k_ragged(dtype):
                     pad_rows=2, seed=2), num_splits=6)
 
 
+@pytest.mark.parametrize("num_splits", [1, 6])
+def test_zero_padding_rows(num_splits):
+    """zero_padding: rows past the last sequence come out zero, through the split-K merge or the
+    fill before a single partition, over an output that held garbage; the other rows as before."""
+    c = make_case([1, 16, 1, 0, 5], [900, 10, 0, 0, 300], n_kv=1, group=4, hd=64, page=32, pad_rows=2, seed=2)
+    meta = DeviceMeta.from_batch(c["batch"], DEVICE)
+    want = triton_paged.paged_attention(c["q"], c["k_cache"], c["v_cache"], meta, c["scale"], num_splits=num_splits)
+    out = torch.full_like(c["q"], float("nan"))
+    got = triton_paged.paged_attention(c["q"], c["k_cache"], c["v_cache"], meta, c["scale"], out=out,
+                                       num_splits=num_splits, zero_padding=True)
+    rows = c["rows"]
+    assert got.shape[0] == rows + 2
+    assert torch.equal(got[:rows], want[:rows])
+    assert torch.equal(got[rows:], torch.zeros_like(got[rows:]))
+
+
 def test_static_bounds_larger_than_batch():
     """A graph runner's meta: max_query_len / max_seq_len / table width above the real batch."""
     c = make_case([1, 16, 3], [40, 5, 70], n_kv=2, group=3, hd=64, seed=4)
