@@ -13,11 +13,12 @@ Bytes read per (sequence, kv head), e = element size, L = seq_len, D = head_dim:
   bf16, D=128: 516 B per key and kv head; a 4k-key decode with 8 kv heads reads ~17 MB per layer.
   Prefill re-reads K/V once per query tile, i.e. ceil(q_len * group / BLOCK_M) times.
   Split-K adds (D + 2) * 4 B written and read again per (query row, head, partition), about
-  2 * rows / PART of the bf16 K/V bytes of a partition of PART keys. A partition holds at least 128
+  2 * rows / PART of the bf16 K/V bytes of a partition of PART keys. A partition holds at least 64
   keys: splitting only happens when the grid cannot fill the GPU, where the step is latency-bound
-  and the extra bytes (<= 100% of K/V for a 64-row verify tile, 25% for decode: a few MB at batch
-  1) cost less than walking the keys in 8 long programs (a 1k-key verify at batch 1 took 39 us
-  with one partition per kv head, against SDPA's 15 us).
+  and the extra bytes (<= 200% of K/V for a 64-row verify tile, 50% for decode: a few MB at batch
+  1) cost less than walking the keys in 8 long programs. H100, 1k keys at batch 1, Qwen3-8B heads
+  (benchmarks/device/gemm_sweep.py): verify 38.9 us with one partition per kv head, 12.5 with 8,
+  10.6 with 16 (SDPA on contiguous K/V: 15.0); decode 25.0 / 9.0 / 8.0 us.
 
 Tiling (tl.dot needs >= 16 along every dim on real hardware, so BLOCK_M >= 16 even for decode):
   BLOCK_D = next power of two >= head_dim (96 -> 128, masked).
@@ -54,8 +55,9 @@ import triton.language as tl
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch, DeviceMeta
 
-MIN_SPLIT_KEYS = 128  # a KV partition holds at least this many keys
 MAX_SPLITS = 64
+MIN_SPLIT_KEYS = 64  # a KV partition holds at least this many keys
+REDUCE_SPLITS = 64  # (partition, head) rows per load of the split-K merge
 INTERPRETER_SMS = 16  # stand-in SM count when kernels run on CPU tensors (TRITON_INTERPRET=1)
 NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: no inf - inf = nan on empty rows
 # the Triton interpreter multiplies bf16 bit patterns as integers in tl.dot: give it float32 operands
@@ -182,32 +184,41 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
 
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
 def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_seqs, num_tokens, num_heads, num_splits,
-                   stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                   ZERO_PADDING: tl.constexpr):
-    """Grid (token, head): merges that row's split-K partials, all loaded at once (BLOCK_S >= the
-    split count), into normalised output. One small program per (token, head) rather than a loop
-    over the partitions per query tile: a 16-row verify at batch 1 has 512 of them instead of 8
-    (H100: 14.7 us per layer before)."""
+                   stride_ot, stride_oh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ZERO_PADDING: tl.constexpr):
+    """Grid (token, kv head): merges the split-K partials of that token's GROUP query heads into
+    normalised output, BLOCK_S partitions per load (one load for <= BLOCK_S splits). Small programs
+    over tokens rather than a loop over the partitions per query tile: a 16-row verify at batch 1
+    has 128 of them instead of 8 (H100: 14.7 us per layer before)."""
     t = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(1) * GROUP + tl.arange(0, BLOCK_G)  # [G]
+    h_ok = tl.arange(0, BLOCK_G) < GROUP
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
+    out = out_ptr + t * stride_ot + head[:, None] * stride_oh + d[None, :]
+    out_mask = h_ok[:, None] & d_ok[None, :]
     if t >= tl.load(qsl_ptr + num_seqs):  # a graph bucket's padding rows: zeros when asked
         if ZERO_PADDING:
-            tl.store(out_ptr + t * stride_ot + head * stride_oh + d, tl.zeros([BLOCK_D], tl.float32).to(
-                out_ptr.dtype.element_ty), mask=d_ok)
+            tl.store(out, tl.zeros([BLOCK_G, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty), mask=out_mask)
         return
-    sp = tl.arange(0, BLOCK_S)
-    ok = sp < num_splits
-    idx = (sp * num_tokens + t) * num_heads + head
-    m = tl.load(ws_m_ptr + idx, mask=ok, other=NEG)
-    l_p = tl.load(ws_l_ptr + idx, mask=ok, other=0.0)
-    o = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)
-    w = tl.where(ok, tl.exp2(m - tl.max(m, 0)), 0.0)
-    l_i = tl.sum(l_p * w, 0)
-    acc = tl.sum(o * w[:, None], 0)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)
-    tl.store(out_ptr + t * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    m_i = tl.full([BLOCK_G], NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        sp = s0 + tl.arange(0, BLOCK_S)
+        ok = (sp < num_splits)[:, None] & h_ok[None, :]  # [S, G]
+        idx = (sp[:, None] * num_tokens + t) * num_heads + head[None, :]
+        m = tl.load(ws_m_ptr + idx, mask=ok, other=NEG)
+        l_p = tl.load(ws_l_ptr + idx, mask=ok, other=0.0)
+        o = tl.load(ws_o_ptr + idx[:, :, None] * HEAD_DIM + d[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
+                    other=0.0)  # [S, G, D]
+        m_new = tl.maximum(m_i, tl.max(m, 0))
+        w = tl.where(ok, tl.exp2(m - m_new[None, :]), 0.0)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(l_p * w, 0)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
+        m_i = m_new
+    tl.store(out, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -290,9 +301,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         PAGE=k_cache.shape[1], CAUSAL=meta.causal, SPLIT=num_splits > 1,
         F32_DOT=INTERPRET or q.dtype == torch.float32, num_warps=warps)
     if num_splits > 1:
-        _reduce_kernel[(T, H)](out, *ws, meta.query_start_loc, S, T, H, num_splits, out.stride(0), out.stride(1),
-                               HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_S=MAX_SPLITS, ZERO_PADDING=zero_padding,
-                               num_warps=4)
+        _reduce_kernel[(T, n_kv)](out, *ws, meta.query_start_loc, S, T, H, num_splits, out.stride(0), out.stride(1),
+                                  GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=hd, BLOCK_D=block_d,
+                                  BLOCK_S=max(1, REDUCE_SPLITS // triton.next_power_of_2(group)),
+                                  ZERO_PADDING=zero_padding, num_warps=4)
     return out
 
 

@@ -139,6 +139,12 @@ def test_split_k_ragged(dtype):
                     pad_rows=2, seed=2), num_splits=6)
 
 
+def test_split_k_merge_over_several_loads():
+    """40 partitions of 64+ keys, all holding keys: the merge takes them in three loads (16
+    partitions x group 4 per load) and rescales between them."""
+    check(make_case([1, 16], [3000, 2600], n_kv=1, group=4, hd=64, page=32, seed=5), num_splits=40)
+
+
 @pytest.mark.parametrize("num_splits", [1, 6])
 def test_zero_padding_rows(num_splits):
     """zero_padding: rows past the last sequence come out zero, through the split-K merge or the
