@@ -21,7 +21,8 @@ Writes DIR/roofline.json (all numbers, errors included) and DIR/roofline.md (sum
 Backends: `triton` (flashdraft.attention.triton_paged, CUDA only, when importable, or on CPU under
 TRITON_INTERPRET=1), `triton+fused` (the same with the fused Triton norm / RoPE + KV store / silu
 kernels of flashdraft.models.fused and the few-row Triton GEMMs of flashdraft.models.skinny: the
-engine's default on CUDA), `triton+fused+cublas` (the same with cuBLAS for every GEMM; every other
+engine's default on CUDA, with programmatic dependent launch on Hopper), `triton+fused+nopdl` (the
+same without it), `triton+fused+cublas` (the same with cuBLAS for every GEMM; every other
 row runs the torch elementwise ops and cuBLAS), `torch_static`
 (StaticTorchAttention; the plain-PyTorch + CUDA-graph baseline) and, for decode only, `torch_eager`
 (TorchAttention without graphs: the engine's current GPU path). Each failing measurement is
@@ -55,6 +56,7 @@ from flashdraft.attention.torch_ref import StaticTorchAttention, TorchAttention 
 from flashdraft.engine.graphs import StepGraph  # noqa: E402
 from flashdraft.engine.model_runner import kv_bytes_per_token  # noqa: E402
 from flashdraft.models.dflash_draft import DFlashDraftModel  # noqa: E402
+from flashdraft.models.launch import pdl_mode  # noqa: E402
 from flashdraft.models.transformer import DecoderLM, fused_mode, gemm_mode  # noqa: E402
 from flashdraft.spec.formats import DraftSpec, default_target_layer_ids  # noqa: E402
 
@@ -144,10 +146,12 @@ def random_module(make, device: torch.device, dtype: torch.dtype, seed: int) -> 
 
 @contextlib.contextmanager
 def modes(backend: str):
-    """The fused elementwise kernels for "+fused" backends, cuBLAS GEMMs unless "+fused" alone."""
+    """The fused elementwise kernels for "+fused" backends, cuBLAS GEMMs unless "+fused" alone (or
+    "+nopdl": the default path without programmatic dependent launch)."""
     fused = "+fused" in backend
     with fused_mode("on" if fused else "off"), gemm_mode("auto" if fused and not backend.endswith("+cublas")
-                                                          else "cublas"):
+                                                          else "cublas"), \
+            pdl_mode("off" if backend.endswith("+nopdl") else "auto"):
         yield
 
 
@@ -293,6 +297,7 @@ class Roofline:
 
                 self.backends["triton"] = TritonAttention
                 self.backends["triton+fused"] = TritonAttention
+                self.backends["triton+fused+nopdl"] = TritonAttention
                 self.backends["triton+fused+cublas"] = TritonAttention
             except Exception as e:
                 self.error("import triton backend", e)

@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch, DeviceMeta
+from flashdraft.models.launch import launch_kwargs, pdl_enter
 
 MAX_SPLITS = 64
 MIN_SPLIT_KEYS = 64  # a KV partition holds at least this many keys
@@ -72,8 +73,9 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
                      stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                      N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
+                     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, USE_PDL: tl.constexpr):
     """One program per new token: copies its [n_kv, D] K and V rows to cache slot `slot`."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot < 0:
@@ -122,9 +124,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
                  stride_ot, stride_oh, stride_bt,
                  N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
-                 SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
+                 SPLIT: tl.constexpr, F32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (query tile, sequence * n_kv, partition). One split: normalised output straight to
     `out`. Several: unnormalised partials to the workspace, merged by `_reduce_kernel`."""
+    pdl_enter(USE_PDL)
     tile = tl.program_id(0)
     seq = tl.program_id(1) // N_KV
     kv_head = tl.program_id(1) % N_KV
@@ -185,11 +188,12 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
 def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_seqs, num_tokens, num_heads, num_splits,
                    stride_ot, stride_oh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ZERO_PADDING: tl.constexpr):
+                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ZERO_PADDING: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (token, kv head): merges the split-K partials of that token's GROUP query heads into
     normalised output, BLOCK_S partitions per load (one load for <= BLOCK_S splits). Small programs
     over tokens rather than a loop over the partitions per query tile: a 16-row verify at batch 1
     has 128 of them instead of 8 (H100: 14.7 us per layer before)."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     head = tl.program_id(1) * GROUP + tl.arange(0, BLOCK_G)  # [G]
     h_ok = tl.arange(0, BLOCK_G) < GROUP
@@ -232,7 +236,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     _store_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, *k.stride(), *v.stride(),
                            *k_cache.stride()[:3], *v_cache.stride()[:3], N_KV=n_kv, HEAD_DIM=hd,
                            BLOCK_H=triton.next_power_of_2(n_kv), BLOCK_D=triton.next_power_of_2(hd),
-                           PAGE=k_cache.shape[1])
+                           PAGE=k_cache.shape[1], **launch_kwargs(k))
 
 
 def _tiles(head_dim: int, group: int, max_query_len: int) -> tuple[int, int, int, int]:
@@ -299,12 +303,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         *v_cache.stride()[:3],
         out.stride(0), out.stride(1), meta.block_tables.stride(0), **consts, BLOCK_N=block_n,
         PAGE=k_cache.shape[1], CAUSAL=meta.causal, SPLIT=num_splits > 1,
-        F32_DOT=INTERPRET or q.dtype == torch.float32, num_warps=warps)
+        F32_DOT=INTERPRET or q.dtype == torch.float32, num_warps=warps, **launch_kwargs(q))
     if num_splits > 1:
         _reduce_kernel[(T, n_kv)](out, *ws, meta.query_start_loc, S, T, H, num_splits, out.stride(0), out.stride(1),
                                   GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=hd, BLOCK_D=block_d,
                                   BLOCK_S=max(1, REDUCE_SPLITS // triton.next_power_of_2(group)),
-                                  ZERO_PADDING=zero_padding, num_warps=4)
+                                  ZERO_PADDING=zero_padding, num_warps=4, **launch_kwargs(q))
     return out
 
 

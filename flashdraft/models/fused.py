@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdraft.models.launch import launch_kwargs, pdl_enter
+
 SILU_BLOCK = 1024  # columns per silu_mul program
 HEAD_TILE = 2048  # elements (heads x padded head_dim) per q/k/context program
 
@@ -40,8 +42,9 @@ def _heads_per_program(rows: int, block_d: int) -> int:
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                         stride_x, stride_r, stride_o, stride_ro,
-                        N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+                        N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr):
     """One row: r = x + res (rounded to the residual dtype, stored), out = w * rmsnorm(r)."""
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     ok = d < N
@@ -93,10 +96,11 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
                                stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                                N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                               HAS_NORM: tl.constexpr):
+                               HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (token, group of BLOCK_H heads) over the packed row's q heads [0, N_HEADS) and k
     heads [N_HEADS, N_HEADS + N_KV): q rows go to q, k rows (rotated) and the matching v rows (raw)
     to the caches at the token's slot, unless it is < 0."""
+    pdl_enter(USE_PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # head index in the packed row
@@ -135,8 +139,9 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (row, chunk): out = silu(gate) * up, gate = x[:, :inter], up = x[:, inter:]."""
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = col < inter
@@ -152,10 +157,11 @@ def _context_kv_kernel(kv_ptr, pos_ptr, cos_ptr, sin_ptr, kw_ptr, kc_ptr, vc_ptr
                        stride_t, stride_cos, stride_sin, stride_kw,
                        stride_kcl, stride_kcb, stride_kcs, stride_kch, stride_vcl, stride_vcb, stride_vcs, stride_vch,
                        N_LAYERS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_NORM: tl.constexpr):
+                       BLOCK_D: tl.constexpr, PAGE: tl.constexpr, HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (token, group of BLOCK_H (layer, kv head) rows) of the stacked projection, whose
     layer l chunk is [k heads | v heads]: K normed with layer l's k_norm and rotated, V raw, into
     layer l's caches (cache base + l * layer stride)."""
+    pdl_enter(USE_PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -213,7 +219,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     block = triton.next_power_of_2(n)
     _add_rmsnorm_kernel[(rows,)](x2, r2, weight, o2, nr2, eps, x2.stride(0), r2.stride(0), o2.stride(0),
                                  nr2.stride(0), N=n, BLOCK=block, HAS_RES=residual is not None,
-                                 num_warps=8 if block >= 4096 else 4)
+                                 num_warps=8 if block >= 4096 else 4, **launch_kwargs(x2))
     return out, new_res
 
 
@@ -251,7 +257,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Te
         qkv, positions, cos, sin, q_norm_w if has_norm else qkv, k_norm_w if has_norm else qkv, q, k_cache, v_cache,
         slot_mapping, eps, qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=hd, BLOCK_H=block_h,
-        BLOCK_D=block_d, PAGE=k_cache.shape[1], HAS_NORM=has_norm, num_warps=4)
+        BLOCK_D=block_d, PAGE=k_cache.shape[1], HAS_NORM=has_norm, num_warps=4, **launch_kwargs(qkv))
     return q
 
 
@@ -264,7 +270,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     o2 = out.view(-1, inter)
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(inter, SILU_BLOCK))](x2, o2, inter, x2.stride(0), o2.stride(0),
-                                                                   BLOCK=SILU_BLOCK, num_warps=4)
+                                                                   BLOCK=SILU_BLOCK, num_warps=4, **launch_kwargs(x2))
     return out
 
 
@@ -323,4 +329,5 @@ def context_kv_store(kv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
         block_h = _heads_per_program(layers * n_kv, block_d)
         _context_kv_kernel[(T, triton.cdiv(layers * n_kv, block_h))](
             src, positions, cos, sin, w, kc, vc, slot_mapping, eps, src.stride(0), cos.stride(0), sin.stride(0),
-            kw_stride, k_step, *kc.stride()[:3], v_step, *vc.stride()[:3], N_LAYERS=layers, BLOCK_H=block_h, **consts)
+            kw_stride, k_step, *kc.stride()[:3], v_step, *vc.stride()[:3], N_LAYERS=layers, BLOCK_H=block_h, **consts,
+            **launch_kwargs(kv))

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdraft.models.launch import launch_kwargs, pdl_enter
+
 MAX_ROWS = 32
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allow 227 KB)
 
@@ -40,7 +42,8 @@ def _silu_mul(g, u, dt: tl.constexpr):
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, GLU: tl.constexpr,
-                 HAS_BIAS: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     dt = y_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -72,7 +75,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
 @triton.jit
 def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MPAD: tl.constexpr, EVEN: tl.constexpr,
-                GLU: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+                GLU: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     dt = y_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, MPAD)
@@ -168,12 +172,13 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         bn, bk, warps, stages = tiles or _gemv_tiles(N, K)
         _gemv_kernel[(triton.cdiv(N, bn),)](x, w, b, y, N, K, w.stride(0), BLOCK_N=bn, BLOCK_K=bk,
                                             EVEN=N % bn == 0 and K % bk == 0, **flags, num_warps=warps,
-                                            num_stages=stages)
+                                            num_stages=stages, **launch_kwargs(x))
         return y
     bn, bk, warps, stages = tiles or _dot_tiles(M, K, x.element_size(), glu)
     _dot_kernel[(triton.cdiv(N, bn),)](x, w, b, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=bn,
                                        BLOCK_K=bk, MPAD=16 if M <= 16 else 32, EVEN=N % bn == 0 and K % bk == 0,
-                                       **flags, IEEE=_ieee(w), num_warps=warps, num_stages=stages)
+                                       **flags, IEEE=_ieee(w), num_warps=warps, num_stages=stages,
+                                       **launch_kwargs(x))
     return y
 
 
@@ -193,5 +198,6 @@ def dot(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: int = 256,
     _dot_kernel[(triton.cdiv(N, block_n),)](x, w, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
                                             BLOCK_N=block_n, BLOCK_K=block_k, MPAD=16 if M <= 16 else 32,
                                             EVEN=N % block_n == 0 and K % block_k == 0, GLU=False, HAS_BIAS=False,
-                                            IEEE=_ieee(w), num_warps=num_warps, num_stages=num_stages)
+                                            IEEE=_ieee(w), num_warps=num_warps, num_stages=num_stages,
+                                            **launch_kwargs(x))
     return y
