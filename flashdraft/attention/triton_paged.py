@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch, DeviceMeta
-from flashdraft.models.launch import launch_kwargs, pdl_enter
+from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 MAX_SPLITS = 64
 MIN_SPLIT_KEYS = 64  # a KV partition holds at least this many keys
@@ -87,6 +87,7 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     mask = (h < N_KV) & (d < HEAD_DIM)
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
+    pdl_trigger(USE_PDL)
     tl.store(kc_ptr + page * stride_kcb + off * stride_kcs + h * stride_kch + d,
              k.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + page * stride_vcb + off * stride_vcs + h * stride_vch + d,
@@ -173,6 +174,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
         m_i = m_new
 
+    pdl_trigger(USE_PDL)
     mask = valid[:, None] & d_ok[None, :]
     if not SPLIT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -222,6 +224,7 @@ def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_seqs, num
         l_i = l_i * alpha + tl.sum(l_p * w, 0)
         acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
         m_i = m_new
+    pdl_trigger(USE_PDL)
     tl.store(out, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.models.launch import launch_kwargs, pdl_enter
+from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 SILU_BLOCK = 1024  # columns per silu_mul program
 HEAD_TILE = 2048  # elements (heads x padded head_dim) per q/k/context program
@@ -61,6 +61,7 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
     inv = tl.rsqrt(tl.sum(h * h, 0) / N + eps)
     n = (h * inv).to(dt).to(tl.float32)
     w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    pdl_trigger(USE_PDL)
     tl.store(out_ptr + row * stride_o + d, (w * n).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -124,6 +125,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
         wr = xr
     c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, d, HEAD_DIM)
     out = _norm_rope(x, xr, w, wr, c, s, lo, eps, HEAD_DIM, HAS_NORM)
+    pdl_trigger(USE_PDL)
     tl.store(q_ptr + t * stride_qt + r[:, None] * stride_qh + d[None, :], out, mask=is_q & d_ok)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # the slot test as a vector: the interpreter mis-types scalar & vector masks
@@ -149,6 +151,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_o, BLOCK: tl.conste
     g = tl.load(x_ptr + row * stride_x + col, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + inter + col, mask=ok, other=0.0).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    pdl_trigger(USE_PDL)
     tl.store(out_ptr + row * stride_o + col, (s * u).to(dt), mask=ok)
 
 
@@ -189,6 +192,7 @@ def _context_kv_kernel(kv_ptr, pos_ptr, cos_ptr, sin_ptr, kw_ptr, kc_ptr, vc_ptr
     lay = layer.to(tl.int64)
     page = slot // PAGE
     off = slot % PAGE
+    pdl_trigger(USE_PDL)
     tl.store(kc_ptr + lay * stride_kcl + page * stride_kcb + off * stride_kcs + j * stride_kch + d[None, :],
              k.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + lay * stride_vcl + page * stride_vcb + off * stride_vcs + j * stride_vch + d[None, :],

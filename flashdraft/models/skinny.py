@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.models.launch import launch_kwargs, pdl_enter
+from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 MAX_ROWS = 32
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allow 227 KB)
@@ -69,6 +69,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
         y = y + tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)
     if GLU:
         y = _silu_mul(y, tl.sum(acc_up, 1), dt)
+    pdl_trigger(USE_PDL)
     tl.store(y_ptr + n, y.to(dt), mask=n < N)
 
 
@@ -111,6 +112,7 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
     if GLU:
         acc = _silu_mul(acc, acc_up, dt)
     out = y_ptr + m[None, :] * stride_ym + n[:, None]
+    pdl_trigger(USE_PDL)
     tl.store(out, acc.to(dt), mask=(m[None, :] < M) & (n[:, None] < N))
 
 

@@ -153,3 +153,38 @@ def test_engine_tokens_match_cublas_path(tiny_qwen3, tmp_path):
             assert not calls
     assert out["triton"] == out["cublas"]
     assert calls and max(calls) <= 32
+
+
+def test_pdl_switch():
+    from flashdraft.models import launch
+
+    x = torch.zeros(2, device=DEVICE)
+    with launch.pdl_mode("bogus"), pytest.raises(ValueError, match="FLASHDRAFT_PDL"):
+        launch.pdl_level(x)
+    with launch.pdl_mode("early"):
+        assert launch.pdl_level(torch.zeros(2)) == 0  # CPU tensors never
+    with launch.pdl_mode("off"):
+        assert launch.launch_kwargs(x) == {"USE_PDL": 0}
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="programmatic dependent launch needs a GPU")
+@pytest.mark.parametrize("mode", ["late", "early"])
+def test_pdl_changes_no_token(tiny_qwen3, tmp_path, mode):
+    """bf16 DFlash generation through CUDA graphs with every Triton kernel launched with PDL gives
+    exactly the tokens of the launches without it (PDL only overlaps launches, never data)."""
+    from fixtures import build_random_drafter
+
+    from flashdraft import LLM, SamplingParams
+    from flashdraft.models import launch
+
+    draft = str(build_random_drafter(tmp_path / "d", tiny_qwen3, block_size=4))
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 60))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    out = {}
+    for m in ("off", mode):
+        with launch.pdl_mode(m):
+            llm = LLM(str(tiny_qwen3), draft=draft, device="cuda", dtype="bfloat16")
+            if m != "off":
+                assert launch.pdl_level(torch.zeros(1, device="cuda")) > 0 or not launch._HAVE_GDC
+            out[m] = [o.token_ids for o in llm.generate(prompts, params)]
+    assert out[mode] == out["off"]
