@@ -21,8 +21,9 @@ Writes DIR/roofline.json (all numbers, errors included) and DIR/roofline.md (sum
 Backends: `triton` (flashdraft.attention.triton_paged, CUDA only, when importable, or on CPU under
 TRITON_INTERPRET=1), `triton+fused` (the same with the fused Triton norm / RoPE + KV store / silu
 kernels of flashdraft.models.fused and the few-row Triton GEMMs of flashdraft.models.skinny: the
-engine's default on CUDA), `triton+fused+pdllate` / `+pdlearly` (the same with programmatic
-dependent launch, flashdraft/models/launch.py), `triton+fused+cublas` (the same with cuBLAS for every GEMM; every other
+engine's default on CUDA, with programmatic dependent launch on Hopper), `triton+fused+pdloff` /
+`+pdlprefetch` (the same without it / with its weight prefetch, flashdraft/models/launch.py),
+`triton+fused+cublas` (the same with cuBLAS for every GEMM; every other
 row runs the torch elementwise ops and cuBLAS), `torch_static`
 (StaticTorchAttention; the plain-PyTorch + CUDA-graph baseline) and, for decode only, `torch_eager`
 (TorchAttention without graphs: the engine's current GPU path). Each failing measurement is
@@ -147,11 +148,12 @@ def random_module(make, device: torch.device, dtype: torch.dtype, seed: int) -> 
 @contextlib.contextmanager
 def modes(backend: str):
     """The fused elementwise kernels for "+fused" backends, cuBLAS GEMMs unless "+fused" alone (or
-    "+pdllate" / "+pdlearly": the default path with programmatic dependent launch)."""
+    "+pdloff" / "+pdlprefetch": the default path without programmatic dependent launch / with its
+    weight prefetch)."""
     fused = "+fused" in backend
     with fused_mode("on" if fused else "off"), gemm_mode("auto" if fused and not backend.endswith("+cublas")
                                                           else "cublas"), \
-            pdl_mode(backend.rsplit("+pdl", 1)[1] if "+pdl" in backend else "off"):
+            pdl_mode(backend.rsplit("+pdl", 1)[1] if "+pdl" in backend else "auto"):
         yield
 
 
@@ -297,8 +299,8 @@ class Roofline:
 
                 self.backends["triton"] = TritonAttention
                 self.backends["triton+fused"] = TritonAttention
-                self.backends["triton+fused+pdllate"] = TritonAttention
-                self.backends["triton+fused+pdlearly"] = TritonAttention
+                self.backends["triton+fused+pdloff"] = TritonAttention
+                self.backends["triton+fused+pdlprefetch"] = TritonAttention
                 self.backends["triton+fused+cublas"] = TritonAttention
             except Exception as e:
                 self.error("import triton backend", e)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
+from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_prefetch, pdl_trigger
 
 MAX_ROWS = 32
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allow 227 KB)
@@ -43,12 +43,15 @@ def _silu_mul(g, u, dt: tl.constexpr):
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, GLU: tl.constexpr,
                  HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
     dt = y_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    w_row = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
     up_row = w_row + N.to(tl.int64) * stride_wn  # GLU: the up strip, N rows below the gate strip
+    pdl_prefetch(w_row, K, USE_PDL)
+    if GLU:
+        pdl_prefetch(up_row, K, USE_PDL)
+    pdl_enter(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -77,13 +80,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
 def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MPAD: tl.constexpr, EVEN: tl.constexpr,
                 GLU: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
     dt = y_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, MPAD)
     k = tl.arange(0, BLOCK_K)
-    w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    w_row = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
     up_row = w_row + N.to(tl.int64) * stride_wn
+    pdl_prefetch(w_row, K, USE_PDL)
+    if GLU:
+        pdl_prefetch(up_row, K, USE_PDL)
+    pdl_enter(USE_PDL)
     x_col = x_ptr + m[None, :] * stride_xm  # x^T tile [BLOCK_K, MPAD]
     acc = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
@@ -132,14 +138,19 @@ def _gemv_tiles(N: int, K: int) -> tuple[int, int, int, int]:
     return max(4, 4096 // bk), bk, 4, 3
 
 
-def _dot_tiles(M: int, K: int, elem: int = 2, glu: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages): 64 x 256 x 5 stages up to 16 rows, 64 x 128 x 5 above; glu
-    two strips of 32 x 128 x 3 stages: as swept best on the 8B shapes (within 1-5% everywhere).
+def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages): 32 x 256 x 5 stages for N <= 4096, else 64 x 128 x 5; glu
+    two strips of 32 x 128 x 3: as swept best on the 8B shapes at M = 8-32 (within 1-3%).
     Fewer stages (then a shorter BLOCK_K) when the pipelined W and x tiles would not fit in shared
     memory (float32)."""
-    bk = 256 if M <= 16 and not glu else 128
+    mpad = 16 if M <= 16 else 32
+    if glu:
+        bn, bk, stages = 32, 128, 3
+    elif N <= 4096:  # 64-row strips would leave SMs idle: 128 programs of 32 rows
+        bn, bk, stages = 32, 256, 5
+    else:
+        bn, bk, stages = 64, 128, 5
     bk = _largest_dividing(K, tuple(b for b in (256, 128, 64, 32, 16) if b <= bk)) or bk
-    bn, mpad, stages = (32, 16 if M <= 16 else 32, 3) if glu else (64, 16 if M <= 16 else 32, 5)
     while stages * (bn * (2 if glu else 1) + mpad) * bk * elem > SMEM_BUDGET:
         if stages > 3:
             stages -= 1
@@ -176,7 +187,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
                                             EVEN=N % bn == 0 and K % bk == 0, **flags, num_warps=warps,
                                             num_stages=stages, **launch_kwargs(x))
         return y
-    bn, bk, warps, stages = tiles or _dot_tiles(M, K, x.element_size(), glu)
+    bn, bk, warps, stages = tiles or _dot_tiles(M, N, K, x.element_size(), glu)
     _dot_kernel[(triton.cdiv(N, bn),)](x, w, b, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=bn,
                                        BLOCK_K=bk, MPAD=16 if M <= 16 else 32, EVEN=N % bn == 0 and K % bk == 0,
                                        **flags, IEEE=_ieee(w), num_warps=warps, num_stages=stages,

@@ -72,14 +72,15 @@ def test_strided_rows_and_explicit_tiles():
 def test_tile_rules():
     assert skinny._gemv_tiles(4096, 4096) == (4, 1024, 4, 3)
     assert skinny._gemv_tiles(1536, 576) == (64, 64, 4, 3)  # SmolLM2: 576 = 9 x 64
-    assert skinny._dot_tiles(16, 12288)[:2] == (64, 256)
-    assert skinny._dot_tiles(32, 4096)[:2] == (64, 128)
-    assert skinny._dot_tiles(8, 576)[:2] == (64, 64)
+    assert skinny._dot_tiles(16, 4096, 12288)[:2] == (32, 256)  # down: 128 strips of 32 rows
+    assert skinny._dot_tiles(16, 6144, 4096)[:2] == (64, 128)  # qkv
+    assert skinny._dot_tiles(32, 151936, 4096)[:2] == (64, 128)
+    assert skinny._dot_tiles(8, 1536, 576)[:2] == (32, 64)  # SmolLM2: 576 = 9 x 64
     # what does not fit in shared memory pipelines less: float32, the glu's two strips
-    assert skinny._dot_tiles(16, 4096, elem=4) == (64, 128, 4, 3)
-    assert skinny._dot_tiles(16, 4096, glu=True) == (32, 128, 4, 3)
-    for M, elem, glu in ((1, 2, True), (16, 4, True), (32, 4, True), (32, 2, False)):
-        bn, bk, _, st = skinny._dot_tiles(M, 4096, elem, glu)
+    assert skinny._dot_tiles(16, 4096, 4096, elem=4) == (32, 256, 4, 4)
+    assert skinny._dot_tiles(16, 4096, 4096, glu=True) == (32, 128, 4, 3)
+    for M, elem, glu in ((1, 2, True), (16, 4, True), (32, 4, True), (32, 2, False), (32, 4, False)):
+        bn, bk, _, st = skinny._dot_tiles(M, 4096, 4096, elem, glu)
         assert st * (bn * (2 if glu else 1) + (16 if M <= 16 else 32)) * bk * elem <= skinny.SMEM_BUDGET
 
 
@@ -161,14 +162,14 @@ def test_pdl_switch():
     x = torch.zeros(2, device=DEVICE)
     with launch.pdl_mode("bogus"), pytest.raises(ValueError, match="FLASHDRAFT_PDL"):
         launch.pdl_level(x)
-    with launch.pdl_mode("early"):
+    with launch.pdl_mode("prefetch"):
         assert launch.pdl_level(torch.zeros(2)) == 0  # CPU tensors never
     with launch.pdl_mode("off"):
         assert launch.launch_kwargs(x) == {"USE_PDL": 0}
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="programmatic dependent launch needs a GPU")
-@pytest.mark.parametrize("mode", ["late", "early"])
+@pytest.mark.parametrize("mode", ["late", "prefetch"])
 def test_pdl_changes_no_token(tiny_qwen3, tmp_path, mode):
     """bf16 DFlash generation through CUDA graphs with every Triton kernel launched with PDL gives
     exactly the tokens of the launches without it (PDL only overlaps launches, never data)."""
