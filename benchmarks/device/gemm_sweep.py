@@ -175,7 +175,7 @@ class Sweep:
             if kind == "draft":
                 def fn(g, attn=attn, S=S):
                     h = drafter(target.embed_tokens(g.input_ids), g.positions, rl.dkv, attn, g.meta)
-                    return target.compute_logits(h.view(S, B, -1)[:, 1:]).argmax(-1)
+                    return target.compute_logits(h.view(S, B, -1)[:, 1:], float32=False).argmax(-1)
             else:
                 def fn(g, attn=attn, kind=kind):
                     hidden, tapped = target(g.input_ids, g.positions, rl.tkv, attn, g.meta,

@@ -21,9 +21,8 @@ Writes DIR/roofline.json (all numbers, errors included) and DIR/roofline.md (sum
 Backends: `triton` (flashdraft.attention.triton_paged, CUDA only, when importable, or on CPU under
 TRITON_INTERPRET=1), `triton+fused` (the same with the fused Triton norm / RoPE + KV store / silu
 kernels of flashdraft.models.fused and the few-row Triton GEMMs of flashdraft.models.skinny: the
-engine's default on CUDA, with programmatic dependent launch on Hopper), `triton+fused+pdloff` /
-`+pdlprefetch` (the same without it / with its weight prefetch, flashdraft/models/launch.py),
-`triton+fused+cublas` (the same with cuBLAS for every GEMM; every other
+engine's default on CUDA, with programmatic dependent launch on Hopper), `triton+fused+pdloff`
+(the same without it, flashdraft/models/launch.py), `triton+fused+cublas` (the same with cuBLAS for every GEMM; every other
 row runs the torch elementwise ops and cuBLAS), `torch_static`
 (StaticTorchAttention; the plain-PyTorch + CUDA-graph baseline) and, for decode only, `torch_eager`
 (TorchAttention without graphs: the engine's current GPU path). Each failing measurement is
@@ -148,8 +147,7 @@ def random_module(make, device: torch.device, dtype: torch.dtype, seed: int) -> 
 @contextlib.contextmanager
 def modes(backend: str):
     """The fused elementwise kernels for "+fused" backends, cuBLAS GEMMs unless "+fused" alone (or
-    "+pdloff" / "+pdlprefetch": the default path without programmatic dependent launch / with its
-    weight prefetch)."""
+    "+pdloff": the default path without programmatic dependent launch)."""
     fused = "+fused" in backend
     with fused_mode("on" if fused else "off"), gemm_mode("auto" if fused and not backend.endswith("+cublas")
                                                           else "cublas"), \
@@ -300,7 +298,6 @@ class Roofline:
                 self.backends["triton"] = TritonAttention
                 self.backends["triton+fused"] = TritonAttention
                 self.backends["triton+fused+pdloff"] = TritonAttention
-                self.backends["triton+fused+pdlprefetch"] = TritonAttention
                 self.backends["triton+fused+cublas"] = TritonAttention
             except Exception as e:
                 self.error("import triton backend", e)
@@ -467,7 +464,7 @@ class Roofline:
 
         def draft_fn(g):
             h = drafter(target.embed_tokens(g.input_ids), g.positions, self.dkv, da, g.meta)
-            return target.compute_logits(h.view(S, B, -1)[:, 1:]).argmax(-1)  # [S, B-1]
+            return target.compute_logits(h.view(S, B, -1)[:, 1:], float32=False).argmax(-1)  # [S, B-1], as the engine
 
         def verify_fn(g):
             hidden, tapped = target(g.input_ids, g.positions, self.tkv, va, g.meta, taps)

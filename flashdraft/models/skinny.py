@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_prefetch, pdl_trigger
+from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 MAX_ROWS = 32
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allow 227 KB)
@@ -46,11 +46,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     dt = y_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    w_row = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
+    w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     up_row = w_row + N.to(tl.int64) * stride_wn  # GLU: the up strip, N rows below the gate strip
-    pdl_prefetch(w_row, K, USE_PDL)
-    if GLU:
-        pdl_prefetch(up_row, K, USE_PDL)
     pdl_enter(USE_PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -84,11 +81,8 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, MPAD)
     k = tl.arange(0, BLOCK_K)
-    w_row = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
+    w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     up_row = w_row + N.to(tl.int64) * stride_wn
-    pdl_prefetch(w_row, K, USE_PDL)
-    if GLU:
-        pdl_prefetch(up_row, K, USE_PDL)
     pdl_enter(USE_PDL)
     x_col = x_ptr + m[None, :] * stride_xm  # x^T tile [BLOCK_K, MPAD]
     acc = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)

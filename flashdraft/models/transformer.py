@@ -270,9 +270,12 @@ class DecoderLM(nn.Module):
         tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
         return self.norm(h), tapped
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits of every row, in float32 for the sampler; float32=False keeps the activation dtype
+        (an argmax over them picks the same token: the upcast is exact)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
-        return linear(flat, self.lm_head_weight).view(*hidden.shape[:-1], -1).float()
+        logits = linear(flat, self.lm_head_weight).view(*hidden.shape[:-1], -1)
+        return logits.float() if float32 else logits
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors (model.* prefix), packing q/k/v and gate/up."""

@@ -218,7 +218,7 @@ class DFlashSpeculator:
             if self.drafter.d2t is not None:
                 draft = draft + self.drafter.d2t[draft]
         else:
-            draft = eng.runner.model.compute_logits(hidden).argmax(-1)
+            draft = eng.runner.model.compute_logits(hidden, float32=False).argmax(-1)  # no float32 copy
         if self.poison_rejected:  # the block's scratch K/V must never be read again
             self._poison(self.k_cache, self.v_cache, batch.slot_mapping)
         return draft  # [S, B-1] on the device
