@@ -56,6 +56,33 @@ def test_matches_float64(dtype, M, N, K, variant):
     assert err <= TOL[dtype] * max(1.0, want.abs().max().item()), f"max abs diff {err:.3g}"
 
 
+@pytest.mark.parametrize("variant", ["plain", "bias", "glu"])
+def test_one_row_gemv_kernel(variant):
+    g = torch.Generator().manual_seed(7)
+    glu = variant == "glu"
+    x = torch.randn(1, 576, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(2 * 96 if glu else 96, 576, generator=g) / 24).to(DEVICE, torch.bfloat16)
+    b = torch.randn(96, generator=g).to(DEVICE, torch.bfloat16) if variant == "bias" else None
+    want = reference(x, w, b, glu)
+    got = skinny.skinny_linear(x, w, b, glu=glu, kernel="gemv")
+    assert (got.double() - want).abs().max().item() <= TOL[torch.bfloat16] * max(1.0, want.abs().max().item())
+    with pytest.raises(ValueError, match="for one row"):
+        skinny.skinny_linear(torch.cat([x, x]), w, b, glu=glu, kernel="gemv")
+
+
+@pytest.mark.parametrize("N,K", [(4096, 1024), (6144, 1024), (96, 576)])
+def test_rows_do_not_depend_on_batch(N, K):
+    """A row's output is bitwise the same alone, in a block of 8 or of 16 (the same tiles): a batch-1
+    decode step and the verify block checking the same position round alike."""
+    g = torch.Generator().manual_seed(N + K)
+    x = torch.randn(16, K, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(DEVICE, torch.bfloat16)
+    full = skinny.skinny_linear(x, w)
+    assert torch.equal(skinny.skinny_linear(x[:8], w), full[:8])
+    for i in (0, 5, 15):
+        assert torch.equal(skinny.skinny_linear(x[i:i + 1], w), full[i:i + 1])
+
+
 def test_strided_rows_and_explicit_tiles():
     """A row view with a stride past its width (a slice of a wider buffer) and every swept tile
     shape of the benchmark give the same values."""
