@@ -44,14 +44,17 @@ def fused_enabled(x: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def fused_mode(mode: str):
-    """Temporarily set FUSED (tests, benchmarks). CUDA graphs keep the path they were captured with."""
-    global FUSED
-    old, FUSED = FUSED, mode
+def _switch(name: str, mode: str):
+    old, globals()[name] = globals()[name], mode
     try:
         yield
     finally:
-        FUSED = old
+        globals()[name] = old
+
+
+def fused_mode(mode: str):
+    """Temporarily set FUSED (tests, benchmarks). CUDA graphs keep the path they were captured with."""
+    return _switch("FUSED", mode)
 
 
 class RMSNorm(nn.Module):
@@ -86,15 +89,9 @@ def skinny_enabled(x: torch.Tensor) -> bool:
     return fused_enabled(x) or GEMM == "triton"
 
 
-@contextlib.contextmanager
 def gemm_mode(mode: str):
     """Temporarily set GEMM (tests, benchmarks). CUDA graphs keep the kernels they were captured with."""
-    global GEMM
-    old, GEMM = GEMM, mode
-    try:
-        yield
-    finally:
-        GEMM = old
+    return _switch("GEMM", mode)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
