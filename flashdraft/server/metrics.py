@@ -50,6 +50,9 @@ class EngineCollector(Collector):
         yield self._one(c, "spec_decode_num_draft_tokens", "Draft tokens proposed.", spec.get("num_draft_tokens", 0))
         yield self._one(c, "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                         spec.get("num_accepted_tokens", 0))
+        yield self._one(c, "spec_decode_num_paused_steps",
+                        "Engine steps decoded without drafts while speculative_disable_batch_size or more ran.",
+                        spec.get("paused_steps", 0))
         per_pos = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the draft.",
                                       labels=["model_name", "position"])
