@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from gpu_roofline import QWEN3_8B, Clock, Roofline, log, short_error
+from gpu_roofline import Clock, Roofline, log, short_error
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
@@ -69,26 +68,10 @@ class Sweep:
         self.res: dict = {"errors": [], "gemm": []}
 
     def graph_time(self, fn, calls: int) -> float:
-        """Microseconds per fn() call, `calls` calls captured in one graph (eager off CUDA)."""
-        fn(0)
-        if not self.cuda:
-            t = time.perf_counter()
-            for i in range(calls):
-                fn(i)
-            return (time.perf_counter() - t) * 1e6 / calls
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn(0)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(calls):
-                fn(i)
-        t = self.clock.time(g.replay, warmup=2, max_iters=20)
-        del g
-        return t["ms"] * 1e3 / calls
+        """Microseconds per fn(i) call: gpu_roofline's timer (`calls` calls inside one graph on
+        CUDA), with i counting up so the calls cycle through the weight copies."""
+        i = itertools.count()
+        return self.timer.time_op(lambda: fn(next(i)), inner=calls)["ms"] * 1e3
 
     def gemm(self) -> None:
         from flashdraft.models import skinny
@@ -108,15 +91,15 @@ class Sweep:
             for M in rows:
                 x = torch.randn(M, K, device=self.dev, dtype=self.dtype)
                 ref = F.linear(x.float(), ws[0].float())
-                cands = [("cublas", {}, lambda i, x=x: F.linear(x, ws[i % copies]))]
+                cands = [("cublas", {}, lambda i, x=x, w=ws: F.linear(x, w[i % len(w)]))]
                 if M == 1:
-                    cands += [("gemv", c, lambda i, c=c, x=x: skinny.gemv(x, ws[i % copies], **c))
+                    cands += [("gemv", c, lambda i, c=c, x=x, w=ws: skinny.gemv(x, w[i % len(w)], **c))
                               for c in gemv_configs(self.args.tiny)]
-                cands += [("dot", c, lambda i, c=c, x=x: skinny.dot(x, ws[i % copies], **c))
+                cands += [("dot", c, lambda i, c=c, x=x, w=ws: skinny.dot(x, w[i % len(w)], **c))
                           for c in dot_configs(self.args.tiny)]
                 if name == "gate_up":  # the same bytes with the silu * up epilogue: [M, N/2] out
-                    cands += [("glu", c, lambda i, c=c, x=x: skinny.skinny_linear(
-                        x, ws[i % copies], glu=True, tiles=tuple(c.values()) if c else None))
+                    cands += [("glu", c, lambda i, c=c, x=x, w=ws: skinny.skinny_linear(
+                        x, w[i % len(w)], glu=True, tiles=tuple(c.values()) if c else None))
                         for c in glu_configs(self.args.tiny, M)]
                 best = None
                 for kind, cfg, fn in cands:
@@ -138,10 +121,11 @@ class Sweep:
                     self.res["gemm"].append(row)
                 cub = next(r for r in self.res["gemm"] if r["shape"] == name and r["M"] == M and r["kind"] == "cublas")
                 if best and "us" in cub:
+                    tiles = {k: best[k] for k in ("block_n", "block_k", "num_warps", "num_stages")}
                     log(f"{name} {N}x{K} M={M}: cublas {cub['us']:.1f} us ({cub['gbps']:.0f} GB/s); best triton "
-                        f"{best['kind']} {best['us']:.1f} us ({best['gbps']:.0f} GB/s, {best['of_copy_bw']:.2f} of copy) "
-                        f"{ {k: best[k] for k in ('block_n', 'block_k', 'num_warps', 'num_stages')} } err {best['rel_err']:.1e}")
-            del ws
+                        f"{best['kind']} {best['us']:.1f} us ({best['gbps']:.0f} GB/s, "
+                        f"{best['of_copy_bw']:.2f} of copy) {tiles} err {best['rel_err']:.1e}")
+            ws.clear()  # free the copies before the next shape's
             if self.cuda:
                 torch.cuda.empty_cache()
 
@@ -241,17 +225,19 @@ class Sweep:
                     buf = torch.empty_like(q)
                     try:
                         diff = float((paged_attention(q, kc, vc, meta, scale, num_splits=sp).float() - ref).abs().max())
-                        t = rl.time_op(lambda sp=sp, buf=buf: paged_attention(q, kc, vc, meta, scale, out=buf,
-                                                                              num_splits=sp))
+                        t = rl.time_op(lambda sp=sp, buf=buf, q=q, meta=meta, kc=kc, vc=vc, scale=scale:
+                                       paged_attention(q, kc, vc, meta, scale, out=buf, num_splits=sp))
                         row[f"splits_{sp or 'auto'}"] = {"us": t["ms"] * 1e3, "max_abs_diff": diff}
                     except Exception as e:
                         row[f"splits_{sp or 'auto'}"] = {"error": short_error(e)}
-                log(f"attention {kind} b={S}: " + ", ".join(f"{k.removeprefix('splits_')}: {v['us']:.1f}"
-                                                             for k, v in row.items() if isinstance(v, dict) and "us" in v))
+                times = [f"{k.removeprefix('splits_')}: {v['us']:.1f}" for k, v in row.items()
+                         if isinstance(v, dict) and "us" in v]
+                log(f"attention {kind} b={S}: " + ", ".join(times))
                 out.append(row)
 
     def run(self) -> None:
-        rl = Roofline(argparse.Namespace(device=self.args.device, tiny=self.args.tiny, budget_s=60, matmul_n=None))
+        rl = self.timer = Roofline(argparse.Namespace(device=self.args.device, tiny=self.args.tiny, budget_s=60,
+                                                      matmul_n=None))
         rl.clock = self.clock
         n = (1 << 30) if not self.args.tiny else (32 << 20)
         t = rl._time_copy(n)
@@ -272,7 +258,8 @@ class Sweep:
         out.mkdir(parents=True, exist_ok=True)
         (out / "gemm_sweep.json").write_text(json.dumps(self.res, indent=1))
         lines = [f"copy {self.res.get('copy_gbps', 0):.0f} GB/s, {self.res.get('device', self.args.device)}", "",
-                 "| shape | M | cuBLAS us | GB/s | best Triton us | GB/s | of copy | config |", "|---|---|---|---|---|---|---|---|"]
+                 "| shape | M | cuBLAS us | GB/s | best Triton us | GB/s | of copy | config |",
+                 "|---|---|---|---|---|---|---|---|"]
         for (name, M), grp in itertools.groupby(self.res["gemm"], key=lambda r: (r["shape"], r["M"])):
             grp = [r for r in grp if "us" in r]
             cub = [r for r in grp if r["kind"] == "cublas"]

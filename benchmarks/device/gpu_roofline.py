@@ -22,8 +22,8 @@ Backends: `triton` (flashdraft.attention.triton_paged, CUDA only, when importabl
 TRITON_INTERPRET=1), `triton+fused` (the same with the fused Triton norm / RoPE + KV store / silu
 kernels of flashdraft.models.fused and the few-row Triton GEMMs of flashdraft.models.skinny: the
 engine's default on CUDA, with programmatic dependent launch on Hopper), `triton+fused+pdloff`
-(the same without it, flashdraft/models/launch.py), `triton+fused+cublas` (the same with cuBLAS for every GEMM; every other
-row runs the torch elementwise ops and cuBLAS), `torch_static`
+(the same without it, flashdraft/models/launch.py), `triton+fused+cublas` (the same with cuBLAS
+for every GEMM; every other row runs the torch elementwise ops and cuBLAS), `torch_static`
 (StaticTorchAttention; the plain-PyTorch + CUDA-graph baseline) and, for decode only, `torch_eager`
 (TorchAttention without graphs: the engine's current GPU path). Each failing measurement is
 recorded in the JSON and the run goes on. Optional parts (flex_attention, torch_eager) are skipped

@@ -9,12 +9,13 @@ scheduling of the next kernel, not any data access, so results are unchanged. Ke
 between (cuBLAS, torch) neither signal nor carry the launch attribute, and order as usual.
 
 FLASHDRAFT_PDL=auto (default: on for CUDA devices of compute capability >= 9 when this Triton has
-grid dependency control) or off. CUDA graphs record the launches with the attribute. Measured on an H100 (benchmarks/device/gpu_roofline.py, Qwen3-8B shape, RESULTS
-section 5): late made a one-row decode 2% faster (6.07 -> 5.95 ms) and the batch-1 DFlash step 1%
-(7.89 -> 7.80 ms). Two variants measured worse and are gone: signalling at the start of each kernel
-(one-row decode 3% faster than without PDL, but the 16-row verify 7% slower) and prefetching each
-GEMM strip's first weight lines into L2 before the wait (against the late signal alone: batch-8
-decode 9% slower, the step 10%)."""
+grid dependency control) or off. CUDA graphs record the launches with the attribute. Measured on
+an H100 (benchmarks/device/gpu_roofline.py, Qwen3-8B shape, RESULTS section 5): it made a one-row
+decode 2% faster (6.07 -> 5.95 ms) and the batch-1 DFlash step 1% (7.89 -> 7.80 ms). Two variants
+measured worse and are gone: signalling at the start of each kernel (one-row decode 3% faster than
+without PDL, but the 16-row verify 7% slower) and prefetching each GEMM strip's first weight lines
+into L2 before the wait (against the signal before the stores alone: batch-8 decode 9% slower, the
+step 10%)."""
 
 from __future__ import annotations
 

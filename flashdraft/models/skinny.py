@@ -11,7 +11,7 @@ sum order on every call).
 The model path uses `dot` for every M, one row included: a row's result then does not depend on how
 many rows share the call (the tiles are the same for 1-16 rows), so a plain decode step at batch 1
 and the verify block that checks the same position round alike in bf16. With `gemv` for one row
-(2-8% faster on those GEMMs, ~2% of a decode step) SmolLM2's DFlash outputs at concurrency 1
+(2-8% faster on those GEMMs, ~1% of a decode step) SmolLM2's DFlash outputs at concurrency 1
 matched plain decoding's on 5 of 32 HumanEval prompts, the rest parting at bf16 near-ties.
 
 On an H100 (benchmarks/device/gemm_sweep.py, Qwen3-8B shapes, weights cold in L2) these read W at
@@ -199,20 +199,11 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 4, block_k: int = 1024, num_warps: int = 4,
          num_stages: int = 3) -> torch.Tensor:
-    """The M = 1 kernel with explicit tiles (sweeps)."""
-    assert x.shape[0] == 1
+    """The one-row kernel with explicit tiles (sweeps)."""
     return skinny_linear(x, w, tiles=(block_n, block_k, num_warps, num_stages), kernel="gemv")
 
 
 def dot(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: int = 256, num_warps: int = 4,
         num_stages: int = 5) -> torch.Tensor:
     """The tensor-core kernel with explicit tiles, any M <= MAX_ROWS (sweeps)."""
-    M, K = x.shape
-    N = w.shape[0]
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    _dot_kernel[(triton.cdiv(N, block_n),)](x, w, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-                                            BLOCK_N=block_n, BLOCK_K=block_k, MPAD=16 if M <= 16 else 32,
-                                            EVEN=N % block_n == 0 and K % block_k == 0, GLU=False, HAS_BIAS=False,
-                                            IEEE=_ieee(w), num_warps=num_warps, num_stages=num_stages,
-                                            **launch_kwargs(x))
-    return y
+    return skinny_linear(x, w, tiles=(block_n, block_k, num_warps, num_stages))
