@@ -308,6 +308,12 @@ class Roofline:
         else:
             self.res["skipped"].append("triton: not on CUDA")
         self.backends["torch_static"] = StaticTorchAttention
+        if self.args.backends:
+            keep = self.args.backends.split(",")
+            unknown = [b for b in keep if b not in self.backends]
+            if unknown:
+                raise ValueError(f"unknown backend(s) {unknown}; available here: {', '.join(self.backends)}")
+            self.backends = {b: self.backends[b] for b in keep}
 
     # ---- helpers over the shared state ----------------------------------------------------------
     def step_inputs(self, S: int, q: int, seed: int = 0) -> dict:
@@ -764,6 +770,7 @@ def main() -> None:
     ap.add_argument("--matmul-n", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="optional parts (flex_attention, eager decode) are skipped once this has passed")
+    ap.add_argument("--backends", default=None, help="comma-separated subset of the backends (default all)")
     ap.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take the longest)")
     ap.add_argument("--sections", default="machine,decode,dflash,attention")
     args = ap.parse_args()

@@ -35,6 +35,7 @@ import triton.language as tl
 from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 MAX_ROWS = 32
+FOLD_VARIANT = int(os.environ.get("FLASHDRAFT_FOLD_VARIANT", "1"))  # experiment: 1 x prefetch, 2 W-side
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allow 227 KB)
 
 
@@ -93,10 +94,12 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
     up_row = w_row + N.to(tl.int64) * stride_wn
     pdl_enter(USE_PDL)
     x_col = x_ptr + m[None, :] * stride_xm  # x^T tile [BLOCK_K, MPAD]
-    if NORM:  # the rows' inverse RMS from the producer's per-strip sums of squares, in a fixed order
+    if NORM > 0:  # the rows' inverse RMS from the producer's per-strip sums of squares, in a fixed order
         p = tl.arange(0, PPAD)
         ssq = tl.load(ssq_in_ptr + p[:, None] * MPAD + m[None, :], mask=p[:, None] < P_IN, other=0.0)
         inv = tl.rsqrt(tl.sum(ssq, 0) / K + eps)[None, :]
+    if NORM == 1:  # x tiles are loaded one iteration ahead: their latency hides behind the W stream
+        x_next = tl.load(x_col + k[:, None], mask=(m[None, :] < M) & (k[:, None] < K), other=0.0)
     acc = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -110,10 +113,19 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
             w = tl.load(w_row + kk[None, :], mask=mask, other=0.0)
             if GLU:
                 wu = tl.load(up_row + kk[None, :], mask=mask, other=0.0)
-        xt = tl.load(x_col + kk[:, None], mask=(m[None, :] < M) & (kk[:, None] < K), other=0.0)
-        if NORM:  # rounded as RMSNorm rounds: the normalised row, then its product with the weight
+        if NORM == 1:  # rounded as RMSNorm rounds: the normalised row, then its product with the weight
+            xt = x_next
+            kn = kk + BLOCK_K
+            x_next = tl.load(x_col + kn[:, None], mask=(m[None, :] < M) & (kn[:, None] < K), other=0.0)
             g = tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[:, None]
             xt = (g * (xt.to(tl.float32) * inv).to(xt.dtype).to(tl.float32)).to(xt.dtype)
+        else:
+            xt = tl.load(x_col + kk[:, None], mask=(m[None, :] < M) & (kk[:, None] < K), other=0.0)
+        if NORM == 2:  # the weight's column scale on the W tile, the row scale after the sum
+            g = tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
+            w = (w.to(tl.float32) * g).to(w.dtype)
+            if GLU:
+                wu = (wu.to(tl.float32) * g).to(wu.dtype)
         if IEEE:  # float32 weights or the interpreter: full-precision float32 products, not TF32
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
             if GLU:
@@ -122,6 +134,10 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
             acc = tl.dot(w, xt.to(w.dtype), acc)
             if GLU:
                 acc_up = tl.dot(wu, xt.to(w.dtype), acc_up)
+    if NORM == 2:
+        acc = acc * inv
+        if GLU:
+            acc_up = acc_up * inv
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
     if GLU:
@@ -235,7 +251,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     _dot_kernel[(programs,)](x, w, b, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
                              ssq_in, ssq_in.shape[0] if norm is not None else 1, g, eps, res, res.stride(0), ssq_out,
                              BLOCK_N=bn, BLOCK_K=bk, MPAD=mpad, EVEN=N % bn == 0 and K % bk == 0, **flags,
-                             NORM=norm is not None, PPAD=ppad, ADD_RES=residual is not None, IEEE=_ieee(w),
+                             NORM=(FOLD_VARIANT if norm is not None else 0), PPAD=ppad,
+                             ADD_RES=residual is not None, IEEE=_ieee(w),
                              num_warps=warps, num_stages=stages, **launch_kwargs(x))
     return (y, ssq_out) if residual is not None else y
 
