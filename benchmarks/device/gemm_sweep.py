@@ -129,43 +129,6 @@ class Sweep:
             if self.cuda:
                 torch.cuda.empty_cache()
 
-    def fold(self) -> None:
-        """The folded RMSNorm / residual add against the plain kernel (experiment)."""
-        from flashdraft.models import skinny
-
-        out = self.res["fold"] = []
-        el = 2 if self.cuda else 4
-        for name, (N, K) in SHAPES.items():
-            if name == "lm_head":
-                continue
-            copies = max(1, min(16, -(-(400 << 20) // (N * K * el))))
-            ws = [torch.randn(N, K, device=self.dev, dtype=self.dtype) * 0.02 for _ in range(copies)]
-            glu = name == "gate_up"
-            for M in (1, 16):
-                x = torch.randn(M, K, device=self.dev, dtype=self.dtype)
-                g = torch.ones(K, device=self.dev, dtype=self.dtype)
-                cands = {"plain": lambda i, x=x: skinny.skinny_linear(x, ws[i % len(ws)], glu=glu)}
-                if name in ("qkv", "gate_up"):
-                    ssq = torch.ones(128, 16, device=self.dev)
-                    for v in (1, 2, 3):
-                        cands[f"norm{v}"] = (lambda i, x=x, v=v: (setattr(skinny, "FOLD_VARIANT", v),
-                                             skinny.skinny_linear(x, ws[i % len(ws)], glu=glu, norm=(ssq, g, 1e-6))))
-                else:
-                    r = torch.randn(M, N, device=self.dev, dtype=self.dtype)
-                    cands["residual"] = lambda i, x=x, r=r: skinny.skinny_linear(x, ws[i % len(ws)], residual=r)
-                row = {"shape": name, "M": M}
-                for kind, fn in cands.items():
-                    try:
-                        fn(0)
-                        row[kind] = self.graph_time(fn, max(copies, 8))
-                    except Exception as e:
-                        row[kind] = short_error(e)
-                out.append(row)
-                log(f"fold {name} M={M}: " + ", ".join(f"{k} {v:.1f} us" if isinstance(v, float) else f"{k} {v}"
-                                                       for k, v in row.items() if k not in ("shape", "M")))
-            ws.clear()
-            torch.cuda.empty_cache()
-
     def roofline_run(self) -> Roofline:
         """The Qwen3-8B-shaped target and 5-layer drafter of gpu_roofline.py, built once."""
         if getattr(self, "rl", None) is None:

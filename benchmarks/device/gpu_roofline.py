@@ -22,8 +22,7 @@ Backends: `triton` (flashdraft.attention.triton_paged, CUDA only, when importabl
 TRITON_INTERPRET=1), `triton+fused` (the same with the fused Triton norm / RoPE + KV store / silu
 kernels of flashdraft.models.fused and the few-row Triton GEMMs of flashdraft.models.skinny: the
 engine's default on CUDA, with programmatic dependent launch on Hopper), `triton+fused+pdloff`
-(the same without it, flashdraft/models/launch.py), `triton+fused+nofold` (the same with a norm
-kernel per RMSNorm instead of the norms folded into the few-row GEMMs), `triton+fused+cublas` (the same with cuBLAS
+(the same without it, flashdraft/models/launch.py), `triton+fused+cublas` (the same with cuBLAS
 for every GEMM; every other row runs the torch elementwise ops and cuBLAS), `torch_static`
 (StaticTorchAttention; the plain-PyTorch + CUDA-graph baseline) and, for decode only, `torch_eager`
 (TorchAttention without graphs: the engine's current GPU path). Each failing measurement is
@@ -58,7 +57,7 @@ from flashdraft.engine.graphs import StepGraph  # noqa: E402
 from flashdraft.engine.model_runner import kv_bytes_per_token  # noqa: E402
 from flashdraft.models.dflash_draft import DFlashDraftModel  # noqa: E402
 from flashdraft.models.launch import pdl_mode  # noqa: E402
-from flashdraft.models.transformer import DecoderLM, fold_mode, fused_mode, gemm_mode  # noqa: E402
+from flashdraft.models.transformer import DecoderLM, fused_mode, gemm_mode  # noqa: E402
 from flashdraft.spec.formats import DraftSpec, default_target_layer_ids  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -148,13 +147,11 @@ def random_module(make, device: torch.device, dtype: torch.dtype, seed: int) -> 
 @contextlib.contextmanager
 def modes(backend: str):
     """The fused elementwise kernels for "+fused" backends, cuBLAS GEMMs unless "+fused" alone (or
-    "+pdloff": the default path without programmatic dependent launch, "+nofold": without the
-    norms folded into the GEMMs)."""
+    "+pdloff": the default path without programmatic dependent launch)."""
     fused = "+fused" in backend
     with fused_mode("on" if fused else "off"), gemm_mode("auto" if fused and not backend.endswith("+cublas")
                                                           else "cublas"), \
-            pdl_mode(backend.rsplit("+pdl", 1)[1] if "+pdl" in backend else "auto"), \
-            fold_mode("off" if backend.endswith("+nofold") else "on"):
+            pdl_mode(backend.rsplit("+pdl", 1)[1] if "+pdl" in backend else "auto"):
         yield
 
 
@@ -301,7 +298,6 @@ class Roofline:
                 self.backends["triton"] = TritonAttention
                 self.backends["triton+fused"] = TritonAttention
                 self.backends["triton+fused+pdloff"] = TritonAttention
-                self.backends["triton+fused+nofold"] = TritonAttention
                 self.backends["triton+fused+cublas"] = TritonAttention
             except Exception as e:
                 self.error("import triton backend", e)

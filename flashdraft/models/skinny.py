@@ -35,7 +35,6 @@ import triton.language as tl
 from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 MAX_ROWS = 32
-FOLD_VARIANT = int(os.environ.get("FLASHDRAFT_FOLD_VARIANT", "1"))  # experiment: 1 x prefetch, 2 W-side
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allow 227 KB)
 
 
@@ -82,10 +81,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
 
 @triton.jit
 def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                ssq_in_ptr, P_IN, g_ptr, eps, res_ptr, stride_rm, ssq_out_ptr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MPAD: tl.constexpr, EVEN: tl.constexpr,
-                GLU: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PPAD: tl.constexpr,
-                ADD_RES: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+                GLU: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
     dt = y_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, MPAD)
@@ -94,12 +91,6 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
     up_row = w_row + N.to(tl.int64) * stride_wn
     pdl_enter(USE_PDL)
     x_col = x_ptr + m[None, :] * stride_xm  # x^T tile [BLOCK_K, MPAD]
-    if NORM > 0:  # the rows' inverse RMS from the producer's per-strip sums of squares, in a fixed order
-        p = tl.arange(0, PPAD)
-        ssq = tl.load(ssq_in_ptr + p[:, None] * MPAD + m[None, :], mask=p[:, None] < P_IN, other=0.0)
-        inv = tl.rsqrt(tl.sum(ssq, 0) / K + eps)[None, :]
-    if NORM == 1:  # x tiles are loaded one iteration ahead: their latency hides behind the W stream
-        x_next = tl.load(x_col + k[:, None], mask=(m[None, :] < M) & (k[:, None] < K), other=0.0)
     acc = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -113,19 +104,7 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
             w = tl.load(w_row + kk[None, :], mask=mask, other=0.0)
             if GLU:
                 wu = tl.load(up_row + kk[None, :], mask=mask, other=0.0)
-        if NORM == 1:  # rounded as RMSNorm rounds: the normalised row, then its product with the weight
-            xt = x_next
-            kn = kk + BLOCK_K
-            x_next = tl.load(x_col + kn[:, None], mask=(m[None, :] < M) & (kn[:, None] < K), other=0.0)
-            g = tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[:, None]
-            xt = (g * (xt.to(tl.float32) * inv).to(xt.dtype).to(tl.float32)).to(xt.dtype)
-        else:
-            xt = tl.load(x_col + kk[:, None], mask=(m[None, :] < M) & (kk[:, None] < K), other=0.0)
-        if NORM == 2:  # the weight's column scale on the W tile, the row scale after the sum
-            g = tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
-            w = (w.to(tl.float32) * g).to(w.dtype)
-            if GLU:
-                wu = (wu.to(tl.float32) * g).to(wu.dtype)
+        xt = tl.load(x_col + kk[:, None], mask=(m[None, :] < M) & (kk[:, None] < K), other=0.0)
         if IEEE:  # float32 weights or the interpreter: full-precision float32 products, not TF32
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
             if GLU:
@@ -134,22 +113,13 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
             acc = tl.dot(w, xt.to(w.dtype), acc)
             if GLU:
                 acc_up = tl.dot(wu, xt.to(w.dtype), acc_up)
-    if NORM >= 2:  # 3: the prologue and the row scale alone (a timing probe, not a norm)
-        acc = acc * inv
-        if GLU:
-            acc_up = acc_up * inv
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
     if GLU:
         acc = _silu_mul(acc, acc_up, dt)
-    ok = (m[None, :] < M) & (n[:, None] < N)
-    if ADD_RES:  # residual + y, rounded once the way the torch add rounds it, and its squares' strip sums
-        r = tl.load(res_ptr + m[None, :] * stride_rm + n[:, None], mask=ok, other=0.0)
-        acc = (acc.to(dt).to(tl.float32) + r.to(tl.float32)).to(dt).to(tl.float32)
-        tl.store(ssq_out_ptr + tl.program_id(0) * MPAD + m, tl.sum(acc * acc, 0))
     out = y_ptr + m[None, :] * stride_ym + n[:, None]
     pdl_trigger(USE_PDL)
-    tl.store(out, acc.to(dt), mask=ok)
+    tl.store(out, acc.to(dt), mask=(m[None, :] < M) & (n[:, None] < N))
 
 
 def _ieee(w: torch.Tensor) -> bool:
@@ -192,23 +162,12 @@ def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tupl
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
-                  tiles: tuple[int, int, int, int] | None = None, kernel: str = "dot",
-                  norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                  residual: torch.Tensor | None = None):
+                  tiles: tuple[int, int, int, int] | None = None, kernel: str = "dot") -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias) -> [M, N] for 1 <= M <= MAX_ROWS; glu: w is [gate; up]
     [2N, K] and the result silu(gate) * up [M, N]. tiles (BLOCK_N, BLOCK_K, warps, stages)
-    overrides the rules; kernel="gemv" takes the one-row kernel (M == 1 only).
-
-    The RMSNorms of a decoder layer fold into its GEMMs (no norm kernel between them):
-    residual [M, N]: returns (h, ssq) with h = residual + y, rounded as the torch add rounds, and
-      ssq [programs, 16 or 32] float32 the sums of squares of h's rows over each program's columns;
-    norm (ssq, weight, eps): x is such an h and the GEMM reads weight * rmsnorm(x) instead of x,
-      the row's inverse RMS summed from ssq in a fixed order, rounded as RMSNorm rounds.
-    Both keep the row invariance: a row's result does not depend on the other rows of the call."""
+    overrides the rules; kernel="gemv" takes the one-row kernel (M == 1 only)."""
     if kernel not in ("dot", "gemv") or (kernel == "gemv" and x.shape[0] != 1):
         raise ValueError(f"kernel must be 'dot' or, for one row, 'gemv'; got {kernel!r} for {x.shape[0]} rows")
-    if kernel == "gemv" and (norm is not None or residual is not None):
-        raise ValueError("the gemv kernel folds no norm and adds no residual")
     N, K = w.shape
     if glu:
         if N % 2 or bias is not None:
@@ -230,31 +189,12 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
                                             EVEN=N % bn == 0 and K % bk == 0, **flags, num_warps=warps,
                                             num_stages=stages, **launch_kwargs(x))
         return y
-    mpad = 16 if M <= 16 else 32
     bn, bk, warps, stages = tiles or _dot_tiles(M, N, K, x.element_size(), glu)
-    programs = triton.cdiv(N, bn)
-    ssq_in, g, eps, ppad = y, y, 0.0, 1
-    if norm is not None:
-        ssq_in, g, eps = norm
-        if ssq_in.dtype != torch.float32 or ssq_in.dim() != 2 or ssq_in.shape[1] != mpad or g.shape != (K,):
-            raise ValueError(f"norm needs ssq [programs, {mpad}] float32 from a residual GEMM over the same "
-                             f"rows and a weight of {K}; got ssq {tuple(ssq_in.shape)} {ssq_in.dtype}, "
-                             f"weight {tuple(g.shape)}")
-        ppad = triton.next_power_of_2(ssq_in.shape[0])
-    res, ssq_out = y, y
-    if residual is not None:
-        if residual.shape != (M, N) or residual.dtype != x.dtype or residual.stride(-1) != 1:
-            raise ValueError(f"residual must be [{M}, {N}] {x.dtype} with a unit last stride, "
-                             f"got {tuple(residual.shape)} {residual.dtype}")
-        res = residual
-        ssq_out = torch.empty(programs, mpad, device=x.device, dtype=torch.float32)
-    _dot_kernel[(programs,)](x, w, b, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-                             ssq_in, ssq_in.shape[0] if norm is not None else 1, g, eps, res, res.stride(0), ssq_out,
-                             BLOCK_N=bn, BLOCK_K=bk, MPAD=mpad, EVEN=N % bn == 0 and K % bk == 0, **flags,
-                             NORM=(FOLD_VARIANT if norm is not None else 0), PPAD=ppad,
-                             ADD_RES=residual is not None, IEEE=_ieee(w),
-                             num_warps=warps, num_stages=stages, **launch_kwargs(x))
-    return (y, ssq_out) if residual is not None else y
+    _dot_kernel[(triton.cdiv(N, bn),)](x, w, b, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=bn,
+                                       BLOCK_K=bk, MPAD=16 if M <= 16 else 32, EVEN=N % bn == 0 and K % bk == 0,
+                                       **flags, IEEE=_ieee(w), num_warps=warps, num_stages=stages,
+                                       **launch_kwargs(x))
+    return y
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 4, block_k: int = 1024, num_warps: int = 4,

@@ -94,16 +94,6 @@ def gemm_mode(mode: str):
     return _switch("GEMM", mode)
 
 
-# With the few-row GEMMs, each RMSNorm and residual add folds into the GEMMs around it (skinny.py's
-# norm= / residual=): "on" (default) or "off" (a norm kernel per norm, as for more rows).
-FOLD = os.environ.get("FLASHDRAFT_FOLD", "on")
-
-
-def fold_mode(mode: str):
-    """Temporarily set FOLD (benchmarks). CUDA graphs keep the kernels they were captured with."""
-    return _switch("FOLD", mode)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except for few rows: on CUDA the Triton kernels of skinny.py (see GEMM), and for
     2-64 rows on CPU (verify and draft blocks, small batches) W @ x^T, which MKL computes up to ~2x
@@ -149,28 +139,16 @@ class Attention(nn.Module):
         o = attn.forward(q, k_cache, v_cache, batch, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
-    def forward_fused(self, x, positions, rope: RotaryTable, k_cache, v_cache, attn: AttentionBackend, batch,
-                      norm=None, residual=None):
-        """One kernel for q/k norm, RoPE and the K/V store (the backend's store_kv is not called).
-        norm / residual: the folded RMSNorm and residual add of skinny_linear (few rows only)."""
+    def forward_fused(self, x, positions, rope: RotaryTable, k_cache, v_cache, attn: AttentionBackend, batch):
+        """One kernel for q/k norm, RoPE and the K/V store (the backend's store_kv is not called)."""
         from flashdraft.models import fused
 
-        if norm is not None:
-            from flashdraft.models.skinny import skinny_linear
-
-            qkv = skinny_linear(x, self.qkv_proj.weight, self.qkv_proj.bias, norm=norm)
-        else:
-            qkv = self.qkv_proj(x)
-        qk = self.q_norm is not None
-        q = fused.qk_norm_rope_store(qkv, positions, rope.cos, rope.sin,
-                                     self.q_norm.weight if qk else None, self.k_norm.weight if qk else None,
-                                     self.q_norm.eps if qk else 0.0, k_cache, v_cache, step_slots(attn, batch))
-        o = attn.forward(q, k_cache, v_cache, batch, self.scale).reshape(-1, self.q_size)
-        if residual is not None:
-            from flashdraft.models.skinny import skinny_linear
-
-            return skinny_linear(o, self.o_proj.weight, residual=residual)
-        return self.o_proj(o)
+        norm = self.q_norm is not None
+        q = fused.qk_norm_rope_store(self.qkv_proj(x), positions, rope.cos, rope.sin,
+                                     self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                                     self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch))
+        o = attn.forward(q, k_cache, v_cache, batch, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -184,17 +162,13 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
-    def forward_fused(self, x, norm=None, residual=None):
-        """norm / residual: the folded RMSNorm and residual add of skinny_linear (few rows only)."""
+    def forward_fused(self, x):
         from flashdraft.models import fused
 
         if skinny_enabled(x):  # silu * up in the gate_up GEMM
             from flashdraft.models.skinny import skinny_linear
 
-            a = skinny_linear(x, self.gate_up_proj.weight, glu=True, norm=norm)
-            if residual is not None:
-                return skinny_linear(a, self.down_proj.weight, residual=residual)
-            return self.down_proj(a)
+            return self.down_proj(skinny_linear(x, self.gate_up_proj.weight, glu=True))
         return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
 
 
@@ -233,10 +207,6 @@ def forward_layers_fused(layers, h, positions, rope: RotaryTable, kv_cache, attn
     last into `final_norm`. Returns final_norm(output) and {i: output of layer i} for tap_layers."""
     from flashdraft.models import fused
 
-    if FOLD not in ("on", "off"):
-        raise ValueError(f"FLASHDRAFT_FOLD must be on or off, got {FOLD!r}")
-    if FOLD == "on" and skinny_enabled(h):
-        return _forward_layers_folded(layers, h, positions, rope, kv_cache, attn, batch, final_norm, tap_layers)
     x, residual, taps = h, None, {}
     for i, layer in enumerate(layers):
         ln = layer.input_layernorm
@@ -247,30 +217,6 @@ def forward_layers_fused(layers, h, positions, rope: RotaryTable, kv_cache, attn
     out, residual = fused.add_rmsnorm(x, residual, final_norm.weight, final_norm.eps)
     if len(layers) - 1 in tap_layers:
         taps[len(layers) - 1] = residual
-    return out, taps
-
-
-def _forward_layers_folded(layers, h, positions, rope, kv_cache, attn, batch, final_norm, tap_layers):
-    """forward_layers_fused for few rows: each residual add runs in the epilogue of the GEMM before it
-    (o, down), each RMSNorm in the prologue of the GEMM after it (qkv, gate_up), so a layer launches
-    no norm kernel: qkv, q/k norm + RoPE + store, attention, o, gate_up, down. The norm's row sums of
-    squares come from the adding GEMM's programs (skinny_linear's residual / norm)."""
-    from flashdraft.models import fused
-
-    ln = layers[0].input_layernorm
-    x, residual = fused.add_rmsnorm(h, None, ln.weight, ln.eps)
-    norm, ssq, taps = None, None, {}
-    for i, layer in enumerate(layers):
-        if i > 0:
-            ln = layer.input_layernorm
-            x, norm = residual, (ssq, ln.weight, ln.eps)
-        residual, ssq = layer.self_attn.forward_fused(x, positions, rope, kv_cache[i][0], kv_cache[i][1], attn,
-                                                      batch, norm=norm, residual=residual)
-        pn = layer.post_attention_layernorm
-        residual, ssq = layer.mlp.forward_fused(residual, norm=(ssq, pn.weight, pn.eps), residual=residual)
-        if i in tap_layers:
-            taps[i] = residual
-    out, _ = fused.add_rmsnorm(residual, None, final_norm.weight, final_norm.eps)
     return out, taps
 
 

@@ -83,54 +83,6 @@ def test_rows_do_not_depend_on_batch(N, K):
         assert torch.equal(skinny.skinny_linear(x[i:i + 1], w), full[i:i + 1])
 
 
-def rmsnorm64(h, weight, eps, dtype):
-    """weight * rmsnorm(h) in float64, rounded to dtype where RMSNorm rounds (the normalised row and
-    its product with the weight)."""
-    n = (h.double() * torch.rsqrt(h.double().pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return (weight.double() * n.double()).to(dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 7, 16, 17, 32])
-@pytest.mark.parametrize("N,K,glu", [(64, 256, False), (50, 96, True), (96, 576, False)])
-def test_folded_residual_and_norm(dtype, M, N, K, glu):
-    """residual=: h = residual + x @ W^T (rounded as the torch add rounds) and the strip sums of h's
-    squares; norm=: the next GEMM over weight * rmsnorm(h), against float64 from the same roundings."""
-    g = torch.Generator().manual_seed(M * 31 + N + K)
-    x = torch.randn(M, K, generator=g).to(DEVICE, dtype)
-    w = (torch.randn(K, K, generator=g) / K**0.5).to(DEVICE, dtype)
-    res = torch.randn(M, K, generator=g).to(DEVICE, dtype)
-    h, ssq = skinny.skinny_linear(x, w, residual=res)
-    want_h = (reference(x, w).to(dtype).double() + res.double()).to(dtype)
-    assert h.dtype == dtype and (h.double() - want_h.double()).abs().max().item() <= TOL[dtype] * 4
-    assert ssq.dtype == torch.float32 and ssq.shape[1] == (16 if M <= 16 else 32)
-    assert torch.allclose(ssq.sum(0)[:M].double(), h.double().pow(2).sum(-1), rtol=1e-5)
-    assert not ssq.sum(0)[M:].any()  # rows past M add nothing
-    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(DEVICE, dtype)
-    w2 = (torch.randn(2 * N if glu else N, K, generator=g) / K**0.5).to(DEVICE, dtype)
-    got = skinny.skinny_linear(h, w2, glu=glu, norm=(ssq, nw, 1e-6))
-    want = reference(rmsnorm64(h, nw, 1e-6, dtype), w2, glu=glu)
-    err = (got.double() - want).abs().max().item()
-    # the interpreter truncates both the normalised row and gate / up to bf16: twice the roundings
-    tol = TOL[dtype] * (2 if INTERPRET and glu else 1)
-    assert err <= tol * max(1.0, want.abs().max().item()), f"max abs diff {err:.3g}"
-
-
-def test_folded_rows_do_not_depend_on_batch():
-    """The folded residual and norm keep the row invariance of the plain kernel (1 row vs 16)."""
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(16, 1024, generator=g).to(DEVICE, torch.bfloat16)
-    res = torch.randn(16, 1024, generator=g).to(DEVICE, torch.bfloat16)
-    w = (torch.randn(1024, 1024, generator=g) / 32).to(DEVICE, torch.bfloat16)
-    nw = torch.rand(1024, generator=g).to(DEVICE, torch.bfloat16)
-    h, ssq = skinny.skinny_linear(x, w, residual=res)
-    y = skinny.skinny_linear(h, w, norm=(ssq, nw, 1e-6))
-    for i in (0, 9):
-        h1, ssq1 = skinny.skinny_linear(x[i:i + 1], w, residual=res[i:i + 1])
-        assert torch.equal(h1, h[i:i + 1]) and torch.equal(ssq1[:, 0], ssq[:, i])
-        assert torch.equal(skinny.skinny_linear(h1, w, norm=(ssq1, nw, 1e-6)), y[i:i + 1])
-
-
 def test_strided_rows_and_explicit_tiles():
     """A row view with a stride past its width (a slice of a wider buffer) and every swept tile
     shape of the benchmark give the same values."""
@@ -167,13 +119,6 @@ def test_bad_input_is_named():
         skinny.skinny_linear(torch.zeros(2, 15, device=DEVICE), w)
     with pytest.raises(ValueError, match="glu needs"):
         skinny.skinny_linear(torch.zeros(2, 16, device=DEVICE), torch.zeros(7, 16, device=DEVICE), glu=True)
-    with pytest.raises(ValueError, match="residual must be"):
-        skinny.skinny_linear(torch.zeros(2, 16, device=DEVICE), w, residual=torch.zeros(3, 8, device=DEVICE))
-    with pytest.raises(ValueError, match="norm needs ssq"):
-        skinny.skinny_linear(torch.zeros(2, 16, device=DEVICE), w,
-                             norm=(torch.zeros(4, 32, device=DEVICE), torch.ones(16, device=DEVICE), 1e-6))
-    with pytest.raises(ValueError, match="gemv kernel folds"):
-        skinny.skinny_linear(torch.zeros(1, 16, device=DEVICE), w, kernel="gemv", residual=torch.zeros(1, 8))
 
 
 def test_switch():
