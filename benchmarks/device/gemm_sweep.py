@@ -133,7 +133,7 @@ class Sweep:
         """The Qwen3-8B-shaped target and 5-layer drafter of gpu_roofline.py, built once."""
         if getattr(self, "rl", None) is None:
             ns = argparse.Namespace(device=self.args.device, tiny=self.args.tiny, budget_s=60, matmul_n=None,
-                                    context=None, batches="1,8,32", drafter_layers=None)
+                                    backends=None, context=None, batches="1,8,32", drafter_layers=None)
             self.rl = Roofline(ns)
             self.rl.bw, self.rl.tflops = self.bw, float("inf")  # only the memory roofline is used
             self.rl.clock = self.clock
@@ -237,7 +237,7 @@ class Sweep:
 
     def run(self) -> None:
         rl = self.timer = Roofline(argparse.Namespace(device=self.args.device, tiny=self.args.tiny, budget_s=60,
-                                                      matmul_n=None))
+                                                      matmul_n=None, backends=None))
         rl.clock = self.clock
         n = (1 << 30) if not self.args.tiny else (32 << 20)
         t = rl._time_copy(n)

@@ -120,28 +120,12 @@ def _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP: tl.constexpr, BLOCK_M: tl.con
 # variant per divisibility class, "== 1" and "% 16 == 0", the first time a step's token count hits one:
 # a compile stall in the middle of serving)
 @triton.jit
-def _attend(q, k, v, key, key_ok, pos, m_i, l_i, acc, scale_log2, CAUSAL: tl.constexpr, F32_DOT: tl.constexpr):
-    """One BLOCK_N tile of keys into the online softmax of the query rows."""
-    s = _dot(q, tl.trans(k), F32_DOT) * scale_log2
-    visible = key_ok[None, :]
-    if CAUSAL:
-        visible = visible & (key[None, :] <= pos[:, None])
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _new_kv(qkv_ptr, tok, ok, kv_head, num_heads, stride_qt, pos_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin,
             kw_ptr, eps, d, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
             cache_dt: tl.constexpr):
     """K (k_norm, RoPE) and V rows [len(tok), BLOCK_D] of this step's tokens `tok` for kv_head, read
-    from the packed qkv projection and rounded to the cache dtype: the values the K/V store writes,
-    rounded op by op as fused.qk_norm_rope_store rounds them."""
+    from the packed qkv projection and rounded to the cache dtype, op by op as
+    fused.qk_norm_rope_store rounds them."""
     HALF: tl.constexpr = HEAD_DIM // 2
     d_ok = d < HEAD_DIM
     rot = tl.where(d < HALF, d + HALF, d - HALF)
@@ -175,9 +159,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
     """Grid (query tile, sequence * n_kv, partition). One split: normalised output straight to
     `out`. Several: unnormalised partials to the workspace, merged by `_reduce_kernel`.
     QKV (one query tile per sequence): q_ptr is the packed qkv projection; the program applies
-    q_norm + RoPE to its query rows itself, takes this step's keys (the last q_len) from the packed
-    rows (k_norm + RoPE) instead of the cache, and partition 0 stores them with their values at
-    the tokens' slots: the work of fused.qk_norm_rope_store without a kernel of its own."""
+    q_norm + RoPE to its query rows itself, and stores the K (k_norm + RoPE) and V of this step's
+    tokens whose keys fall in its partition before walking it: the work of
+    fused.qk_norm_rope_store without a kernel of its own. Every new key has one owning partition,
+    and only the owner reads it this launch, after a barrier."""
     pdl_enter(USE_PDL)
     tile = tl.program_id(0)
     seq = tl.program_id(1) // N_KV
@@ -192,7 +177,13 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
     q_mask = valid[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=q_mask, other=0.0)
-    cache_dt = k_ptr.dtype.element_ty
+    pos = seq_len - q_len + row  # absolute position of each query row
+    if CAUSAL:
+        kv_end = tl.minimum(seq_len, tl.max(tl.where(valid, pos, -1)) + 1)
+    else:
+        kv_end = seq_len
+    lo = split * part
+    hi = tl.where(split == num_splits - 1, kv_end, tl.minimum(kv_end, lo + part))  # the last takes the rest
     if QKV:
         HALF: tl.constexpr = HEAD_DIM // 2
         rot = tl.where(d < HALF, d + HALF, d - HALF)
@@ -204,51 +195,46 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
         c = tl.load(cos_ptr + p * stride_cos + d[None, :], mask=q_mask, other=0.0)
         sn = tl.load(sin_ptr + p * stride_sin + d[None, :], mask=q_mask, other=0.0)
         q = _norm_rope(q, qr, w, wr, c, sn, (d < HALF)[None, :], eps, HEAD_DIM, HAS_NORM)
-        if split == 0:  # this step's K/V into the cache (no program of this launch reads them there)
-            j = tl.arange(0, BLOCK_M)
-            j_ok = j < q_len
-            k_new, v_new = _new_kv(q_ptr, q_start + j, j_ok, kv_head, num_heads, stride_qt, pos_ptr, cos_ptr,
-                                   sin_ptr, stride_cos, stride_sin, kw_ptr, eps, d, N_KV, HEAD_DIM, HAS_NORM,
-                                   cache_dt)
-            slot = tl.load(slot_ptr + q_start + j, mask=j_ok, other=-1).to(tl.int64)
-            keep = ((slot >= 0) & j_ok)[:, None] & d_ok[None, :]
-            page_new = slot // PAGE
-            off = slot % PAGE
-            tl.store(k_ptr + (page_new * stride_kb + off * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
-                     k_new, mask=keep)
-            tl.store(v_ptr + (page_new * stride_vb + off * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
-                     v_new, mask=keep)
-    pos = seq_len - q_len + row  # absolute position of each query row
-    if CAUSAL:
-        kv_end = tl.minimum(seq_len, tl.max(tl.where(valid, pos, -1)) + 1)
-    else:
-        kv_end = seq_len
-    lo = split * part
-    hi = tl.where(split == num_splits - 1, kv_end, tl.minimum(kv_end, lo + part))  # the last takes the rest
-    new_lo = seq_len - q_len  # QKV: keys from here on are this step's, taken from the packed rows
-    hi_cached = tl.minimum(hi, new_lo) if QKV else hi
+        j = tl.arange(0, BLOCK_M)  # this step's tokens; token j is key seq_len - q_len + j
+        key_j = seq_len - q_len + j
+        mine = (j < q_len) & (key_j >= lo) & (key_j < hi)
+        k_new, v_new = _new_kv(q_ptr, q_start + j, mine, kv_head, num_heads, stride_qt, pos_ptr, cos_ptr, sin_ptr,
+                               stride_cos, stride_sin, kw_ptr, eps, d, N_KV, HEAD_DIM, HAS_NORM,
+                               k_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + q_start + j, mask=mine, other=-1).to(tl.int64)
+        keep = ((slot >= 0) & mine)[:, None] & d_ok[None, :]
+        page_new = slot // PAGE
+        off = slot % PAGE
+        tl.store(k_ptr + (page_new * stride_kb + off * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
+                 k_new, mask=keep)
+        tl.store(v_ptr + (page_new * stride_vb + off * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
+                 v_new, mask=keep)
+        tl.debug_barrier()  # the stores are visible to every thread of the program before the loop reads them
 
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi_cached, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         key = start + n
-        key_ok = key < hi_cached
+        key_ok = key < hi
         page = tl.load(bt_ptr + seq * stride_bt + key // PAGE, mask=key_ok, other=0).to(tl.int64)
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + (page * stride_kb + (key % PAGE) * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), F32_DOT) * scale_log2
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (key[None, :] <= pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + (page * stride_vb + (key % PAGE) * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _attend(q, k, v, key, key_ok, pos, m_i, l_i, acc, scale_log2, CAUSAL, F32_DOT)
-    if QKV:
-        for start in range(tl.maximum(lo, new_lo), hi, BLOCK_N):
-            key = start + n
-            key_ok = key < hi
-            k, v = _new_kv(q_ptr, q_start + key - new_lo, key_ok, kv_head, num_heads, stride_qt, pos_ptr, cos_ptr,
-                           sin_ptr, stride_cos, stride_sin, kw_ptr, eps, d, N_KV, HEAD_DIM, HAS_NORM, cache_dt)
-            m_i, l_i, acc = _attend(q, k, v, key, key_ok, pos, m_i, l_i, acc, scale_log2, CAUSAL, F32_DOT)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
+        m_i = m_new
 
     pdl_trigger(USE_PDL)
     mask = valid[:, None] & d_ok[None, :]
@@ -372,8 +358,9 @@ def paged_attention_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.T
     (H + 2 KV) D]: q_norm (when given) and RoPE on the queries, k_norm and RoPE on this step's keys,
     K and V stored at slot_mapping (< 0: skipped), attention out [T, H, D]. When every sequence's
     rows fit one query tile (decode, verify and draft blocks) this is one launch (plus the split-K
-    merge): the attention programs prepare their own queries and read this step's keys from the
-    packed rows; longer rows (prefill chunks) take the two kernels. Bitwise the same either way."""
+    merge): the attention programs prepare their own queries and store this step's K/V before
+    reading them; longer rows (prefill chunks) take the two kernels. The same caches and output either
+    way up to float32 summation order (the norms' sums run over differently shaped tiles)."""
     from flashdraft.models import fused
 
     n_kv, hd = k_cache.shape[2], k_cache.shape[3]

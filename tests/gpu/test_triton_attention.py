@@ -121,8 +121,8 @@ def test_matches_torch(scenario, config):
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_attention_from_packed_qkv(scenario, config, qk_norm):
     """paged_attention_qkv (q/k norm, RoPE and the K/V store inside the attention launch when the
-    rows fit one query tile) against fused.qk_norm_rope_store + paged_attention: the same caches
-    bit for bit, the same output up to the order of the key tiles; forced split-K too."""
+    rows fit one query tile) against fused.qk_norm_rope_store + paged_attention: the same caches and
+    output up to float32 summation order; forced split-K too (new keys owned by several partitions)."""
     from flashdraft.models import fused
 
     q_lens, ctx, causal, pad_rows = SCENARIOS[scenario]
@@ -148,7 +148,8 @@ def test_attention_from_packed_qkv(scenario, config, qk_norm):
         got_k, got_v = c["k_cache"].clone(), c["v_cache"].clone()
         got = triton_paged.paged_attention_qkv(qkv, positions, cos, sin, qw, kw, 1e-6, got_k, got_v,
                                                meta.slot_mapping, meta, c["scale"], num_splits=splits)[: c["rows"]]
-        assert torch.equal(got_k, kc) and torch.equal(got_v, vc)
+        assert torch.equal(got_v, vc)  # V is copied, K normalised: equal up to the norm's summation order
+        assert (got_k.float() - kc.float()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2)
         err = (got.float() - want.float()).abs().max().item() if want.numel() else 0.0
         assert err < TOL[dtype], err
 
