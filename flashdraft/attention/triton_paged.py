@@ -191,9 +191,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
                      mask=q_mask, other=0.0)
         w = tl.load(qw_ptr + d, mask=d_ok, other=0.0)[None, :] if HAS_NORM else q
         wr = tl.load(qw_ptr + rot, mask=d_ok, other=0.0)[None, :] if HAS_NORM else qr
-        p = tl.load(pos_ptr + q_start + row, mask=valid, other=0).to(tl.int64)[:, None]
-        c = tl.load(cos_ptr + p * stride_cos + d[None, :], mask=q_mask, other=0.0)
-        sn = tl.load(sin_ptr + p * stride_sin + d[None, :], mask=q_mask, other=0.0)
+        q_pos = tl.load(pos_ptr + q_start + row, mask=valid, other=0).to(tl.int64)[:, None]
+        c = tl.load(cos_ptr + q_pos * stride_cos + d[None, :], mask=q_mask, other=0.0)
+        sn = tl.load(sin_ptr + q_pos * stride_sin + d[None, :], mask=q_mask, other=0.0)
         q = _norm_rope(q, qr, w, wr, c, sn, (d < HALF)[None, :], eps, HEAD_DIM, HAS_NORM)
         j = tl.arange(0, BLOCK_M)  # this step's tokens; token j is key seq_len - q_len + j
         key_j = seq_len - q_len + j
