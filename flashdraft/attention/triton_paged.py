@@ -162,7 +162,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
     q_norm + RoPE to its query rows itself, and stores the K (k_norm + RoPE) and V of this step's
     tokens whose keys fall in its partition before walking it: the work of
     fused.qk_norm_rope_store without a kernel of its own. Every new key has one owning partition,
-    and only the owner reads it this launch, after a barrier."""
+    and only the owner reads it this launch, after a barrier. Split, the last partition owns just
+    this step's keys (a short walk after the stores) and the others share the cached keys."""
     pdl_enter(USE_PDL)
     tile = tl.program_id(0)
     seq = tl.program_id(1) // N_KV
@@ -182,8 +183,14 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
         kv_end = tl.minimum(seq_len, tl.max(tl.where(valid, pos, -1)) + 1)
     else:
         kv_end = seq_len
-    lo = split * part
-    hi = tl.where(split == num_splits - 1, kv_end, tl.minimum(kv_end, lo + part))  # the last takes the rest
+    if QKV and SPLIT:  # the last partition takes exactly this step's keys, the others the cached ones
+        new_lo = seq_len - q_len
+        last = split == num_splits - 1
+        lo = tl.where(last, new_lo, split * part)
+        hi = tl.where(last, kv_end, tl.minimum(new_lo, split * part + part))
+    else:
+        lo = split * part
+        hi = tl.where(split == num_splits - 1, kv_end, tl.minimum(kv_end, lo + part))  # the last takes the rest
     if QKV:
         HALF: tl.constexpr = HEAD_DIM // 2
         rot = tl.where(d < HALF, d + HALF, d - HALF)
@@ -398,7 +405,9 @@ def _attention(q, H, stride_qt, stride_qh, k_cache, v_cache, meta, scale, out, n
     tiles = triton.cdiv(meta.max_query_len, block_m // group)
     if num_splits is None:
         num_splits = _num_splits(tiles * S * n_kv, meta.max_seq_len, q.device)
-    part = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), num_splits), block_n) * block_n
+    # keys per partition; with the packed qkv the last partition holds only this step's keys
+    share = num_splits - 1 if qkv is not None and num_splits > 1 else num_splits
+    part = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), share), block_n) * block_n
     if zero_padding and num_splits == 1:
         out.zero_()
     ws = _workspace(q.device, num_splits, T, H, hd) if num_splits > 1 else (out, out, out)
