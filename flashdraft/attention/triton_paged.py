@@ -120,7 +120,7 @@ def _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP: tl.constexpr, BLOCK_M: tl.con
 # variant per divisibility class, "== 1" and "% 16 == 0", the first time a step's token count hits one:
 # a compile stall in the middle of serving)
 @triton.jit
-def _new_kv(qkv_ptr, tok, ok, kv_head, num_heads, stride_qt, pos_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin,
+def _new_kv(qkv_ptr, tok, key, ok, kv_head, num_heads, stride_qt, cos_ptr, sin_ptr, stride_cos, stride_sin,
             kw_ptr, eps, d, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
             cache_dt: tl.constexpr):
     """K (k_norm, RoPE) and V rows [len(tok), BLOCK_D] of this step's tokens `tok` for kv_head, read
@@ -135,7 +135,7 @@ def _new_kv(qkv_ptr, tok, ok, kv_head, num_heads, stride_qt, pos_ptr, cos_ptr, s
     xr = tl.load(row + rot[None, :], mask=mask, other=0.0)
     w = tl.load(kw_ptr + d, mask=d_ok, other=0.0)[None, :] if HAS_NORM else x
     wr = tl.load(kw_ptr + rot, mask=d_ok, other=0.0)[None, :] if HAS_NORM else xr
-    p = tl.load(pos_ptr + tok, mask=ok, other=0).to(tl.int64)[:, None]
+    p = key.to(tl.int64)[:, None]  # a token's rotary position is its key index
     c = tl.load(cos_ptr + p * stride_cos + d[None, :], mask=mask, other=0.0)
     sn = tl.load(sin_ptr + p * stride_sin + d[None, :], mask=mask, other=0.0)
     k = _norm_rope(x, xr, w, wr, c, sn, (d < HALF)[None, :], eps, HEAD_DIM, HAS_NORM).to(cache_dt)
@@ -151,7 +151,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
                  qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2, num_tokens, num_heads, num_splits, part,
                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  stride_ot, stride_oh, stride_bt,
-                 pos_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin, qw_ptr, kw_ptr, eps, slot_ptr,
+                 cos_ptr, sin_ptr, stride_cos, stride_sin, qw_ptr, kw_ptr, eps, slot_ptr,
                  N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
                  SPLIT: tl.constexpr, F32_DOT: tl.constexpr, QKV: tl.constexpr, HAS_NORM: tl.constexpr,
@@ -198,14 +198,14 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
                      mask=q_mask, other=0.0)
         w = tl.load(qw_ptr + d, mask=d_ok, other=0.0)[None, :] if HAS_NORM else q
         wr = tl.load(qw_ptr + rot, mask=d_ok, other=0.0)[None, :] if HAS_NORM else qr
-        q_pos = tl.load(pos_ptr + q_start + row, mask=valid, other=0).to(tl.int64)[:, None]
+        q_pos = pos.to(tl.int64)[:, None]  # rotary position = key index, no dependent load
         c = tl.load(cos_ptr + q_pos * stride_cos + d[None, :], mask=q_mask, other=0.0)
         sn = tl.load(sin_ptr + q_pos * stride_sin + d[None, :], mask=q_mask, other=0.0)
         q = _norm_rope(q, qr, w, wr, c, sn, (d < HALF)[None, :], eps, HEAD_DIM, HAS_NORM)
         j = tl.arange(0, BLOCK_M)  # this step's tokens; token j is key seq_len - q_len + j
         key_j = seq_len - q_len + j
         mine = (j < q_len) & (key_j >= lo) & (key_j < hi)
-        k_new, v_new = _new_kv(q_ptr, q_start + j, mine, kv_head, num_heads, stride_qt, pos_ptr, cos_ptr, sin_ptr,
+        k_new, v_new = _new_kv(q_ptr, q_start + j, key_j, mine, kv_head, num_heads, stride_qt, cos_ptr, sin_ptr,
                                stride_cos, stride_sin, kw_ptr, eps, d, N_KV, HEAD_DIM, HAS_NORM,
                                k_ptr.dtype.element_ty)
         slot = tl.load(slot_ptr + q_start + j, mask=mine, other=-1).to(tl.int64)
@@ -367,7 +367,9 @@ def paged_attention_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.T
     rows fit one query tile (decode, verify and draft blocks) this is one launch (plus the split-K
     merge): the attention programs prepare their own queries and store this step's K/V before
     reading them; longer rows (prefill chunks) take the two kernels. The same caches and output either
-    way up to float32 summation order (the norms' sums run over differently shaped tiles)."""
+    way up to float32 summation order (the norms' sums run over differently shaped tiles). The one
+    launch rotates each token by its key index (its position in its sequence, as in every step of
+    this engine) without reading `positions`, which the two-kernel path uses."""
     from flashdraft.models import fused
 
     n_kv, hd = k_cache.shape[2], k_cache.shape[3]
@@ -386,7 +388,7 @@ def paged_attention_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.T
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     norm = q_norm_w is not None
-    extra = (positions, cos, sin, cos.stride(0), sin.stride(0), q_norm_w if norm else qkv, k_norm_w if norm else qkv,
+    extra = (cos, sin, cos.stride(0), sin.stride(0), q_norm_w if norm else qkv, k_norm_w if norm else qkv,
              eps, slot_mapping, norm)
     return _attention(qkv, n_heads, qkv.stride(0), hd, k_cache, v_cache, meta, scale, out, num_splits, zero_padding,
                       extra)
@@ -412,7 +414,7 @@ def _attention(q, H, stride_qt, stride_qh, k_cache, v_cache, meta, scale, out, n
         out.zero_()
     ws = _workspace(q.device, num_splits, T, H, hd) if num_splits > 1 else (out, out, out)
     consts = dict(N_KV=n_kv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_M=block_m)
-    rope = qkv[:-1] if qkv is not None else (meta.seq_lens, q, q, 0, 0, q, q, 0.0, meta.seq_lens)
+    rope = qkv[:-1] if qkv is not None else (q, q, 0, 0, q, q, 0.0, meta.seq_lens)
     _attn_kernel[(tiles, S * n_kv, num_splits)](
         q, k_cache, v_cache, out, *ws, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         scale * 1.4426950408889634, T, H, num_splits, part, stride_qt, stride_qh, *k_cache.stride()[:3],
