@@ -54,7 +54,6 @@ import triton
 import triton.language as tl
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch, DeviceMeta
-from flashdraft.models.fused import _norm_rope
 from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 MAX_SPLITS = 64
@@ -119,51 +118,16 @@ def _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP: tl.constexpr, BLOCK_M: tl.con
 # integers that change from step to step are not specialised on (Triton would otherwise compile a
 # variant per divisibility class, "== 1" and "% 16 == 0", the first time a step's token count hits one:
 # a compile stall in the middle of serving)
-@triton.jit
-def _new_kv(qkv_ptr, tok, key, ok, kv_head, num_heads, stride_qt, cos_ptr, sin_ptr, stride_cos, stride_sin,
-            kw_ptr, eps, d, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
-            cache_dt: tl.constexpr):
-    """K (k_norm, RoPE) and V rows [len(tok), BLOCK_D] of this step's tokens `tok` for kv_head, read
-    from the packed qkv projection and rounded to the cache dtype, op by op as
-    fused.qk_norm_rope_store rounds them."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    d_ok = d < HEAD_DIM
-    rot = tl.where(d < HALF, d + HALF, d - HALF)
-    mask = ok[:, None] & d_ok[None, :]
-    row = qkv_ptr + tok.to(tl.int64)[:, None] * stride_qt + (num_heads + kv_head) * HEAD_DIM
-    x = tl.load(row + d[None, :], mask=mask, other=0.0)
-    xr = tl.load(row + rot[None, :], mask=mask, other=0.0)
-    w = tl.load(kw_ptr + d, mask=d_ok, other=0.0)[None, :] if HAS_NORM else x
-    wr = tl.load(kw_ptr + rot, mask=d_ok, other=0.0)[None, :] if HAS_NORM else xr
-    p = key.to(tl.int64)[:, None]  # a token's rotary position is its key index
-    c = tl.load(cos_ptr + p * stride_cos + d[None, :], mask=mask, other=0.0)
-    sn = tl.load(sin_ptr + p * stride_sin + d[None, :], mask=mask, other=0.0)
-    k = _norm_rope(x, xr, w, wr, c, sn, (d < HALF)[None, :], eps, HEAD_DIM, HAS_NORM).to(cache_dt)
-    v = tl.load(row + N_KV * HEAD_DIM + d[None, :], mask=mask, other=0.0).to(cache_dt)
-    return k, v
-
-
-# integers that change from step to step are not specialised on (Triton would otherwise compile a
-# variant per divisibility class, "== 1" and "% 16 == 0", the first time a step's token count hits one:
-# a compile stall in the middle of serving)
 @triton.jit(do_not_specialize=["num_tokens", "num_splits", "part", "stride_bt"])
 def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
                  qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2, num_tokens, num_heads, num_splits, part,
                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  stride_ot, stride_oh, stride_bt,
-                 cos_ptr, sin_ptr, stride_cos, stride_sin, qw_ptr, kw_ptr, eps, slot_ptr,
                  N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
-                 SPLIT: tl.constexpr, F32_DOT: tl.constexpr, QKV: tl.constexpr, HAS_NORM: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 SPLIT: tl.constexpr, F32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (query tile, sequence * n_kv, partition). One split: normalised output straight to
-    `out`. Several: unnormalised partials to the workspace, merged by `_reduce_kernel`.
-    QKV (one query tile per sequence): q_ptr is the packed qkv projection; the program applies
-    q_norm + RoPE to its query rows itself, and stores the K (k_norm + RoPE) and V of this step's
-    tokens whose keys fall in its partition before walking it: the work of
-    fused.qk_norm_rope_store without a kernel of its own. Every new key has one owning partition,
-    and only the owner reads it this launch, after a barrier. Split, the last partition owns just
-    this step's keys (a short walk after the stores) and the others share the cached keys."""
+    `out`. Several: unnormalised partials to the workspace, merged by `_reduce_kernel`."""
     pdl_enter(USE_PDL)
     tile = tl.program_id(0)
     seq = tl.program_id(1) // N_KV
@@ -175,48 +139,15 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
     seq_len = tl.load(seq_lens_ptr + seq)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q_mask = valid[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=q_mask, other=0.0)
+                mask=valid[:, None] & d_ok[None, :], other=0.0)
     pos = seq_len - q_len + row  # absolute position of each query row
     if CAUSAL:
         kv_end = tl.minimum(seq_len, tl.max(tl.where(valid, pos, -1)) + 1)
     else:
         kv_end = seq_len
-    if QKV and SPLIT:  # the last partition takes exactly this step's keys, the others the cached ones
-        new_lo = seq_len - q_len
-        last = split == num_splits - 1
-        lo = tl.where(last, new_lo, split * part)
-        hi = tl.where(last, kv_end, tl.minimum(new_lo, split * part + part))
-    else:
-        lo = split * part
-        hi = tl.where(split == num_splits - 1, kv_end, tl.minimum(kv_end, lo + part))  # the last takes the rest
-    if QKV:
-        HALF: tl.constexpr = HEAD_DIM // 2
-        rot = tl.where(d < HALF, d + HALF, d - HALF)
-        qr = tl.load(q_ptr + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh + rot[None, :],
-                     mask=q_mask, other=0.0)
-        w = tl.load(qw_ptr + d, mask=d_ok, other=0.0)[None, :] if HAS_NORM else q
-        wr = tl.load(qw_ptr + rot, mask=d_ok, other=0.0)[None, :] if HAS_NORM else qr
-        q_pos = pos.to(tl.int64)[:, None]  # rotary position = key index, no dependent load
-        c = tl.load(cos_ptr + q_pos * stride_cos + d[None, :], mask=q_mask, other=0.0)
-        sn = tl.load(sin_ptr + q_pos * stride_sin + d[None, :], mask=q_mask, other=0.0)
-        q = _norm_rope(q, qr, w, wr, c, sn, (d < HALF)[None, :], eps, HEAD_DIM, HAS_NORM)
-        j = tl.arange(0, BLOCK_M)  # this step's tokens; token j is key seq_len - q_len + j
-        key_j = seq_len - q_len + j
-        mine = (j < q_len) & (key_j >= lo) & (key_j < hi)
-        k_new, v_new = _new_kv(q_ptr, q_start + j, key_j, mine, kv_head, num_heads, stride_qt, cos_ptr, sin_ptr,
-                               stride_cos, stride_sin, kw_ptr, eps, d, N_KV, HEAD_DIM, HAS_NORM,
-                               k_ptr.dtype.element_ty)
-        slot = tl.load(slot_ptr + q_start + j, mask=mine, other=-1).to(tl.int64)
-        keep = ((slot >= 0) & mine)[:, None] & d_ok[None, :]
-        page_new = slot // PAGE
-        off = slot % PAGE
-        tl.store(k_ptr + (page_new * stride_kb + off * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
-                 k_new, mask=keep)
-        tl.store(v_ptr + (page_new * stride_vb + off * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
-                 v_new, mask=keep)
-        tl.debug_barrier()  # the stores are visible to every thread of the program before the loop reads them
+    lo = split * part
+    hi = tl.where(split == num_splits - 1, kv_end, tl.minimum(kv_end, lo + part))  # the last takes the rest
 
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -350,56 +281,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, n_heads, D] -> [T, n_heads, D] over the paged caches described by `meta`.
     num_splits overrides the split-K heuristic (tests, tuning). zero_padding: rows past the last
     sequence's are zeros (written by the split-K merge when there is one, else a fill first)."""
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    return _attention(q, q.shape[1], q.stride(0), q.stride(1), k_cache, v_cache, meta, scale, out, num_splits,
-                      zero_padding, None)
-
-
-def paged_attention_qkv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None, eps: float,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, meta: DeviceMeta,
-                        scale: float, out: torch.Tensor | None = None, num_splits: int | None = None,
-                        zero_padding: bool = False) -> torch.Tensor:
-    """fused.qk_norm_rope_store followed by paged_attention, from the packed qkv projection [T,
-    (H + 2 KV) D]: q_norm (when given) and RoPE on the queries, k_norm and RoPE on this step's keys,
-    K and V stored at slot_mapping (< 0: skipped), attention out [T, H, D]. When every sequence's
-    rows fit one query tile (decode, verify and draft blocks) this is one launch (plus the split-K
-    merge): the attention programs prepare their own queries and store this step's K/V before
-    reading them; longer rows (prefill chunks) take the two kernels. The same caches and output either
-    way up to float32 summation order (the norms' sums run over differently shaped tiles). The one
-    launch rotates each token by its key index (its position in its sequence, as in every step of
-    this engine) without reading `positions`, which the two-kernel path uses."""
-    from flashdraft.models import fused
-
-    n_kv, hd = k_cache.shape[2], k_cache.shape[3]
-    n_heads = qkv.shape[1] // hd - 2 * n_kv
-    if n_heads < 1 or qkv.shape[1] != (n_heads + 2 * n_kv) * hd:
-        raise ValueError(f"qkv width {qkv.shape[1]} is not (H + 2 * {n_kv}) * {hd}")
-    if (q_norm_w is None) != (k_norm_w is None):
-        raise ValueError("give both q and k norm weights or neither")
-    fused._check_rope(cos, sin, hd)
-    group = n_heads // n_kv
-    block_m = _tiles(hd, group, meta.max_query_len)[1]
-    if meta.max_query_len > block_m // group:  # several query tiles per sequence
-        q = fused.qk_norm_rope_store(qkv, positions, cos, sin, q_norm_w, k_norm_w, eps, k_cache, v_cache,
-                                     slot_mapping)
-        return paged_attention(q, k_cache, v_cache, meta, scale, out, num_splits, zero_padding)
-    if qkv.stride(-1) != 1:
-        qkv = qkv.contiguous()
-    norm = q_norm_w is not None
-    extra = (cos, sin, cos.stride(0), sin.stride(0), q_norm_w if norm else qkv, k_norm_w if norm else qkv,
-             eps, slot_mapping, norm)
-    return _attention(qkv, n_heads, qkv.stride(0), hd, k_cache, v_cache, meta, scale, out, num_splits, zero_padding,
-                      extra)
-
-
-def _attention(q, H, stride_qt, stride_qh, k_cache, v_cache, meta, scale, out, num_splits, zero_padding, qkv):
-    T, hd = q.shape[0], k_cache.shape[3]
+    T, H, hd = q.shape
     n_kv = k_cache.shape[2]
     group = H // n_kv
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     if out is None:
-        out = torch.empty(T, H, hd, device=q.device, dtype=q.dtype)
+        out = torch.empty_like(q)
     S = meta.seq_lens.shape[0]
     if T == 0 or S == 0 or meta.max_query_len == 0:
         return out.zero_() if zero_padding else out
@@ -407,21 +295,18 @@ def _attention(q, H, stride_qt, stride_qh, k_cache, v_cache, meta, scale, out, n
     tiles = triton.cdiv(meta.max_query_len, block_m // group)
     if num_splits is None:
         num_splits = _num_splits(tiles * S * n_kv, meta.max_seq_len, q.device)
-    # keys per partition; with the packed qkv the last partition holds only this step's keys
-    share = num_splits - 1 if qkv is not None and num_splits > 1 else num_splits
-    part = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), share), block_n) * block_n
+    part = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), num_splits), block_n) * block_n
     if zero_padding and num_splits == 1:
         out.zero_()
     ws = _workspace(q.device, num_splits, T, H, hd) if num_splits > 1 else (out, out, out)
     consts = dict(N_KV=n_kv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_M=block_m)
-    rope = qkv[:-1] if qkv is not None else (q, q, 0, 0, q, q, 0.0, meta.seq_lens)
     _attn_kernel[(tiles, S * n_kv, num_splits)](
         q, k_cache, v_cache, out, *ws, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        scale * 1.4426950408889634, T, H, num_splits, part, stride_qt, stride_qh, *k_cache.stride()[:3],
-        *v_cache.stride()[:3], out.stride(0), out.stride(1), meta.block_tables.stride(0), *rope, **consts,
-        BLOCK_N=block_n, PAGE=k_cache.shape[1], CAUSAL=meta.causal, SPLIT=num_splits > 1,
-        F32_DOT=INTERPRET or q.dtype == torch.float32, QKV=qkv is not None, HAS_NORM=bool(qkv and qkv[-1]),
-        num_warps=warps, **launch_kwargs(q))
+        scale * 1.4426950408889634, T, H, num_splits, part, q.stride(0), q.stride(1), *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        out.stride(0), out.stride(1), meta.block_tables.stride(0), **consts, BLOCK_N=block_n,
+        PAGE=k_cache.shape[1], CAUSAL=meta.causal, SPLIT=num_splits > 1,
+        F32_DOT=INTERPRET or q.dtype == torch.float32, num_warps=warps, **launch_kwargs(q))
     if num_splits > 1:
         _reduce_kernel[(T, n_kv)](out, *ws, meta.query_start_loc, S, T, H, num_splits, out.stride(0), out.stride(1),
                                   GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=hd, BLOCK_D=block_d,
@@ -431,12 +316,11 @@ def _attention(q, H, stride_qt, stride_qh, k_cache, v_cache, meta, scale, out, n
 
 
 def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: torch.dtype, device: torch.device,
-                     causal: bool = True, qk_norm: bool | None = None) -> int:
+                     causal: bool = True) -> int:
     """Compile, before serving, every attention variant an eager step (prefill, mixed prefill +
     decode) can pick: each query-tile height (from the step's longest query, 16 to the cap rows)
-    with and without split-K, and, when qk_norm is given (the model path's paged_attention_qkv,
-    with or without q/k norms), its one-tile variants. Otherwise the first step that needs one
-    compiles it mid-run, a stall of a second or so. Returns how many variants were launched."""
+    with and without split-K. Otherwise the first step that needs one compiles it mid-run, a stall
+    of a second or so. Returns how many variants were launched."""
     group = n_heads // n_kv
     heights = {}
     for q_len in (1 << i for i in range(12)):
@@ -444,7 +328,6 @@ def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: t
     pages = triton.cdiv(max(heights.values()), page) + 1
     k = torch.zeros(pages, page, n_kv, head_dim, device=device, dtype=dtype)
     v = torch.zeros_like(k)
-    launched = 0
     for q_len in heights.values():
         batch = AttentionBatch(slot_mapping=torch.full((q_len,), -1, dtype=torch.long), query_start_loc=[0, q_len],
                                seq_lens=[pages * page], block_tables=[list(range(pages))], block_size=page,
@@ -453,16 +336,7 @@ def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: t
         q = torch.zeros(q_len, n_heads, head_dim, device=device, dtype=dtype)
         for splits in (1, 2):
             paged_attention(q, k, v, meta, 1.0, num_splits=splits)
-        if qk_norm is not None and q_len <= _tiles(head_dim, group, q_len)[1] // group:
-            qkv = torch.zeros(q_len, (n_heads + 2 * n_kv) * head_dim, device=device, dtype=dtype)
-            table = torch.zeros(pages * page, head_dim, device=device, dtype=dtype)
-            w = torch.ones(head_dim, device=device, dtype=dtype) if qk_norm else None
-            for splits in (1, 2):
-                paged_attention_qkv(qkv, torch.arange(q_len, device=device), table, table, w, w, 1e-6, k, v,
-                                    batch.slot_mapping.to(device), meta, 1.0, num_splits=splits)
-                launched += 1
-        launched += 2
-    return launched
+    return 2 * len(heights)
 
 
 class TritonAttention(AttentionBackend):
@@ -495,11 +369,3 @@ class TritonAttention(AttentionBackend):
         if self.meta is None:
             self.prepare(batch, q.device)
         return paged_attention(q, k_cache, v_cache, self.meta, scale, zero_padding=self.zero_padding_rows)
-
-    def forward_qkv(self, qkv, positions, cos, sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slots, batch, scale):
-        """q/k norm, RoPE, the K/V store at `slots` and attention from the packed qkv projection
-        (paged_attention_qkv): the fused model path's attention."""
-        if self.meta is None:
-            self.prepare(batch, qkv.device)
-        return paged_attention_qkv(qkv, positions, cos, sin, q_norm_w, k_norm_w, eps, k_cache, v_cache, slots,
-                                   self.meta, scale, zero_padding=self.zero_padding_rows)

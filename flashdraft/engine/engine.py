@@ -158,7 +158,7 @@ class LLMEngine:
             s.num_computed_tokens += n
         if ready:
             rows = torch.tensor([qsl[i + 1] - 1 for i in ready], device=self.device)
-            logits = self.runner.model.compute_logits(hidden[rows], float32=False)  # sample() upcasts
+            logits = self.runner.model.compute_logits(hidden[rows])
             seqs = [batch.seqs[i] for i in ready]
             sb = self.runner.sampling_batch(seqs, [s.num_tokens for s in seqs])
             for seq, tok in zip(seqs, sample(logits, sb).tolist()):

@@ -72,7 +72,7 @@ class ModelRunner:
             from flashdraft.attention.triton_paged import compile_variants
 
             compile_variants(cfg.num_attention_heads, cfg.num_key_value_heads, model.head_dim, self.block_size,
-                             dtype, device, qk_norm=model.layers[0].self_attn.q_norm is not None)
+                             dtype, device)
 
     def build_batch(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
                     causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:

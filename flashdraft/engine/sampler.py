@@ -74,13 +74,10 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """logits [N, V] in the model's dtype -> token ids [N] int64. Greedy rows take the argmax of
-    the logits as they are (an upcast is exact, so float32 would pick the same token); the float32
-    copy that temperature, top-k/p and the noise need is made only when a row samples."""
+    """logits [N, V] float32 -> token ids [N] int64."""
     greedy = logits.argmax(dim=-1)
     if sb.all_greedy:
         return greedy
-    logits = logits.float()
     filtered = filter_logits(logits, sb.temperature, sb.top_k, sb.top_p)
     sampled = (filtered + gumbel_noise(sb.seeds, sb.positions, logits.shape[-1])).argmax(dim=-1)
     return torch.where(sb.temperature > 0, sampled, greedy)

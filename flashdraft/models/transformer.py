@@ -140,18 +140,14 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(-1, self.q_size))
 
     def forward_fused(self, x, positions, rope: RotaryTable, k_cache, v_cache, attn: AttentionBackend, batch):
-        """q/k norm, RoPE and the K/V store in one kernel, or inside the attention launch of backends
-        with forward_qkv (the backend's store_kv is not called)."""
+        """One kernel for q/k norm, RoPE and the K/V store (the backend's store_kv is not called)."""
         from flashdraft.models import fused
 
         norm = self.q_norm is not None
-        args = (self.qkv_proj(x), positions, rope.cos, rope.sin, self.q_norm.weight if norm else None,
-                self.k_norm.weight if norm else None, self.q_norm.eps if norm else 0.0, k_cache, v_cache,
-                step_slots(attn, batch))
-        if hasattr(attn, "forward_qkv"):  # the Triton backend does it all in its attention launch
-            o = attn.forward_qkv(*args, batch, self.scale)
-        else:
-            o = attn.forward(fused.qk_norm_rope_store(*args), k_cache, v_cache, batch, self.scale)
+        q = fused.qk_norm_rope_store(self.qkv_proj(x), positions, rope.cos, rope.sin,
+                                     self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                                     self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch))
+        o = attn.forward(q, k_cache, v_cache, batch, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

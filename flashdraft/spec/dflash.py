@@ -245,7 +245,7 @@ class DFlashSpeculator:
         if not rows:
             return out
         eng = self.engine
-        logits = eng.runner.model.compute_logits(hidden[torch.tensor(rows, device=eng.device)], float32=False)
+        logits = eng.runner.model.compute_logits(hidden[torch.tensor(rows, device=eng.device)])
         toks = sample(logits, eng.runner.sampling_batch(seqs, positions))
         host = torch.cat([toks, draft_t.flatten()]).tolist() if draft_t is not None else toks.tolist()
         for i, t in zip(owner, host):

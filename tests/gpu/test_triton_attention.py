@@ -116,44 +116,6 @@ def test_matches_torch(scenario, config):
                     pad_rows=pad_rows))
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"kv{c[0]}-g{c[1]}-d{c[2]}-p{c[3]}-{str(c[4])[6:]}")
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
-@pytest.mark.parametrize("qk_norm", [True, False])
-def test_attention_from_packed_qkv(scenario, config, qk_norm):
-    """paged_attention_qkv (q/k norm, RoPE and the K/V store inside the attention launch when the
-    rows fit one query tile) against fused.qk_norm_rope_store + paged_attention: the same caches and
-    output up to float32 summation order; forced split-K too (new keys owned by several partitions)."""
-    from flashdraft.models import fused
-
-    q_lens, ctx, causal, pad_rows = SCENARIOS[scenario]
-    n_kv, group, hd, page, dtype = config
-    c = make_case(q_lens, ctx, n_kv=n_kv, group=group, hd=hd, page=page, dtype=dtype, causal=causal,
-                  pad_rows=pad_rows, seed=11)
-    g = torch.Generator().manual_seed(3)
-    H, T = n_kv * group, c["q"].shape[0]
-    qkv = torch.randn(T, (H + 2 * n_kv) * hd, generator=g).to(DEVICE, dtype)
-    pos = [p for q, cx in zip(q_lens, ctx) for p in range(cx, cx + q)] + [0] * pad_rows
-    positions = torch.tensor(pos, device=DEVICE)
-    angles = torch.arange(256)[:, None] * torch.rand(hd // 2, generator=g)[None, :]
-    cos = torch.cat([angles.cos()] * 2, -1).to(DEVICE, dtype)
-    sin = torch.cat([angles.sin()] * 2, -1).to(DEVICE, dtype)
-    qw, kw = ((1 + 0.2 * torch.randn(hd, generator=g)).to(DEVICE, dtype) for _ in range(2))
-    if not qk_norm:
-        qw = kw = None
-    meta = DeviceMeta.from_batch(c["batch"], DEVICE)
-    for splits in (None, 3):
-        kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
-        q = fused.qk_norm_rope_store(qkv, positions, cos, sin, qw, kw, 1e-6, kc, vc, meta.slot_mapping)
-        want = paged_attention(q, kc, vc, meta, c["scale"], num_splits=splits)[: c["rows"]]
-        got_k, got_v = c["k_cache"].clone(), c["v_cache"].clone()
-        got = triton_paged.paged_attention_qkv(qkv, positions, cos, sin, qw, kw, 1e-6, got_k, got_v,
-                                               meta.slot_mapping, meta, c["scale"], num_splits=splits)[: c["rows"]]
-        assert torch.equal(got_v, vc)  # V is copied, K normalised: equal up to the norm's summation order
-        assert (got_k.float() - kc.float()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 2e-2)
-        err = (got.float() - want.float()).abs().max().item() if want.numel() else 0.0
-        assert err < TOL[dtype], err
-
-
 @pytest.mark.parametrize("causal", [True, False])
 def test_draft_and_verify_mixed_with_decode_bf16(causal):
     check(make_case([16, 1, 16, 1], [21, 33, 0, 2], n_kv=2, group=4, hd=64, dtype=torch.bfloat16, causal=causal,
