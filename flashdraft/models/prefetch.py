@@ -36,6 +36,7 @@ KV_BUDGET = 16 << 20  # bytes of one layer's K/V (all sequences) above which not
 CHUNK = 16384  # bytes per bulk prefetch instruction
 LANES = 32  # prefetch instructions per program
 MAX_SEQS = 64  # sequences summed on the device; larger batches never prefetch
+KIND = "bulk"  # or "line": prefetch.global.L2 per 128-byte line (sweeps)
 
 
 def _cap_bytes() -> int | None:
@@ -66,7 +67,8 @@ def prefetch_mode(mode: str):
 
 @triton.jit(do_not_specialize=["num_seqs", "max_keys", "total"])
 def _l2_prefetch_kernel(w_ptr, seq_lens_ptr, num_seqs, max_keys, total, row_bytes, part_bytes, chunks_per_row,
-                        CHUNK: tl.constexpr, LANES: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
+                        CHUNK: tl.constexpr, LANES: tl.constexpr, BLOCK_S: tl.constexpr, BULK: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     """Lane i prefetches chunk i % chunks_per_row of row i // chunks_per_row: bytes
     [c * CHUNK, min((c + 1) * CHUNK, part_bytes)) of that row."""
     s = tl.arange(0, BLOCK_S)
@@ -78,8 +80,13 @@ def _l2_prefetch_kernel(w_ptr, seq_lens_ptr, num_seqs, max_keys, total, row_byte
         c = i % chunks_per_row
         size = tl.minimum(CHUNK, part_bytes - c * CHUNK)
         ptr = w_ptr + row.to(tl.int64) * row_bytes + c * CHUNK
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                                  [ptr, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        if BULK:
+            tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                      [ptr, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        else:  # one prefetch per 128-byte line
+            for j in range(0, CHUNK, 128):
+                tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                          [ptr + tl.minimum(j, size - 1)], dtype=tl.int32, is_pure=False, pack=1)
     pdl_trigger(USE_PDL)
     pdl_enter(USE_PDL)  # the next kernel waits for this one: this one waits for its predecessor
 
@@ -109,6 +116,6 @@ def prefetch_l2(w: torch.Tensor, seq_lens: torch.Tensor, kv_bytes_per_key: int) 
     total = rows * per_row
     _l2_prefetch_kernel[(triton.cdiv(total, LANES),)](
         w.view(torch.uint8), seq_lens, seq_lens.shape[0], KV_BUDGET // max(kv_bytes_per_key, 1), total, row_b, part,
-        per_row, CHUNK=CHUNK, LANES=LANES, BLOCK_S=triton.next_power_of_2(max(seq_lens.shape[0], 1)), num_warps=1,
-        **launch_kwargs(w))
+        per_row, CHUNK=CHUNK, LANES=LANES, BULK=KIND == "bulk",
+        BLOCK_S=triton.next_power_of_2(max(seq_lens.shape[0], 1)), num_warps=1, **launch_kwargs(w))
     return True
