@@ -239,7 +239,7 @@ class Sweep:
     def prefetch(self) -> None:
         """The 16-row o GEMM right after an L2 flush, with and without its weights prefetched
         (flashdraft/models/prefetch.py) before an idle gap of 0-40 us; CUDA events around the GEMM
-        alone and around the prefetch kernel alone. Eager launches, queued behind the flush."""
+        alone and around the prefetch kernel alone. Eager launches, queued behind a 300 us sleep."""
         from flashdraft.models import prefetch as pf
         from flashdraft.models.skinny import skinny_linear
 
@@ -260,6 +260,7 @@ class Sweep:
                 continue
             times, pre = [], []
             for _ in range(30):
+                torch.cuda._sleep(int(300e-6 * hz))  # the host queues everything below meanwhile
                 flush.zero_()
                 ev[0].record()
                 with pf.prefetch_mode(mode):
