@@ -41,9 +41,15 @@ def gemv_configs(tiny: bool):
     return out
 
 
-def dot_configs(tiny: bool):
+QUICK_DOT = ((16, 256, 4, 5), (32, 256, 4, 5), (64, 128, 4, 5), (64, 256, 4, 4), (128, 128, 4, 5), (128, 64, 4, 5),
+             (128, 128, 8, 4), (256, 64, 8, 4))
+
+
+def dot_configs(tiny: bool, quick: bool = False):
     if tiny:
         return [dict(block_n=16, block_k=32, num_warps=4, num_stages=1)]
+    if quick:
+        return [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s) for bn, bk, w, s in QUICK_DOT]
     out = [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=s)
            for bn, bk, s in itertools.product((16, 32, 64, 128), (64, 128, 256), (3, 5))]
     out += [dict(block_n=128, block_k=bk, num_warps=8, num_stages=s) for bk in (64, 128) for s in (3, 4)]
@@ -78,7 +84,7 @@ class Sweep:
         from flashdraft.models import skinny
 
         shapes = TINY_SHAPES if self.args.tiny else SHAPES
-        rows = [1, 3] if self.args.tiny else [1, 8, 16, 32]
+        rows = [1, 3] if self.args.tiny else [int(m) for m in self.args.rows.split(",")]
         bw = self.bw
         deadline = time.perf_counter() + self.args.budget_s
         for name, (N, K) in shapes.items():
@@ -93,11 +99,11 @@ class Sweep:
                 x = torch.randn(M, K, device=self.dev, dtype=self.dtype)
                 ref = F.linear(x.float(), ws[0].float())
                 cands = [("cublas", {}, lambda i, x=x, w=ws: F.linear(x, w[i % len(w)]))]
-                if M == 1:
+                if M == 1 and not self.args.quick:
                     cands += [("gemv", c, lambda i, c=c, x=x, w=ws: skinny.gemv(x, w[i % len(w)], **c))
                               for c in gemv_configs(self.args.tiny)]
                 cands += [("dot", c, lambda i, c=c, x=x, w=ws: skinny.dot(x, w[i % len(w)], **c))
-                          for c in dot_configs(self.args.tiny)]
+                          for c in dot_configs(self.args.tiny, self.args.quick)]
                 if name == "gate_up":  # the same bytes with the silu * up epilogue: [M, N/2] out
                     cands += [("glu", c, lambda i, c=c, x=x, w=ws: skinny.skinny_linear(
                         x, w[i % len(w)], glu=True, tiles=tuple(c.values()) if c else None))
@@ -335,6 +341,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop the sweep after this many seconds")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the GEMM shapes")
     ap.add_argument("--sections", default="gemm,profile,attention_splits")
+    ap.add_argument("--rows", default="1,8,16,32", help="GEMM rows (M) to sweep")
+    ap.add_argument("--quick", action="store_true", help="GEMM sweep: 8 dot tile configs, no gemv")
     args = ap.parse_args()
     s = Sweep(args)
     try:
