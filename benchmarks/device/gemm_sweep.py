@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -241,52 +240,6 @@ class Sweep:
                          if isinstance(v, dict) and "us" in v]
                 log(f"attention {kind} b={S}: " + ", ".join(times))
                 out.append(row)
-
-    def prefetch(self) -> None:
-        """The 16-row o GEMM right after an L2 flush, with and without its weights prefetched
-        (flashdraft/models/prefetch.py) before an idle gap of 0-40 us; CUDA events around the GEMM
-        alone and around the prefetch kernel alone. Eager launches, queued behind a 300 us sleep."""
-        from flashdraft.models import prefetch as pf
-        from flashdraft.models.skinny import skinny_linear
-
-        N, K = SHAPES["o"] if not self.args.tiny else TINY_SHAPES["down"]
-        w = (torch.randn(N, K, device=self.dev) * 0.02).to(self.dtype)
-        x = torch.randn(16, K, device=self.dev).to(self.dtype)
-        flush = torch.empty(256 << 20, dtype=torch.uint8, device=self.dev)
-        lens = torch.tensor([1040], dtype=torch.int32, device=self.dev)
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        ev[0].record()
-        torch.cuda._sleep(1_000_000)
-        ev[1].record()
-        torch.cuda.synchronize()
-        hz = 1e6 / (ev[0].elapsed_time(ev[1]) / 1e3)  # sleep cycles per second
-        out = self.res["prefetch"] = []
-        for kind, mode, gap_us in itertools.product(("bulk", "line"), ("off", "32", "16", "8"), (0, 10, 20, 40)):
-            if kind == "line" and mode == "off":
-                continue
-            times, pre = [], []
-            for _ in range(30):
-                torch.cuda._sleep(int(300e-6 * hz))  # the host queues everything below meanwhile
-                flush.zero_()
-                ev[0].record()
-                with pf.prefetch_mode(mode):
-                    pf.KIND = kind
-                    pf.prefetch_l2(w, lens, 4096)
-                    pf.KIND = "bulk"
-                ev[1].record()
-                if gap_us:
-                    torch.cuda._sleep(int(gap_us * 1e-6 * hz))
-                ev[2].record()
-                skinny_linear(x, w)
-                ev[3].record()
-                torch.cuda.synchronize()
-                times.append(ev[2].elapsed_time(ev[3]) * 1e3)
-                pre.append(ev[0].elapsed_time(ev[1]) * 1e3)
-            row = {"kind": kind, "cap_mib": mode, "gap_us": gap_us, "gemm_us": statistics.median(times[5:]),
-                   "prefetch_kernel_us": statistics.median(pre[5:])}
-            log(f"prefetch {kind} cap {mode} gap {gap_us} us: o GEMM {row['gemm_us']:.1f} us, "
-                f"prefetch kernel {row['prefetch_kernel_us']:.1f} us")
-            out.append(row)
 
     def run(self) -> None:
         rl = self.timer = Roofline(argparse.Namespace(device=self.args.device, tiny=self.args.tiny, budget_s=60,

@@ -57,7 +57,6 @@ from flashdraft.engine.graphs import StepGraph  # noqa: E402
 from flashdraft.engine.model_runner import kv_bytes_per_token  # noqa: E402
 from flashdraft.models.dflash_draft import DFlashDraftModel  # noqa: E402
 from flashdraft.models.launch import pdl_mode  # noqa: E402
-from flashdraft.models.prefetch import prefetch_mode  # noqa: E402
 from flashdraft.models.transformer import DecoderLM, fused_mode, gemm_mode  # noqa: E402
 from flashdraft.spec.formats import DraftSpec, default_target_layer_ids  # noqa: E402
 
@@ -145,20 +144,14 @@ def random_module(make, device: torch.device, dtype: torch.dtype, seed: int) -> 
     return m.eval().requires_grad_(False)
 
 
-def _option(backend: str, prefix: str) -> str:
-    """The value of a "+<prefix><value>" part of a backend name, "auto" without one."""
-    return next((p[len(prefix):] for p in backend.split("+")[2:] if p.startswith(prefix)), "auto")
-
-
 @contextlib.contextmanager
 def modes(backend: str):
     """The fused elementwise kernels for "+fused" backends, cuBLAS GEMMs unless "+fused" alone (or
-    "+pdloff": the default path without programmatic dependent launch; "+pf<off | MiB>": L2
-    prefetch off or capped, flashdraft/models/prefetch.py)."""
+    "+pdloff": the default path without programmatic dependent launch)."""
     fused = "+fused" in backend
-    with fused_mode("on" if fused else "off"), gemm_mode("auto" if fused and "+cublas" not in backend
+    with fused_mode("on" if fused else "off"), gemm_mode("auto" if fused and not backend.endswith("+cublas")
                                                           else "cublas"), \
-            pdl_mode(_option(backend, "pdl")), prefetch_mode(_option(backend, "pf")):
+            pdl_mode(backend.rsplit("+pdl", 1)[1] if "+pdl" in backend else "auto"):
         yield
 
 
@@ -313,10 +306,6 @@ class Roofline:
         self.backends["torch_static"] = StaticTorchAttention
         if self.args.backends:
             keep = self.args.backends.split(",")
-            for b in keep:  # options of the default path, e.g. triton+fused+pfoff or +pdloff+pf16
-                if "triton+fused" in self.backends and b.startswith("triton+fused+") and all(
-                        p.startswith(("pdl", "pf")) or p == "cublas" for p in b.split("+")[2:]):
-                    self.backends.setdefault(b, self.backends["triton+fused"])
             unknown = [b for b in keep if b not in self.backends]
             if unknown:
                 raise ValueError(f"unknown backend(s) {unknown}; available here: {', '.join(self.backends)}")

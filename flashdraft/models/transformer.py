@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flashdraft.attention.base import AttentionBackend, AttentionBatch, DeviceMeta
+from flashdraft.attention.base import AttentionBackend, AttentionBatch
 from flashdraft.models.rope import RotaryTable, apply_rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2")
@@ -144,14 +144,7 @@ class Attention(nn.Module):
         from flashdraft.models import fused
 
         norm = self.q_norm is not None
-        qkv = self.qkv_proj(x)
-        if skinny_enabled(x):  # few rows: the o weights into L2 while attention runs
-            from flashdraft.models.prefetch import prefetch_l2
-
-            meta = batch if isinstance(batch, DeviceMeta) else getattr(attn, "meta", None)
-            if isinstance(meta, DeviceMeta):
-                prefetch_l2(self.o_proj.weight, meta.seq_lens, 2 * k_cache[0, 0].numel() * k_cache.element_size())
-        q = fused.qk_norm_rope_store(qkv, positions, rope.cos, rope.sin,
+        q = fused.qk_norm_rope_store(self.qkv_proj(x), positions, rope.cos, rope.sin,
                                      self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
                                      self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch))
         o = attn.forward(q, k_cache, v_cache, batch, self.scale)
