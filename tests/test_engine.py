@@ -166,3 +166,17 @@ def test_greedy_tie_breaks_to_lowest_id():
     sb = SamplingBatch(torch.zeros(1), torch.tensor([4]), torch.ones(1), torch.zeros(1, dtype=torch.long),
                        torch.zeros(1, dtype=torch.long), True)
     assert sample(logits, sb).item() == 1
+
+
+def test_greedy_on_model_dtype_logits_equals_float32():
+    """All-greedy batches sample from bf16/fp16 logits without the float32 copy: the same token as
+    the argmax of the exact float32 upcast, ties included (bf16 has many: 8 mantissa bits)."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = (torch.randn(64, 5000, generator=g) * 4).to(dtype)
+        logits[:, 4000:] = logits[:, :1000]  # exact ties at higher ids
+        sb = SamplingBatch(torch.zeros(64), torch.full((64,), 5000), torch.ones(64),
+                           torch.zeros(64, dtype=torch.long), torch.zeros(64, dtype=torch.long), True)
+        got = sample(logits, sb)
+        assert torch.equal(got, sample(logits.float(), sb))
+        assert torch.equal(got, logits.double().argmax(-1))

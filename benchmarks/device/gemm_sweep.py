@@ -170,7 +170,7 @@ class Sweep:
                 def fn(g, attn=attn, kind=kind):
                     hidden, tapped = target(g.input_ids, g.positions, rl.tkv, attn, g.meta,
                                             taps if kind == "verify" else ())
-                    return target.compute_logits(hidden).argmax(-1), tapped
+                    return target.compute_logits(hidden, float32=False).argmax(-1), tapped
             try:
                 with fused_mode("on"):
                     g = rl.graph(fn, S, q, attn, causal=kind != "draft")

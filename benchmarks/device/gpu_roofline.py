@@ -399,7 +399,7 @@ class Roofline:
 
         def fn(g):
             hidden, _ = target(g.input_ids, g.positions, self.tkv, attn, g.meta)
-            return target.compute_logits(hidden).argmax(-1), hidden
+            return target.compute_logits(hidden, float32=False).argmax(-1), hidden  # greedy, as the engine
 
         g = self.graph(fn, S, 1, attn)
         tokens, hidden = g.replay()
@@ -428,7 +428,7 @@ class Roofline:
             with torch.inference_mode():
                 attn.prepare(batch, self.dev)
                 hidden, _ = self.target(inp["input_ids"], inp["positions"], self.tkv, attn, batch)
-                return self.target.compute_logits(hidden).argmax(-1)
+                return self.target.compute_logits(hidden, float32=False).argmax(-1)
 
         row = self.clock.time(step, warmup=2, max_iters=30)
         row["tok_s"] = S / (row["ms"] / 1e3)
@@ -474,7 +474,7 @@ class Roofline:
 
         def verify_fn(g):
             hidden, tapped = target(g.input_ids, g.positions, self.tkv, va, g.meta, taps)
-            return target.compute_logits(hidden).argmax(-1), tapped
+            return target.compute_logits(hidden, float32=False).argmax(-1), tapped  # greedy, as the engine
 
         def context_fn(g):
             drafter.write_context(g.extra["taps"], g.positions, self.dkv, ca, g.meta)

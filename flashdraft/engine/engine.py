@@ -158,9 +158,9 @@ class LLMEngine:
             s.num_computed_tokens += n
         if ready:
             rows = torch.tensor([qsl[i + 1] - 1 for i in ready], device=self.device)
-            logits = self.runner.model.compute_logits(hidden[rows])
             seqs = [batch.seqs[i] for i in ready]
             sb = self.runner.sampling_batch(seqs, [s.num_tokens for s in seqs])
+            logits = self.runner.model.compute_logits(hidden[rows], float32=not sb.all_greedy)
             for seq, tok in zip(seqs, sample(logits, sb).tolist()):
                 self.append_tokens(seq, [tok])
         self.stats["num_steps"] += 1

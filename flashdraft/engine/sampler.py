@@ -74,7 +74,8 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """logits [N, V] float32 -> token ids [N] int64."""
+    """logits [N, V] float32 (or, when every row is greedy, any float dtype: the argmax of the
+    model-dtype logits is the argmax of their exact float32 upcast) -> token ids [N] int64."""
     greedy = logits.argmax(dim=-1)
     if sb.all_greedy:
         return greedy

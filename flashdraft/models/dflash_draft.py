@@ -12,6 +12,7 @@ from flashdraft.attention.base import AttentionBackend, AttentionBatch
 from flashdraft.models.rope import RotaryTable, apply_rope
 from flashdraft.models.transformer import (
     DecoderLayer,
+    Embedding,
     Linear,
     RMSNorm,
     forward_layers_fused,
@@ -39,7 +40,7 @@ class DFlashDraftModel(nn.Module):
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         vocab = spec.draft_vocab_size or cfg.vocab_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if has_embed else None
+        self.embed_tokens = Embedding(cfg.vocab_size, h) if has_embed else None
         self.lm_head = nn.Linear(h, vocab, bias=False) if has_lm_head else None
         self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.long) if spec.draft_vocab_size else None)
         self.rope: RotaryTable | None = None

@@ -139,8 +139,10 @@ def _gemv_tiles(N: int, K: int) -> tuple[int, int, int, int]:
 
 
 def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages): 32 x 256 x 5 stages for N <= 4096, else 64 x 128 x 5; glu
-    two strips of 32 x 128 x 3: as swept best on the 8B shapes at M = 8-32 (within 1-3%).
+    """(BLOCK_N, BLOCK_K, warps, stages): 32 x 256 x 5 stages for N <= 4096, 64 x 256 x 4 for
+    N > 16384 (vocabulary heads), else 64 x 128 x 5; glu two strips of 32 x 128 x 3: as swept best on
+    the 8B shapes at M = 1-32 (within 1-3%). Never a function of M: a row rounds the same in a
+    one-row decode and in a verify block.
     Fewer stages (then a shorter BLOCK_K) when the pipelined W and x tiles would not fit in shared
     memory (float32)."""
     mpad = 16 if M <= 16 else 32
@@ -148,6 +150,8 @@ def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tupl
         bn, bk, stages = 32, 128, 3
     elif N <= 4096:  # 64-row strips would leave SMs idle: 128 programs of 32 rows
         bn, bk, stages = 32, 256, 5
+    elif N > 16384:  # vocabulary heads: 64 x 256 x 4 (H100, 151,936 x 4096: 410 against 413 us at M = 16)
+        bn, bk, stages = 64, 256, 4
     else:
         bn, bk, stages = 64, 128, 5
     bk = _largest_dividing(K, tuple(b for b in (256, 128, 64, 32, 16) if b <= bk)) or bk

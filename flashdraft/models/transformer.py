@@ -57,6 +57,17 @@ def fused_mode(mode: str):
     return _switch("FUSED", mode)
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding; on the fused path the lookup is fused.embedding (one Triton kernel)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if fused_enabled(self.weight):
+            from flashdraft.models import fused
+
+            return fused.embedding(ids, self.weight)
+        return super().forward(ids)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -232,7 +243,7 @@ class DecoderLM(nn.Module):
         self.config = cfg
         qk_norm = model_type == "qwen3"
         bias = bool(getattr(cfg, "attention_bias", False)) or model_type == "qwen2"
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm, bias) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))

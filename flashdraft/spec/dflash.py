@@ -245,8 +245,10 @@ class DFlashSpeculator:
         if not rows:
             return out
         eng = self.engine
-        logits = eng.runner.model.compute_logits(hidden[torch.tensor(rows, device=eng.device)])
-        toks = sample(logits, eng.runner.sampling_batch(seqs, positions))
+        sb = eng.runner.sampling_batch(seqs, positions)
+        rows_t = torch.tensor(rows, device=eng.device)
+        logits = eng.runner.model.compute_logits(hidden[rows_t], float32=not sb.all_greedy)
+        toks = sample(logits, sb)
         host = torch.cat([toks, draft_t.flatten()]).tolist() if draft_t is not None else toks.tolist()
         for i, t in zip(owner, host):
             out.setdefault(i, []).append(t)

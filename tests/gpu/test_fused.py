@@ -65,6 +65,27 @@ def test_add_rmsnorm(rows, n, with_residual, dtype):
         assert torch.equal(new_res, want_res)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,dim", [((1,), 64), ((16,), 4096), ((3, 5), 100), ((0,), 64), ((2,), 2500)])
+def test_embedding(shape, dim, dtype):
+    """fused.embedding against nn.Embedding: exact copies of the rows, ids of any shape (int32 or
+    int64), the module switch routing through it."""
+    g = torch.Generator().manual_seed(dim)
+    emb = transformer.Embedding(777, dim).to(DEVICE, dtype)
+    with torch.no_grad():
+        emb.weight.copy_(randn(777, dim, dtype=dtype, gen=g))
+    ids = torch.randint(0, 777, shape, generator=g).to(DEVICE)
+    ids[..., :1] = 776  # the last row too
+    want = torch.nn.functional.embedding(ids, emb.weight)
+    for t in (ids, ids.to(torch.int32)):
+        got = fused.embedding(t, emb.weight)
+        assert got.shape == (*shape, dim) and got.dtype == dtype and torch.equal(got, want)
+    with fused_mode("on"), torch.no_grad():
+        assert torch.equal(emb(ids), want)
+    with pytest.raises(ValueError, match="embedding table"):
+        fused.embedding(ids, emb.weight.t())
+
+
 QK_CASES = {  # (model kind -> rope table and q/k norm, head_dim, heads, kv heads)
     "llama-d64-g2": ("llama", 64, 4, 2),
     "qwen3-d128-g4": ("qwen3", 128, 8, 2),

@@ -7,6 +7,7 @@ neither is available."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -101,13 +102,16 @@ def test_tile_rules():
     assert skinny._gemv_tiles(1536, 576) == (64, 64, 4, 3)  # SmolLM2: 576 = 9 x 64
     assert skinny._dot_tiles(16, 4096, 12288)[:2] == (32, 256)  # down: 128 strips of 32 rows
     assert skinny._dot_tiles(16, 6144, 4096)[:2] == (64, 128)  # qkv
-    assert skinny._dot_tiles(32, 151936, 4096)[:2] == (64, 128)
+    assert skinny._dot_tiles(32, 151936, 4096)[:2] == (64, 256)  # vocabulary heads
+    for M in (1, 16, 32):  # the same K blocking for every M: rows round alike
+        assert skinny._dot_tiles(M, 151936, 4096)[:3] == skinny._dot_tiles(1, 151936, 4096)[:3]
     assert skinny._dot_tiles(8, 1536, 576)[:2] == (32, 64)  # SmolLM2: 576 = 9 x 64
     # what does not fit in shared memory pipelines less: float32, the glu's two strips
     assert skinny._dot_tiles(16, 4096, 4096, elem=4) == (32, 256, 4, 4)
     assert skinny._dot_tiles(16, 4096, 4096, glu=True) == (32, 128, 4, 3)
-    for M, elem, glu in ((1, 2, True), (16, 4, True), (32, 4, True), (32, 2, False), (32, 4, False)):
-        bn, bk, _, st = skinny._dot_tiles(M, 4096, 4096, elem, glu)
+    for (M, elem, glu), N in itertools.product(((1, 2, True), (16, 4, True), (32, 4, True), (32, 2, False),
+                                                (32, 4, False)), (4096, 151936)):
+        bn, bk, _, st = skinny._dot_tiles(M, N, 4096, elem, glu)
         assert st * (bn * (2 if glu else 1) + (16 if M <= 16 else 32)) * bk * elem <= skinny.SMEM_BUDGET
 
 
