@@ -115,6 +115,22 @@ def _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP: tl.constexpr, BLOCK_M: tl.con
     return q_start, q_len, row, head, valid
 
 
+@triton.jit
+def _attend(q, k, v, key, key_ok, pos, m_i, l_i, acc, scale_log2, CAUSAL: tl.constexpr, F32_DOT: tl.constexpr):
+    """One key tile of the online softmax (base 2): the updated (running max, running sum, acc)."""
+    s = _dot(q, tl.trans(k), F32_DOT) * scale_log2
+    visible = key_ok[None, :]
+    if CAUSAL:
+        visible = visible & (key[None, :] <= pos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
+    return m_new, l_i, acc
+
+
 # integers that change from step to step are not specialised on (Triton would otherwise compile a
 # variant per divisibility class, "== 1" and "% 16 == 0", the first time a step's token count hits one:
 # a compile stall in the middle of serving)
@@ -127,20 +143,23 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
                  SPLIT: tl.constexpr, F32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (query tile, sequence * n_kv, partition). One split: normalised output straight to
-    `out`. Several: unnormalised partials to the workspace, merged by `_reduce_kernel`."""
-    pdl_enter(USE_PDL)
+    `out`. Several: unnormalised partials to the workspace, merged by `_reduce_kernel`.
+
+    Before waiting for the previous kernel (PDL, launch.py) a program reads what no kernel of the
+    step writes: the metadata (copied in by the host before the step) and, of its first key tile,
+    the block-table entries and the K/V rows of keys cached before this step (below seq_len -
+    q_len). The keys this step stores, and the queries, are read after the wait."""
     tile = tl.program_id(0)
     seq = tl.program_id(1) // N_KV
     kv_head = tl.program_id(1) % N_KV
     split = tl.program_id(2)
     q_start, q_len, row, head, valid = _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP, BLOCK_M)
     if tile * (BLOCK_M // GROUP) >= q_len:
+        pdl_enter(USE_PDL)  # every program waits: the grid completes only after its predecessor
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=valid[:, None] & d_ok[None, :], other=0.0)
     pos = seq_len - q_len + row  # absolute position of each query row
     if CAUSAL:
         kv_end = tl.minimum(seq_len, tl.max(tl.where(valid, pos, -1)) + 1)
@@ -148,31 +167,36 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
         kv_end = seq_len
     lo = split * part
     hi = tl.where(split == num_splits - 1, kv_end, tl.minimum(kv_end, lo + part))  # the last takes the rest
-
+    n = tl.arange(0, BLOCK_N)
+    key = lo + n
+    key_ok = key < hi
+    cached = key_ok & (key < seq_len - q_len)  # stored by earlier steps
+    page = tl.load(bt_ptr + seq * stride_bt + key // PAGE, mask=key_ok, other=0).to(tl.int64)
+    k_off = (page * stride_kb + (key % PAGE) * stride_ks + kv_head * stride_kh)[:, None] + d[None, :]
+    v_off = (page * stride_vb + (key % PAGE) * stride_vs + kv_head * stride_vh)[:, None] + d[None, :]
+    k = tl.load(k_ptr + k_off, mask=cached[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(v_ptr + v_off, mask=cached[:, None] & d_ok[None, :], other=0.0)
+    pdl_enter(USE_PDL)
+    q = tl.load(q_ptr + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=valid[:, None] & d_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
+    if lo < hi:  # the first tile: its keys stored this step are read now
+        late = (key_ok & ~cached)[:, None] & d_ok[None, :]
+        k = tl.where(late, tl.load(k_ptr + k_off, mask=late, other=0.0), k)
+        v = tl.where(late, tl.load(v_ptr + v_off, mask=late, other=0.0), v)
+        m_i, l_i, acc = _attend(q, k, v, key, key_ok, pos, m_i, l_i, acc, scale_log2, CAUSAL, F32_DOT)
+    for start in range(lo + BLOCK_N, hi, BLOCK_N):
         key = start + n
         key_ok = key < hi
         page = tl.load(bt_ptr + seq * stride_bt + key // PAGE, mask=key_ok, other=0).to(tl.int64)
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + (page * stride_kb + (key % PAGE) * stride_ks + kv_head * stride_kh)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), F32_DOT) * scale_log2
-        visible = key_ok[None, :]
-        if CAUSAL:
-            visible = visible & (key[None, :] <= pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + (page * stride_vb + (key % PAGE) * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, F32_DOT)
-        m_i = m_new
+        m_i, l_i, acc = _attend(q, k, v, key, key_ok, pos, m_i, l_i, acc, scale_log2, CAUSAL, F32_DOT)
 
     pdl_trigger(USE_PDL)
     mask = valid[:, None] & d_ok[None, :]

@@ -115,7 +115,10 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
                                HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (token, group of BLOCK_H heads) over the packed row's q heads [0, N_HEADS) and k
     heads [N_HEADS, N_HEADS + N_KV): q rows go to q, k rows (rotated) and the matching v rows (raw)
-    to the caches at the token's slot, unless it is < 0."""
+    to the caches at the token's slot, unless it is < 0. Lets the next kernel (attention) launch
+    at once: attention reads what this stores only after waiting for it to finish, and meanwhile
+    fetches the K/V cached by earlier steps."""
+    pdl_trigger(USE_PDL)
     pdl_enter(USE_PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     t = tl.program_id(0).to(tl.int64)
@@ -140,7 +143,6 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
         wr = xr
     c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, d, HEAD_DIM)
     out = _norm_rope(x, xr, w, wr, c, s, lo, eps, HEAD_DIM, HAS_NORM)
-    pdl_trigger(USE_PDL)
     tl.store(q_ptr + t * stride_qt + r[:, None] * stride_qh + d[None, :], out, mask=is_q & d_ok)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # the slot test as a vector: the interpreter mis-types scalar & vector masks
