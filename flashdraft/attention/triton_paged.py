@@ -66,9 +66,6 @@ NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: no in
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-_counter_bufs: dict[tuple, torch.Tensor] = {}
-MERGE = os.environ.get("FLASHDRAFT_ATTN_MERGE", "inline")  # experiment: "inline" or "kernel" (_reduce_kernel)
-INLINE_ZERO = MERGE == "inline"
 _sm_counts: dict[torch.device, int] = {}
 
 
@@ -120,21 +117,6 @@ def _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP: tl.constexpr, BLOCK_M: tl.con
 
 
 @triton.jit
-def _zero_padding_rows(out_ptr, qsl_ptr, num_tokens, num_heads, stride_ot, stride_oh, N_KV: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Zero output rows [query_start_loc[S], num_tokens), one per program in turn."""
-    programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-    h = tl.arange(0, 16)
-    d = tl.arange(0, BLOCK_D)
-    zeros = tl.zeros([16, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty)
-    for r in range(tl.load(qsl_ptr + tl.num_programs(1) // N_KV) + pid, num_tokens, programs):
-        for h0 in range(0, num_heads, 16):
-            tl.store(out_ptr + r * stride_ot + (h0 + h)[:, None] * stride_oh + d[None, :], zeros,
-                     mask=((h0 + h) < num_heads)[:, None] & (d < HEAD_DIM)[None, :])
-
-
-@triton.jit
 def _attend(q, k, v, key, key_ok, pos, m_i, l_i, acc, scale_log2, CAUSAL: tl.constexpr, F32_DOT: tl.constexpr):
     """One key tile of the online softmax (base 2): the updated (running max, running sum, acc)."""
     s = _dot(q, tl.trans(k), F32_DOT) * scale_log2
@@ -154,14 +136,13 @@ def _attend(q, k, v, key, key_ok, pos, m_i, l_i, acc, scale_log2, CAUSAL: tl.con
 # variant per divisibility class, "== 1" and "% 16 == 0", the first time a step's token count hits one:
 # a compile stall in the middle of serving)
 @triton.jit(do_not_specialize=["num_tokens", "num_splits", "part", "stride_bt"])
-def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, cnt_ptr,
+def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
                  qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2, num_tokens, num_heads, num_splits, part,
                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  stride_ot, stride_oh, stride_bt,
                  N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
-                 SPLIT: tl.constexpr, MERGE: tl.constexpr, ZERO_PADDING: tl.constexpr, F32_DOT: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 SPLIT: tl.constexpr, F32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (query tile, sequence * n_kv, partition). One split: normalised output straight to
     `out`. Several: unnormalised partials to the workspace, merged by `_reduce_kernel`.
 
@@ -174,9 +155,6 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, cnt
     kv_head = tl.program_id(1) % N_KV
     split = tl.program_id(2)
     q_start, q_len, row, head, valid = _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP, BLOCK_M)
-    if ZERO_PADDING:  # rows past the last sequence's (a graph bucket's padding), spread over the programs
-        pdl_enter(USE_PDL)  # `out` may reuse memory the previous kernel still reads
-        _zero_padding_rows(out_ptr, qsl_ptr, num_tokens, num_heads, stride_ot, stride_oh, N_KV, HEAD_DIM, BLOCK_D)
     if tile * (BLOCK_M // GROUP) >= q_len:
         pdl_enter(USE_PDL)  # every program waits: the grid completes only after its predecessor
         return
@@ -232,28 +210,6 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, cnt
         tl.store(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
         tl.store(ws_m_ptr + idx, m_i, mask=valid)
         tl.store(ws_l_ptr + idx, l_i, mask=valid)
-        if MERGE:  # the last partition of this (tile, sequence, kv head) to finish merges them all
-            tl.debug_barrier()  # every thread's partials stored before the release below
-            cnt = cnt_ptr + (seq * N_KV + kv_head) * tl.num_programs(0) + tile
-            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-                active = tl.minimum(num_splits, tl.cdiv(kv_end, part))  # later partitions are empty
-                row_idx = (q_start + row) * num_heads + head
-                m_max = tl.full([BLOCK_M], NEG, tl.float32)
-                for p in range(0, active):
-                    m_max = tl.maximum(m_max, tl.load(ws_m_ptr + p * num_tokens * num_heads + row_idx, mask=valid,
-                                                      other=NEG, cache_modifier=".cg"))
-                l_sum = tl.zeros([BLOCK_M], tl.float32)
-                o_sum = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-                for p in range(0, active):
-                    at = p * num_tokens * num_heads + row_idx
-                    w = tl.exp2(tl.load(ws_m_ptr + at, mask=valid, other=NEG, cache_modifier=".cg") - m_max)
-                    l_sum += tl.load(ws_l_ptr + at, mask=valid, other=0.0, cache_modifier=".cg") * w
-                    o_sum += tl.load(ws_o_ptr + at[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0,
-                                     cache_modifier=".cg") * w[:, None]
-                o = o_sum / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-                tl.store(out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                         o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
@@ -337,15 +293,6 @@ def _num_splits(programs: int, max_seq_len: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(2 * sms, programs), max_seq_len // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters of the inline split-K merge; each merge leaves its counter at
-    zero, so one buffer per (device, size) serves every launch and graph replay."""
-    key = (device, n)
-    if key not in _counter_bufs:
-        _counter_bufs[key] = torch.zeros(n, device=device, dtype=torch.int32)
-    return _counter_bufs[key]
-
-
 def _workspace(device: torch.device, splits: int, T: int, H: int, D: int):
     key = (device, splits, T, H, D)
     if key not in _workspaces:
@@ -376,22 +323,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_splits is None:
         num_splits = _num_splits(tiles * S * n_kv, meta.max_seq_len, q.device)
     part = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), num_splits), block_n) * block_n
-    merge = num_splits > 1 and MERGE == "inline"
-    if zero_padding and num_splits == 1 and not INLINE_ZERO:
+    if zero_padding and num_splits == 1:
         out.zero_()
     ws = _workspace(q.device, num_splits, T, H, hd) if num_splits > 1 else (out, out, out)
-    grid = (tiles, S * n_kv, num_splits)
-    cnt = _counters(q.device, grid[0] * grid[1]) if merge else out
     consts = dict(N_KV=n_kv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_M=block_m)
-    _attn_kernel[grid](
-        q, k_cache, v_cache, out, *ws, cnt, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+    _attn_kernel[(tiles, S * n_kv, num_splits)](
+        q, k_cache, v_cache, out, *ws, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         scale * 1.4426950408889634, T, H, num_splits, part, q.stride(0), q.stride(1), *k_cache.stride()[:3],
         *v_cache.stride()[:3],
         out.stride(0), out.stride(1), meta.block_tables.stride(0), **consts, BLOCK_N=block_n,
-        PAGE=k_cache.shape[1], CAUSAL=meta.causal, SPLIT=num_splits > 1, MERGE=merge,
-        ZERO_PADDING=zero_padding and (merge or (num_splits == 1 and INLINE_ZERO)),
+        PAGE=k_cache.shape[1], CAUSAL=meta.causal, SPLIT=num_splits > 1,
         F32_DOT=INTERPRET or q.dtype == torch.float32, num_warps=warps, **launch_kwargs(q))
-    if num_splits > 1 and not merge:
+    if num_splits > 1:
         _reduce_kernel[(T, n_kv)](out, *ws, meta.query_start_loc, S, T, H, num_splits, out.stride(0), out.stride(1),
                                   GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=hd, BLOCK_D=block_d,
                                   BLOCK_S=max(1, REDUCE_SPLITS // triton.next_power_of_2(group)),
