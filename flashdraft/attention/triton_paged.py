@@ -54,8 +54,7 @@ import triton
 import triton.language as tl
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch, DeviceMeta
-from flashdraft.models import launch
-from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger, pdl_trigger_if
+from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 MAX_SPLITS = 64
 MIN_SPLIT_KEYS = 64  # a KV partition holds at least this many keys
@@ -215,13 +214,11 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
 def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_seqs, num_tokens, num_heads, num_splits,
                    stride_ot, stride_oh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ZERO_PADDING: tl.constexpr, EARLY: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ZERO_PADDING: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (token, kv head): merges the split-K partials of that token's GROUP query heads into
     normalised output, BLOCK_S partitions per load (one load for <= BLOCK_S splits). Small programs
     over tokens rather than a loop over the partitions per query tile: a 16-row verify at batch 1
     has 128 of them instead of 8 (H100: 14.7 us per layer before)."""
-    pdl_trigger_if(USE_PDL, EARLY)
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     head = tl.program_id(1) * GROUP + tl.arange(0, BLOCK_G)  # [G]
@@ -251,7 +248,7 @@ def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_seqs, num
         l_i = l_i * alpha + tl.sum(l_p * w, 0)
         acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
         m_i = m_new
-    pdl_trigger_if(USE_PDL, not EARLY)
+    pdl_trigger(USE_PDL)
     tl.store(out, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
@@ -338,8 +335,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         _reduce_kernel[(T, n_kv)](out, *ws, meta.query_start_loc, S, T, H, num_splits, out.stride(0), out.stride(1),
                                   GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=hd, BLOCK_D=block_d,
                                   BLOCK_S=max(1, REDUCE_SPLITS // triton.next_power_of_2(group)),
-                                  ZERO_PADDING=zero_padding, EARLY="reduce" in launch.EARLY, num_warps=4,
-                                  **launch_kwargs(q))
+                                  ZERO_PADDING=zero_padding, num_warps=4, **launch_kwargs(q))
     return out
 
 

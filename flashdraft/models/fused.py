@@ -31,8 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.models import launch
-from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger, pdl_trigger_if
+from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 SILU_BLOCK = 1024  # columns per silu_mul program
 EMBED_BLOCK = 1024  # columns per embedding program
@@ -58,10 +57,8 @@ def _embedding_kernel(ids_ptr, w_ptr, out_ptr, stride_w, stride_o, N, BLOCK: tl.
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                         stride_x, stride_r, stride_o, stride_ro,
-                        N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, EARLY: tl.constexpr,
-                        USE_PDL: tl.constexpr):
+                        N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr):
     """One row: r = x + res (rounded to the residual dtype, stored), out = w * rmsnorm(r)."""
-    pdl_trigger_if(USE_PDL, EARLY)
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
@@ -79,7 +76,7 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
     inv = tl.rsqrt(tl.sum(h * h, 0) / N + eps)
     n = (h * inv).to(dt).to(tl.float32)
     w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
-    pdl_trigger_if(USE_PDL, not EARLY)
+    pdl_trigger(USE_PDL)
     tl.store(out_ptr + row * stride_o + d, (w * n).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -258,7 +255,6 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     block = triton.next_power_of_2(n)
     _add_rmsnorm_kernel[(rows,)](x2, r2, weight, o2, nr2, eps, x2.stride(0), r2.stride(0), o2.stride(0),
                                  nr2.stride(0), N=n, BLOCK=block, HAS_RES=residual is not None,
-                                 EARLY="norm" in launch.EARLY,
                                  num_warps=8 if block >= 4096 else 4, **launch_kwargs(x2))
     return out, new_res
 

@@ -27,8 +27,6 @@ import triton
 import triton.language as tl
 
 PDL = os.environ.get("FLASHDRAFT_PDL", "auto")
-EARLY = frozenset(os.environ.get("FLASHDRAFT_PDL_EARLY", "").split(","))  # experiment: kernels that signal at start
-GEMM_PF = int(os.environ.get("FLASHDRAFT_GEMM_PF", "0"))  # experiment: K tiles prefetched before the wait
 _MODES = {"off": 0, "auto": 1}
 _capable: dict[torch.device, bool] = {}
 
@@ -81,9 +79,3 @@ def pdl_trigger(USE_PDL: tl.constexpr):
     if USE_PDL > 0:
         tl.extra.cuda.gdc_launch_dependents()
 
-
-
-@triton.jit
-def pdl_trigger_if(USE_PDL: tl.constexpr, COND: tl.constexpr):
-    if COND:
-        pdl_trigger(USE_PDL)

@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.models import launch
 from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 MAX_ROWS = 32
@@ -83,23 +82,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
 @triton.jit
 def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MPAD: tl.constexpr, EVEN: tl.constexpr,
-                GLU: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PF_LINES: tl.constexpr,
-                USE_PDL: tl.constexpr):
+                GLU: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
     dt = y_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, MPAD)
     k = tl.arange(0, BLOCK_K)
     w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     up_row = w_row + N.to(tl.int64) * stride_wn
-    if PF_LINES > 0:  # the first K tiles of this strip into L2 while the previous kernel finishes
-        cols = tl.minimum(tl.arange(0, PF_LINES) * 64, K - 1)[None, :]
-        rows_ok = tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_ptr + rows_ok + cols],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-        if GLU:
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [w_ptr + rows_ok + N.to(tl.int64) * stride_wn + cols],
-                                      dtype=tl.int32, is_pure=False, pack=1)
     pdl_enter(USE_PDL)
     x_col = x_ptr + m[None, :] * stride_xm  # x^T tile [BLOCK_K, MPAD]
     acc = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
@@ -131,12 +120,6 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
     out = y_ptr + m[None, :] * stride_ym + n[:, None]
     pdl_trigger(USE_PDL)
     tl.store(out, acc.to(dt), mask=(m[None, :] < M) & (n[:, None] < N))
-
-
-def _pf_lines(bk: int, x: torch.Tensor) -> int:
-    if launch.GEMM_PF <= 0 or x.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return 0
-    return triton.next_power_of_2(launch.GEMM_PF * bk * x.element_size() // 128)
 
 
 def _ieee(w: torch.Tensor) -> bool:
@@ -214,7 +197,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     _dot_kernel[(triton.cdiv(N, bn),)](x, w, b, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=bn,
                                        BLOCK_K=bk, MPAD=16 if M <= 16 else 32, EVEN=N % bn == 0 and K % bk == 0,
                                        **flags, IEEE=_ieee(w), num_warps=warps, num_stages=stages,
-                                       PF_LINES=_pf_lines(bk, x), **launch_kwargs(x))
+                                       **launch_kwargs(x))
     return y
 
 
