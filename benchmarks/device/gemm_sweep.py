@@ -151,6 +151,7 @@ class Sweep:
         (with taps) and the draft block at batch 1; default (fused) path."""
         rl = self.roofline_run()
         from flashdraft.attention.triton_paged import TritonAttention
+        from flashdraft.engine.sampler import greedy_tokens
         from flashdraft.models.transformer import fused_mode
 
         target, drafter = rl.target, rl.drafter
@@ -165,12 +166,12 @@ class Sweep:
             if kind == "draft":
                 def fn(g, attn=attn, S=S):
                     h = drafter(target.embed_tokens(g.input_ids), g.positions, rl.dkv, attn, g.meta)
-                    return target.compute_logits(h.view(S, B, -1)[:, 1:], float32=False).argmax(-1)
+                    return greedy_tokens(target.compute_logits(h.view(S, B, -1)[:, 1:], float32=False))
             else:
                 def fn(g, attn=attn, kind=kind):
                     hidden, tapped = target(g.input_ids, g.positions, rl.tkv, attn, g.meta,
                                             taps if kind == "verify" else ())
-                    return target.compute_logits(hidden, float32=False).argmax(-1), tapped
+                    return greedy_tokens(target.compute_logits(hidden, float32=False)), tapped
             try:
                 with fused_mode("on"):
                     g = rl.graph(fn, S, q, attn, causal=kind != "draft")

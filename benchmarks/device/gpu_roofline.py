@@ -55,6 +55,7 @@ from flashdraft.attention.base import AttentionBatch, DeviceMeta  # noqa: E402
 from flashdraft.attention.torch_ref import StaticTorchAttention, TorchAttention  # noqa: E402
 from flashdraft.engine.graphs import StepGraph  # noqa: E402
 from flashdraft.engine.model_runner import kv_bytes_per_token  # noqa: E402
+from flashdraft.engine.sampler import greedy_tokens  # noqa: E402
 from flashdraft.models.dflash_draft import DFlashDraftModel  # noqa: E402
 from flashdraft.models.launch import pdl_mode  # noqa: E402
 from flashdraft.models.transformer import DecoderLM, fused_mode, gemm_mode  # noqa: E402
@@ -161,6 +162,32 @@ def nbytes(module: torch.nn.Module) -> int:
 
 def attn_flops(n_layers: int, n_heads: int, head_dim: int, rows: int, keys: int) -> float:
     return 4.0 * n_layers * n_heads * head_dim * rows * keys  # q k^T and p v
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _accept_triton():
+    """The DFlash step's acceptance as one Triton kernel, program per sequence: accepted = leading
+    drafts equal to the target's tokens; the context slots past the accepted rows set to -1; the
+    next draft block's first token = the target's token after the accepted prefix."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _accept_kernel(drafts_ptr, tokens_ptr, full_slots_ptr, slots_ptr, next_ptr, B: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        s = tl.program_id(0)
+        j = tl.arange(0, BLOCK)
+        d = tl.load(drafts_ptr + s * (B - 1) + j, mask=j < B - 1, other=-1)
+        t = tl.load(tokens_ptr + s * B + j, mask=j < B, other=-2)
+        accepted = tl.min(tl.where((j >= B - 1) | (d != t), j, B - 1), 0)  # the first mismatch, or B - 1
+        full = tl.load(full_slots_ptr + s * B + j, mask=j < B, other=-1)
+        tl.store(slots_ptr + s * B + j, tl.where(j <= accepted, full, -1), mask=j < B)
+        tl.store(next_ptr + s * B, tl.sum(tl.where(j == accepted, t, 0), 0))
+
+    return _accept_kernel
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -399,7 +426,7 @@ class Roofline:
 
         def fn(g):
             hidden, _ = target(g.input_ids, g.positions, self.tkv, attn, g.meta)
-            return target.compute_logits(hidden, float32=False).argmax(-1), hidden  # greedy, as the engine
+            return greedy_tokens(target.compute_logits(hidden, float32=False)), hidden  # greedy, as the engine
 
         g = self.graph(fn, S, 1, attn)
         tokens, hidden = g.replay()
@@ -428,7 +455,7 @@ class Roofline:
             with torch.inference_mode():
                 attn.prepare(batch, self.dev)
                 hidden, _ = self.target(inp["input_ids"], inp["positions"], self.tkv, attn, batch)
-                return self.target.compute_logits(hidden, float32=False).argmax(-1)
+                return greedy_tokens(self.target.compute_logits(hidden, float32=False))
 
         row = self.clock.time(step, warmup=2, max_iters=30)
         row["tok_s"] = S / (row["ms"] / 1e3)
@@ -461,8 +488,10 @@ class Roofline:
                 self.free()
 
     def _dflash_one(self, cls, S: int) -> dict:
-        """Graphs per part; the whole step adds the eager glue between them (drafts into the verify
-        input, acceptance, context slots of the accepted rows, taps), all on the device."""
+        """Graphs per part; the whole step adds the glue between them, on the device: the drafts
+        copied into the verify input, then (on CUDA one Triton kernel, else torch ops) acceptance,
+        the context slots of the accepted rows and the next block's first token. The context
+        graph reads the taps where the captured verify left them."""
         B, H = self.block, self.tcfg.hidden_size
         taps = tuple(self.spec.target_layer_ids)
         target, drafter = self.target, self.drafter
@@ -470,11 +499,12 @@ class Roofline:
 
         def draft_fn(g):
             h = drafter(target.embed_tokens(g.input_ids), g.positions, self.dkv, da, g.meta)
-            return target.compute_logits(h.view(S, B, -1)[:, 1:], float32=False).argmax(-1)  # [S, B-1], as the engine
+            # [S, B-1], as the engine
+            return greedy_tokens(target.compute_logits(h.view(S, B, -1)[:, 1:], float32=False))
 
         def verify_fn(g):
             hidden, tapped = target(g.input_ids, g.positions, self.tkv, va, g.meta, taps)
-            return target.compute_logits(hidden, float32=False).argmax(-1), tapped  # greedy, as the engine
+            return greedy_tokens(target.compute_logits(hidden, float32=False)), tapped  # greedy, as the engine
 
         def context_fn(g):
             drafter.write_context(g.extra["taps"], g.positions, self.dkv, ca, g.meta)
@@ -482,25 +512,30 @@ class Roofline:
         gd = self.graph(draft_fn, S, B, da, causal=False)
         gd.input_ids.view(S, B)[:, 1:].fill_(self.spec.mask_token_id)
         gv = self.graph(verify_fn, S, B, va)
-        tap_buf = torch.zeros(S * B, len(taps) * H, device=self.dev, dtype=self.dtype)
+        # a captured verify leaves its taps in a static buffer: the context graph reads them there
+        tap_buf = gv.outputs[1] if self.cuda else torch.zeros(S * B, len(taps) * H, device=self.dev, dtype=self.dtype)
         gc = self.graph(context_fn, S, B, ca, extra={"taps": tap_buf})
         full_slots = gc.meta.slot_mapping.clone()
         ar = torch.arange(B, device=self.dev)
+        accept = _accept_triton() if self.cuda else None
 
         def step():
             with torch.inference_mode():
                 drafts = gd.replay()
                 gv.input_ids.view(S, B)[:, 1:].copy_(drafts)
                 tokens, tapped = gv.replay()
-                t = tokens.view(S, B)
-                accepted = (drafts == t[:, : B - 1]).int().cumprod(-1).sum(-1)  # [S]
-                keep = (ar[None, :] <= accepted[:, None]).flatten()
-                gc.meta.slot_mapping.copy_(torch.where(keep, full_slots, -1))
-                tap_buf.copy_(tapped)
+                if accept is not None:  # one kernel: the torch ops below, fused
+                    accept[(S,)](drafts, tokens, full_slots, gc.meta.slot_mapping, gd.input_ids, B=B,
+                                 BLOCK=triton_next_pow2(B))
+                else:
+                    t = tokens.view(S, B)
+                    accepted = (drafts == t[:, : B - 1]).int().cumprod(-1).sum(-1)  # [S]
+                    keep = (ar[None, :] <= accepted[:, None]).flatten()
+                    gc.meta.slot_mapping.copy_(torch.where(keep, full_slots, -1))
+                    tap_buf.copy_(tapped)
+                    # the next draft starts from the target's token after the accepted prefix
+                    gd.input_ids.view(S, B)[:, 0].copy_(t.gather(1, accepted[:, None].long())[:, 0])
                 gc.replay()
-                # the next draft starts from the target's token after the accepted prefix
-                gd.input_ids.view(S, B)[:, 0].copy_(t.gather(1, accepted[:, None].long())[:, 0])
-                return accepted
 
         parts = {"draft": gd.replay, "verify": gv.replay, "context": gc.replay, "step": step}
         return {part: self.clock.time(fn) for part, fn in parts.items()}

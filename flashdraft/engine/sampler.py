@@ -73,10 +73,22 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> argmax over V: on the fused GPU path one Triton program per row
+    (flashdraft/models/fused.py), else torch's argmax. Both break ties to the lowest id."""
+    from flashdraft.models.transformer import fused_enabled
+
+    if logits.numel() and fused_enabled(logits):
+        from flashdraft.models import fused
+
+        return fused.argmax(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """logits [N, V] float32 (or, when every row is greedy, any float dtype: the argmax of the
     model-dtype logits is the argmax of their exact float32 upcast) -> token ids [N] int64."""
-    greedy = logits.argmax(dim=-1)
+    greedy = greedy_tokens(logits)
     if sb.all_greedy:
         return greedy
     filtered = filter_logits(logits, sb.temperature, sb.top_k, sb.top_p)

@@ -24,7 +24,7 @@ import torch
 
 from flashdraft.attention.base import AttentionBatch
 from flashdraft.engine.model_runner import make_backend
-from flashdraft.engine.sampler import sample
+from flashdraft.engine.sampler import greedy_tokens, sample
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.loader import load_weights
@@ -214,11 +214,11 @@ class DFlashSpeculator:
             hidden = self.drafter(embed(ids), pos, self.kv, self.attn, batch)
         hidden = hidden.view(len(seqs), B, -1)[:, 1:]
         if self.drafter.lm_head is not None:
-            draft = self.drafter.lm_head(hidden).argmax(-1)
+            draft = greedy_tokens(self.drafter.lm_head(hidden))
             if self.drafter.d2t is not None:
                 draft = draft + self.drafter.d2t[draft]
         else:
-            draft = eng.runner.model.compute_logits(hidden, float32=False).argmax(-1)  # no float32 copy
+            draft = greedy_tokens(eng.runner.model.compute_logits(hidden, float32=False))  # no float32 copy
         if self.poison_rejected:  # the block's scratch K/V must never be read again
             self._poison(self.k_cache, self.v_cache, batch.slot_mapping)
         return draft  # [S, B-1] on the device

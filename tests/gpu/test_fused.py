@@ -325,3 +325,25 @@ def test_engine_tokens_match_torch_path(tiny_qwen3, tmp_path, monkeypatch, with_
     if with_drafter:
         assert llm.engine.spec_totals()["num_drafts"] > 0
         assert drafts == want_drafts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n", [(1, 100), (16, 5000), (3, 2048), (2, 4097)])
+def test_argmax(rows, n, dtype):
+    """fused.argmax against torch.argmax: ties (bf16 has many) to the lowest index, rows whose
+    maximum sits in the first, a middle or the last entry; the sampler's greedy path through it."""
+    from flashdraft.engine.sampler import greedy_tokens
+
+    g = torch.Generator().manual_seed(rows * n)
+    x = randn(rows, n, dtype=dtype, gen=g, scale=3.0)
+    x[:, n // 2:] = x[:, : n - n // 2]  # every value twice: the first copy must win
+    x[0, -1] = 100.0
+    if rows > 1:
+        x[1, 0] = 100.0
+    want = x.argmax(-1)
+    assert torch.equal(fused.argmax(x), want)
+    assert torch.equal(fused.argmax(x.t().contiguous().t()), want)  # strided rows
+    with fused_mode("on"):
+        assert torch.equal(greedy_tokens(x.view(rows, 1, n)), want.view(rows, 1))
+    with pytest.raises(ValueError, match="argmax takes"):
+        fused.argmax(x.view(-1))
