@@ -10,9 +10,9 @@ from flashdraft.attention.torch_ref import TorchAttention
 from flashdraft.config import EngineConfig
 from flashdraft.engine.block_manager import BlockManager
 from flashdraft.engine.graphs import StepGraph
-from flashdraft.engine.sampler import SamplingBatch
+from flashdraft.engine.sampler import SamplingBatch, greedy_tokens
 from flashdraft.engine.sequence import Sequence
-from flashdraft.models.transformer import DecoderLM
+from flashdraft.models.transformer import DecoderLM, fused_enabled
 
 
 def make_backend(name: str) -> AttentionBackend:
@@ -73,6 +73,10 @@ class ModelRunner:
 
             compile_variants(cfg.num_attention_heads, cfg.num_key_value_heads, model.head_dim, self.block_size,
                              dtype, device)
+        with torch.inference_mode():  # the sampler's greedy kernels, both logits dtypes
+            if device.type == "cuda" and fused_enabled(self.k_cache):
+                for dt in {dtype, torch.float32}:
+                    greedy_tokens(torch.zeros(1, cfg.vocab_size, device=device, dtype=dt))
 
     def build_batch(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
                     causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:

@@ -55,15 +55,18 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter):
 
 @pytest.mark.skipif(INTERPRET, reason="counts compiled kernels")
 def test_serving_compiles_no_attention_kernel_after_start(tiny_llama, tmp_path):
-    """Every attention variant a step can pick is compiled when the engine starts: prefill chunks of
-    every length, mixed prefill + decode steps and batches of 1 to 12 then launch no compile."""
+    """Every attention, greedy-argmax and embedding variant a step can pick is compiled when the
+    engine starts: prefill chunks of every length, mixed prefill + decode steps and batches of 1 to
+    12 then launch no compile."""
     from fixtures import build_random_drafter
 
     from flashdraft import LLM, SamplingParams
     from flashdraft.attention import triton_paged
+    from flashdraft.models import fused
 
     def variants() -> int:
-        return sum(len(c[0]) for fn in (triton_paged._attn_kernel, triton_paged._reduce_kernel)
+        return sum(len(c[0]) for fn in (triton_paged._attn_kernel, triton_paged._reduce_kernel,
+                                        fused._argmax_part_kernel, fused._argmax_final_kernel, fused._embedding_kernel)
                    for c in fn.device_caches.values())
 
     draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
