@@ -216,7 +216,9 @@ class DFlashSpeculator:
             tokens = self._draft_tokens(self.drafter(embed(ids), pos, self.kv, self.attn, batch))
         if self.poison_rejected:  # the block's scratch K/V must never be read again
             self._poison(self.k_cache, self.v_cache, batch.slot_mapping)
-        return tokens.view(len(seqs), B)[:, 1:]  # [S, B-1] on the device
+        # a copy: the graphs share one memory pool, and the verify graph, captured first, may reuse
+        # the draft graph's output memory for its temporaries (read after the verify: the host copy)
+        return tokens.view(len(seqs), B)[:, 1:].clone()  # [S, B-1] on the device
 
     def _draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy token of every draft-block row [T, H] -> [T] (row 0 of a block, x_start's, is

@@ -19,10 +19,32 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 
 
 @pytest.mark.parametrize("with_drafter", [False, True])
-def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter):
+def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, monkeypatch):
+    """Same tokens and, with a drafter, the same acceptance counts; and in every step the drafts the
+    host reads back (to count acceptance) are the drafts the verify was fed: graphs share one memory
+    pool, so a graph output read after a later replay can be overwritten."""
     from fixtures import build_random_drafter
 
     from flashdraft import LLM, SamplingParams
+    from flashdraft.spec.dflash import DFlashSpeculator
+
+    fed, checked = {}, []
+    real_input, real_tokens = DFlashSpeculator._verify_input, DFlashSpeculator._target_tokens
+
+    def verify_input(self, plans, drafting):
+        ids, tokens, draft_t = real_input(self, plans, drafting)
+        fed["ids"] = ids.tolist()
+        return ids, tokens, draft_t
+
+    def target_tokens(self, plans, hidden, draft_t, drafting):
+        out = real_tokens(self, plans, hidden, draft_t, drafting)
+        for p in drafting:
+            assert p.drafts == fed["ids"][p.row + 1: p.row + p.n]
+            checked.append(len(p.drafts))
+        return out
+
+    monkeypatch.setattr(DFlashSpeculator, "_verify_input", verify_input)
+    monkeypatch.setattr(DFlashSpeculator, "_target_tokens", target_tokens)
 
     draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)) if with_drafter else None
     # 3 then 2 then 1 running sequences (buckets 4, 2, 1, padded), prompts of different lengths
@@ -50,7 +72,8 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter):
     assert kinds == ({"target", "draft"} if with_drafter else {"target"}), runner.graphs.keys()
     assert {key[1] for key in runner.graphs} >= {1, 2, 4}
     if with_drafter:
-        assert graphed.engine.spec_totals()["num_drafts"] > 0
+        assert graphed.engine.spec_totals()["num_drafts"] > 0 and checked
+        assert graphed.engine.spec_totals() == eager.engine.spec_totals()
 
 
 @pytest.mark.skipif(INTERPRET, reason="counts compiled kernels")
