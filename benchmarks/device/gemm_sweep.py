@@ -166,7 +166,7 @@ class Sweep:
             if kind == "draft":
                 def fn(g, attn=attn, S=S):
                     h = drafter(target.embed_tokens(g.input_ids), g.positions, rl.dkv, attn, g.meta)
-                    return greedy_tokens(target.compute_logits(h, float32=False)).view(S, B)[:, 1:]
+                    return greedy_tokens(target.compute_logits(h.view(S, B, -1)[:, 1:], float32=False))
             else:
                 def fn(g, attn=attn, kind=kind):
                     hidden, tapped = target(g.input_ids, g.positions, rl.tkv, attn, g.meta,

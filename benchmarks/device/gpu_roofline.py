@@ -499,8 +499,8 @@ class Roofline:
 
         def draft_fn(g):
             h = drafter(target.embed_tokens(g.input_ids), g.positions, self.dkv, da, g.meta)
-            # [S, B-1], as the engine's draft graph: every block row through the head, row 0 dropped
-            return greedy_tokens(target.compute_logits(h, float32=False)).view(S, B)[:, 1:]
+            # [S, B-1], as the engine
+            return greedy_tokens(target.compute_logits(h.view(S, B, -1)[:, 1:], float32=False))
 
         def verify_fn(g):
             hidden, tapped = target(g.input_ids, g.positions, self.tkv, va, g.meta, taps)

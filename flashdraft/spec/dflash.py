@@ -108,9 +108,7 @@ class DFlashSpeculator:
         self.stats = SpecStats(self.num_draft)
         self.poison_rejected = False  # tests: fill every slot a rejected draft touched with NaN
         embed = drafter.embed_tokens or runner.model.embed_tokens
-        # the draft graph ends with the greedy token of every block row: no eager lm_head or argmax
-        self._draft_step = lambda g: self._draft_tokens(
-            self.drafter(embed(g.input_ids), g.positions, self.kv, self.attn, g.meta))
+        self._draft_step = lambda g: self.drafter(embed(g.input_ids), g.positions, self.kv, self.attn, g.meta)
         n = engine.config.max_num_seqs
         runner.capture_graphs(("target", self.tap_layers), self.num_draft + 1, True, runner.attn,
                               runner.target_step(self.tap_layers), n)
@@ -209,26 +207,21 @@ class DFlashSpeculator:
         out = None if self.poison_rejected else eng.runner.graphed(
             ("draft",), seqs, blocks, eng.block_manager, False, self.attn, self._draft_step)
         if out is not None:
-            tokens = out[0]
+            hidden = out[0]
         else:
             ids, pos, batch = eng.runner.build_batch(seqs, blocks, eng.block_manager, causal=False)
             self.attn.prepare(batch, eng.device)
-            tokens = self._draft_tokens(self.drafter(embed(ids), pos, self.kv, self.attn, batch))
-        if self.poison_rejected:  # the block's scratch K/V must never be read again
-            self._poison(self.k_cache, self.v_cache, batch.slot_mapping)
-        # a copy: the graphs share one memory pool, and the verify graph, captured first, may reuse
-        # the draft graph's output memory for its temporaries (read after the verify: the host copy)
-        return tokens.view(len(seqs), B)[:, 1:].clone()  # [S, B-1] on the device
-
-    def _draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Greedy token of every draft-block row [T, H] -> [T] (row 0 of a block, x_start's, is
-        computed too and dropped: one row more through a memory-bound head costs nothing)."""
+            hidden = self.drafter(embed(ids), pos, self.kv, self.attn, batch)
+        hidden = hidden.view(len(seqs), B, -1)[:, 1:]
         if self.drafter.lm_head is not None:
             draft = greedy_tokens(self.drafter.lm_head(hidden))
             if self.drafter.d2t is not None:
                 draft = draft + self.drafter.d2t[draft]
-            return draft
-        return greedy_tokens(self.engine.runner.model.compute_logits(hidden, float32=False))  # no float32 copy
+        else:
+            draft = greedy_tokens(eng.runner.model.compute_logits(hidden, float32=False))  # no float32 copy
+        if self.poison_rejected:  # the block's scratch K/V must never be read again
+            self._poison(self.k_cache, self.v_cache, batch.slot_mapping)
+        return draft  # [S, B-1] on the device
 
     def _target_tokens(self, plans: list[_Plan], hidden: torch.Tensor, draft_t: torch.Tensor | None,
                        drafting: list[_Plan]) -> dict[int, list[int]]:
