@@ -74,8 +74,8 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits [..., V] -> argmax over V: on the fused GPU path one Triton program per row
-    (flashdraft/models/fused.py), else torch's argmax. Both break ties to the lowest id."""
+    """logits [..., V] -> argmax over V: on the fused GPU path the two Triton kernels of
+    fused.argmax (flashdraft/models/fused.py), else torch's argmax. Both break ties to the lowest id."""
     from flashdraft.models.transformer import fused_enabled
 
     if logits.numel() and fused_enabled(logits):

@@ -306,7 +306,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rmsnorm(x + residual), x + residual), the sum rounded to x's dtype first, as

@@ -3,19 +3,23 @@
 A decode step is ~330 kernels in a row, each waiting for the one before. Launched with PDL, a kernel
 may be scheduled while its predecessor is still running: every kernel here waits
 (griddepcontrol.wait) until its predecessor has finished and its writes are visible before touching
-memory, and signals (griddepcontrol.launch_dependents) that its own successor may be scheduled
-once its main loop is done and only its stores are left. What overlaps is the launch and block
-scheduling of the next kernel, not any data access, so results are unchanged. Kernels of other libraries launched in
-between (cuBLAS, torch) neither signal nor carry the launch attribute, and order as usual.
+memory the step writes, and signals (griddepcontrol.launch_dependents) that its own successor may
+be scheduled once its main loop is done and only its stores are left. What overlaps is the launch
+and block scheduling of the next kernel, and one read: paged attention fetches the metadata and the
+K/V cached by earlier steps (memory no kernel of the step writes) before its wait, and
+qk_norm_rope_store, its predecessor, signals at its start so that this fetch overlaps it. Results
+are unchanged. Kernels of other libraries launched in between (cuBLAS, torch) neither signal nor
+carry the launch attribute, and order as usual.
 
 FLASHDRAFT_PDL=auto (default: on for CUDA devices of compute capability >= 9 when this Triton has
 grid dependency control) or off. CUDA graphs record the launches with the attribute. Measured on
 an H100 (benchmarks/device/gpu_roofline.py, Qwen3-8B shape, RESULTS section 5): it made a one-row
 decode 2% faster (6.07 -> 5.95 ms) and the batch-1 DFlash step 1% (7.89 -> 7.80 ms). Two variants
 measured worse and are gone: signalling at the start of each kernel (one-row decode 3% faster than
-without PDL, but the 16-row verify 7% slower) and prefetching each GEMM strip's first weight lines
-into L2 before the wait (against the signal before the stores alone: batch-8 decode 9% slower, the
-step 10%)."""
+without PDL, but the 16-row verify 7% slower; at the start of add_rmsnorm and the split-K merge
+alone, the step 2% slower) and prefetching each GEMM strip's first weight lines into L2 before the
+wait (against the signal before the stores alone: batch-8 decode 9% slower, the step 10%; one or
+two K tiles only: no gain)."""
 
 from __future__ import annotations
 
