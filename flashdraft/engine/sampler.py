@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashdraft.models.transformer import fused_enabled
+
 _M32 = 0xFFFFFFFF
 
 
@@ -76,8 +78,6 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits [..., V] -> argmax over V: on the fused GPU path the two Triton kernels of
     fused.argmax (flashdraft/models/fused.py), else torch's argmax. Both break ties to the lowest id."""
-    from flashdraft.models.transformer import fused_enabled
-
     if logits.numel() and fused_enabled(logits):
         from flashdraft.models import fused
 

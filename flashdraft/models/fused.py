@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdraft.attention.triton_paged import _sm_count
 from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 SILU_BLOCK = 1024  # columns per silu_mul program
@@ -293,8 +294,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if rows and not n:
         raise ValueError("argmax of an empty row")
     if rows:
-        from flashdraft.attention.triton_paged import _sm_count
-
         parts = max(1, min(ARGMAX_MAX_PARTS, -(-2 * _sm_count(x.device) // rows), -(-n // ARGMAX_BLOCK)))
         chunk = -(-n // parts)
         parts = -(-n // chunk)
