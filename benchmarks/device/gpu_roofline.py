@@ -164,10 +164,6 @@ def attn_flops(n_layers: int, n_heads: int, head_dim: int, rows: int, keys: int)
     return 4.0 * n_layers * n_heads * head_dim * rows * keys  # q k^T and p v
 
 
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def _accept_triton():
     """The DFlash step's acceptance as one Triton kernel, program per sequence: accepted = leading
     drafts equal to the target's tokens; the context slots past the accepted rows set to -1; the
@@ -526,7 +522,7 @@ class Roofline:
                 tokens, tapped = gv.replay()
                 if accept is not None:  # one kernel: the torch ops below, fused
                     accept[(S,)](drafts, tokens, full_slots, gc.meta.slot_mapping, gd.input_ids, B=B,
-                                 BLOCK=triton_next_pow2(B))
+                                 BLOCK=1 << (B - 1).bit_length())
                 else:
                     t = tokens.view(S, B)
                     accepted = (drafts == t[:, : B - 1]).int().cumprod(-1).sum(-1)  # [S]
