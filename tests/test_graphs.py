@@ -4,8 +4,10 @@ bucket larger than the real batch. On CPU the step runs eagerly over the graph's
 
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 
+import pytest
 import torch
 from fixtures import tiny_config
 
@@ -119,3 +121,110 @@ def test_step_graph_draft_block_matches_eager():
                       attn=[attn])
     got = graph.capture().run(**inputs)
     assert (got[: len(seqs) * B] - want).abs().max() < 1e-4
+
+
+def _graphed_llm(model: str, kw: dict):
+    """An LLM whose steps go through the graph runner (CPU: eager replays of the static buffers,
+    static torch attention), and a counter of replays per graph kind."""
+    from flashdraft import LLM
+
+    llm = LLM(model, **kw)
+    runner, sp = llm.engine.runner, llm.engine.spec
+    runner.attn, sp.attn = StaticTorchAttention(), StaticTorchAttention()
+    runner.use_graphs = True
+    sp.capture_graphs()
+    replays = Counter()
+    for key, g in runner.graphs.items():
+        def counted(key=key[0][0], replay=g.replay):
+            replays[key] += 1
+            return replay()
+        g.replay = counted
+    return llm, replays
+
+
+@pytest.mark.parametrize("num_spec,pause", [(None, None), (2, None), (None, 3)])
+def test_graphed_dflash_step_matches_eager_engine(tiny_llama, tmp_path, monkeypatch, num_spec, pause):
+    """The engine's DFlash step as one graph (draft, drafts into the verify input, verify with
+    taps, context write; on CPU replayed eagerly over the same static buffers) commits the tokens
+    and acceptance counts of the eager step. Drafts come from an oracle that goes wrong at a
+    different slot per request, so every acceptance length occurs; with 2 of 3 drafts verified
+    the verify metadata is derived inside the graph; with pausing, steps without drafts replay
+    the decode-plus-context graph."""
+    from fixtures import build_random_drafter
+
+    from flashdraft import LLM
+    from flashdraft.spec.dflash import DFlashSpeculator
+
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200], [9, 8]]
+    lens = [9, 30, 24, 17, 26]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lens]
+    kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8)
+    ref = LLM(str(tiny_llama), draft=None, **kw).generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    futures = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
+    B = 4
+    wrong_at = {tuple(p): i % B for i, p in enumerate(prompts)}
+    current: list = []
+    real_forward = DFlashSpeculator._forward
+
+    def forward(self, plans):
+        current[:] = [p.seq for p in plans if p.verify]
+        return real_forward(self, plans)
+
+    def oracle(self, hidden, num_seqs):
+        rows = []
+        for s in current:
+            prompt = tuple(s.token_ids[: s.num_prompt_tokens])
+            k, j = s.num_output_tokens, wrong_at[prompt]
+            d = (futures[prompt][k: k + B - 1] + [0] * B)[: B - 1]
+            rows.append([t if i < j else (t + 1) % 300 + 3 for i, t in enumerate(d)])
+        rows += [[0] * (B - 1)] * (num_seqs - len(rows))  # a graph bucket's padding sequences
+        return torch.tensor(rows, dtype=torch.long, device=hidden.device)
+
+    monkeypatch.setattr(DFlashSpeculator, "_forward", forward)
+    monkeypatch.setattr(DFlashSpeculator, "_draft_tokens", oracle)
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=B))
+    kw.update(draft=draft, num_speculative_tokens=num_spec, speculative_disable_batch_size=pause)
+    eager = LLM(str(tiny_llama), **kw)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    assert want == [o.token_ids[:n] for o, n in zip(ref, lens)]
+
+    graphed, replays = _graphed_llm(str(tiny_llama), kw)
+    outs = graphed.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert graphed.engine.spec_totals() == eager.engine.spec_totals()
+    assert replays["dflash"] > 0 and (replays["decode"] > 0) == (pause is not None), replays
+    if pause is None:  # request i's drafts go wrong at slot i % B: it accepts exactly that many
+        for p, o in zip(prompts, outs):
+            h = o.metrics["acceptance_histogram"]
+            j = min(wrong_at[tuple(p)], len(h) - 1)
+            assert sum(h) == o.metrics["num_drafts"] > 0 and h[j] == sum(h), (j, h)
+
+
+@pytest.mark.parametrize("num_spec", [None, 2])
+def test_graphed_dflash_step_drafts_like_eager(tiny_llama, tmp_path, monkeypatch, num_spec):
+    """With a real (random) drafter the graphed step feeds the verify the drafts of the eager
+    step, step for step: the context K/V the graph writes is the context the eager step writes."""
+    from fixtures import build_random_drafter
+
+    from flashdraft import LLM
+    from flashdraft.spec.dflash import DFlashSpeculator
+
+    fed: list = []
+    real_accept = DFlashSpeculator._accept
+
+    def accept(self, plans, ids, toks):
+        fed.append([ids[p.row + 1: p.row + p.n].tolist() for p in plans if p.verify])
+        return real_accept(self, plans, ids, toks)
+
+    monkeypatch.setattr(DFlashSpeculator, "_accept", accept)
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
+    kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8,
+              draft=draft, num_speculative_tokens=num_spec)
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (8, 20, 14)]
+    want = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(prompts, params)]
+    want_fed, fed[:] = list(fed), []
+    graphed, replays = _graphed_llm(str(tiny_llama), kw)
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
+    assert replays["dflash"] > 0
+    assert fed == want_fed

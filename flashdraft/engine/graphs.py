@@ -11,9 +11,11 @@ eagerly over the same buffers, so everything here is testable without a GPU.
 
 Padding: sequences past the real ones get seq_len 0 and no rows, rows past the real ones get slot
 -1 (not stored); their outputs are garbage (zeros from the attention backends, whatever the layers
-make of that). The attention backends named in `attn` get `set_meta(g.meta)` before every eager
-call and just before capture (outside it), so index tensors that a backend derives from the meta
-at its first forward are part of the graph and follow the buffers on every replay."""
+make of that). The attention backends named in `attn` get `set_meta(g.meta)` (or, given as a
+(backend, meta) pair, that meta: a step that runs two attention kinds, like the DFlash draft and
+verify, gives each backend its own) before every eager call and just before capture (outside it),
+so index tensors that a backend derives from the meta at its first forward are part of the graph
+and follow the buffers on every replay."""
 
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class StepGraph:
             max_query_len=q_len, max_seq_len=max_seq_len or max_blocks * block_size, block_size=block_size,
             causal=causal)
         self.extra = dict(extra or {})
+        self.aux: dict[str, Any] = {}  # anything else a step function keeps with its buffers
         self.attn = list(attn)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Any = None
@@ -58,7 +61,8 @@ class StepGraph:
 
     def _install(self) -> None:
         for a in self.attn:
-            a.set_meta(self.meta)
+            backend, meta = a if isinstance(a, tuple) else (a, self.meta)
+            backend.set_meta(meta)
 
     def _call(self) -> Any:
         with torch.inference_mode():

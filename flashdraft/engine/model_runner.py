@@ -113,16 +113,33 @@ class ModelRunner:
             (hidden, taps), qsl = out
             return hidden, taps, qsl
         ids, positions, batch = self.build_batch(seqs, tokens, bm)
-        input_ids = ids if input_ids is None else input_ids
-        self.attn.prepare(batch, self.device)
-        hidden, taps = self.model(input_ids, positions, self.kv, self.attn, batch, tap_layers)
+        hidden, taps = self.run(ids if input_ids is None else input_ids, positions, batch, tap_layers)
         return hidden, taps, batch.query_start_loc
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+            tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target eagerly over a built batch (build_batch): final hidden and taps."""
+        self.attn.prepare(batch, self.device)
+        return self.model(input_ids, positions, self.kv, self.attn, batch, tap_layers)
 
     def graphed(self, key: tuple, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager, causal: bool,
                 attn: AttentionBackend, fn, input_ids: torch.Tensor | None = None) -> tuple | None:
         """Run fn(graph) through the captured graph of this step's shape (bucket of sequences x
         rows per sequence), capturing it on first use; None when the step is not graphable. The
         outputs (tensors or tuples of tensors, rows first) are cut to this step's rows."""
+        g = self.filled_graph(key, seqs, tokens, bm, causal, attn, fn, input_ids)
+        if g is None:
+            return None
+        out = g.replay()
+        q_len, n = len(tokens[0]), sum(len(t) for t in tokens)
+        cut = tuple(o[:n] if o is not None else None for o in out) if isinstance(out, tuple) else out[:n]
+        return cut, [i * q_len for i in range(len(seqs) + 1)]
+
+    def filled_graph(self, key: tuple, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
+                     causal: bool, attn, fn, input_ids: torch.Tensor | None = None, setup=None) -> StepGraph | None:
+        """The captured graph of this step's shape with the step's inputs and metadata copied into
+        its buffers, ready to replay; None when the step is not graphable (graphs off, ragged
+        rows, more sequences than the largest bucket). `setup` as in `_graph`."""
         q_len = len(tokens[0]) if tokens else 0
         if not self.use_graphs or not q_len or len(seqs) > self.max_graph_batch \
                 or any(len(t) != q_len for t in tokens):
@@ -138,46 +155,50 @@ class ModelRunner:
             slots.extend(table[i // bs] * bs + i % bs for i in range(start, start + q_len))
             seq_lens.append(start + q_len)
             tables.append(table)
-        g = self._graph(key, bucket, q_len, causal, attn, fn)
-        out = g.run(ids if input_ids is None else input_ids, pos, slots, seq_lens, tables)
-        n = len(ids)
-        cut = tuple(o[:n] if o is not None else None for o in out) if isinstance(out, tuple) else out[:n]
-        return cut, [i * q_len for i in range(len(seqs) + 1)]
+        g = self._graph(key, bucket, q_len, causal, attn, fn, setup)
+        g.fill(ids if input_ids is None else input_ids, pos, slots, seq_lens, tables)
+        return g
 
     def target_step(self, tap_layers: tuple[int, ...]):
         return lambda g: self.model(g.input_ids, g.positions, self.kv, self.attn, g.meta, tap_layers)
 
-    def _graph(self, key: tuple, bucket: int, q_len: int, causal: bool, attn: AttentionBackend, fn) -> StepGraph:
+    def _graph(self, key: tuple, bucket: int, q_len: int, causal: bool, attn, fn, setup=None) -> StepGraph:
+        """The graph of (key, bucket, q_len), captured on first use. setup(g), when given, runs
+        once before the capture: it adds what fn needs beyond the standard buffers."""
         g = self.graphs.get((key, bucket, q_len))
         if g is None:  # captured over a placeholder step: launch shapes depend on the bucket only
             g = StepGraph(fn, bucket, q_len, self.max_blocks, self.block_size, self.device, causal=causal,
                           max_seq_len=self.max_blocks * self.block_size, attn=[attn])
+            if setup is not None:
+                setup(g)
             n = bucket * q_len
             g.fill([0] * n, [0] * n, [-1] * n, [q_len] * bucket, [[0]] * bucket)
             g.capture(pool=self.graph_pool)
             self.graphs[(key, bucket, q_len)] = g
         return g
 
-    def capture_graphs(self, key: tuple, q_len: int, causal: bool, attn: AttentionBackend, fn, max_seqs: int) -> None:
+    def capture_graphs(self, key: tuple, q_len: int, causal: bool, attn, fn, max_seqs: int, setup=None) -> None:
         """Capture every bucket a step of up to max_seqs sequences can use, largest first (so
         smaller graphs reuse its memory pool), before serving: no capture stalls mid-run."""
         if not self.use_graphs:
             return
         bucket = 1 << (min(max_seqs, self.max_graph_batch) - 1).bit_length()
         while bucket >= 1:
-            self._graph(key, bucket, q_len, causal, attn, fn)
+            self._graph(key, bucket, q_len, causal, attn, fn, setup)
             bucket //= 2
 
     def sampling_batch(self, seqs: list[Sequence], positions: list[int]) -> SamplingBatch:
-        """One row per (seq, position) pair, in order."""
+        """One row per (seq, position) pair, in order. An all-greedy batch needs no tensors."""
         vocab = self.model.config.vocab_size
         dev = self.device
         temps = [s.params.temperature for s in seqs]
+        if not any(temps):
+            return SamplingBatch(None, None, None, None, None, all_greedy=True)
         return SamplingBatch(
             temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
             top_k=torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], device=dev),
             top_p=torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=dev),
             seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            all_greedy=all(t == 0 for t in temps),
+            all_greedy=False,
         )

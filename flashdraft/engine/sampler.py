@@ -44,13 +44,14 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> to
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling settings, one row per logits row."""
+    """Per-row sampling settings, one row per logits row; the tensors may be None when every row
+    is greedy (temperature 0), which takes the argmax alone."""
 
-    temperature: torch.Tensor  # [N] float32; 0 means greedy
-    top_k: torch.Tensor  # [N] int64; vocab size when disabled
-    top_p: torch.Tensor  # [N] float32
-    seeds: torch.Tensor  # [N] int64
-    positions: torch.Tensor  # [N] int64: position of the token being chosen
+    temperature: torch.Tensor | None  # [N] float32; 0 means greedy
+    top_k: torch.Tensor | None  # [N] int64; vocab size when disabled
+    top_p: torch.Tensor | None  # [N] float32
+    seeds: torch.Tensor | None  # [N] int64
+    positions: torch.Tensor | None  # [N] int64: position of the token being chosen
     all_greedy: bool
 
 

@@ -8,6 +8,8 @@ silu_mul, down GEMM. The DFlash context write of all drafter layers drops from ~
     embedding           weight[ids] (few rows: torch's index_select     (token, 1024 columns)
                         takes ~14 us for 16 rows on an H100, this ~2)
     argmax              greedy token of each logits row                 (row, part), then per row
+    accepted_lengths    DFlash acceptance: leading drafts equal to the    one program per request
+                        target's tokens (torch: eq, cast, cumprod, sum)
     add_rmsnorm         r = x + residual; weight * rmsnorm(r)            one program per row
     qk_norm_rope_store  packed qkv -> q (q_norm, RoPE) into a new tensor,  (token, group of heads)
                         K (k_norm, RoPE) and V straight into the cache
@@ -39,6 +41,7 @@ SILU_BLOCK = 1024  # columns per silu_mul program
 EMBED_BLOCK = 1024  # columns per embedding program
 ARGMAX_BLOCK = 1024  # entries per argmax step (lanes x values per lane)
 ARGMAX_MAX_PARTS = 64
+ACCEPT_BLOCK = 16  # draft slots per program at least: one compiled variant for blocks up to 17
 HEAD_TILE = 2048  # elements (heads x padded head_dim) per q/k/context program
 
 
@@ -92,6 +95,15 @@ def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, parts, BLOCK_P: tl.constexpr
     first = tl.min(tl.where(v == tl.max(v, 0), i, 2147483647), 0)
     pdl_trigger(USE_PDL)
     tl.store(out_ptr + row, tl.where(first == 2147483647, 0, first).to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["k"])
+def _accept_kernel(d_ptr, t_ptr, out_ptr, k, stride_d, stride_t, BLOCK: tl.constexpr):
+    s = tl.program_id(0)
+    j = tl.arange(0, BLOCK)
+    d = tl.load(d_ptr + s * stride_d + j, mask=j < k, other=-1)
+    t = tl.load(t_ptr + s * stride_t + j, mask=j < k, other=-2)
+    tl.store(out_ptr + s, tl.min(tl.where((j < k) & (d != t), j, k), 0).to(tl.int64))  # first mismatch, or k
 
 
 @triton.jit
@@ -302,6 +314,19 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         kw = launch_kwargs(x)
         _argmax_part_kernel[(rows, parts)](x, val, idx, n, chunk, x.stride(0), BLOCK=ARGMAX_BLOCK, num_warps=4, **kw)
         _argmax_final_kernel[(rows,)](val, idx, out, parts, BLOCK_P=ARGMAX_MAX_PARTS, num_warps=1, **kw)
+    return out
+
+
+def accepted_lengths(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """drafts [S, k], target [S, >= k] (integer ids, rows of unit stride) -> [S] int64: the
+    number of leading drafts equal to the target's token at the same column."""
+    S, k = drafts.shape
+    if drafts.stride(-1) != 1 or target.stride(-1) != 1:
+        drafts, target = drafts.contiguous(), target.contiguous()
+    out = torch.empty(S, device=drafts.device, dtype=torch.int64)
+    if S:
+        _accept_kernel[(S,)](drafts, target, out, k, drafts.stride(0), target.stride(0),
+                             BLOCK=max(ACCEPT_BLOCK, triton.next_power_of_2(k)), num_warps=1)
     return out
 
 

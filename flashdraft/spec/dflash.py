@@ -2,27 +2,34 @@
 
 1. schedule: a decoding request with speculation on asks for B slots (its last committed token,
    still without K/V, plus B-1 drafts); prefill chunks and plain requests ask as usual.
-2. propose: one non-causal drafter forward over `[x_start, MASK x (B-1)]` per drafting request,
-   attending to the context K/V of every committed position; argmax of slots 1..B-1.
+2. draft: one non-causal drafter forward over `[x_start, MASK x (B-1)]` per verifying request,
+   attending to the context K/V of every committed position; argmax of slots 1..B-1, written
+   straight into the verify's input ids on the device.
 3. verify: one causal target forward over everything scheduled, returning the tapped layers.
-4. accept: the target's token at every verify slot (same sampler as plain decoding, same
-   (seed, position) noise), a = leading matches, commit t_0..t_a one by one (stops end the
-   request exactly where plain decoding would).
-5. context: K/V of the positions committed this step go into the draft cache, from their taps;
-   target pages past the committed length are freed. Nothing of a rejected draft stays visible:
-   the target's rejected slots lie beyond `num_computed_tokens` and the draft block's scratch
-   slots lie beyond the context, and both are overwritten before they are next read.
+4. context: K/V of every verify row goes into the draft cache, from its taps. Rows of drafts
+   that turn out rejected are written too: they lie at or past the new committed length, where
+   the next draft block (B scratch slots) or verify rewrites them before anything reads them.
+5. accept, on the device: the target's token at every verify slot (same sampler as plain
+   decoding, same (seed, position) noise), a = leading drafts equal to the target's token one
+   slot earlier. The step's one device->host transfer reads every a and the tokens; the host
+   commits t_0..t_a one by one (stops end the request exactly where plain decoding would) and
+   frees target pages past the committed length.
+
+With CUDA graphs, a step where every request verifies (or every request decodes) replays steps
+2-4 as one graph over metadata built once for the step; ragged steps (prefill chunks beside
+verifies) run the same code eagerly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from flashdraft.attention.base import AttentionBatch
+from flashdraft.engine.graphs import StepGraph
 from flashdraft.engine.model_runner import make_backend
 from flashdraft.engine.sampler import greedy_tokens, sample
 from flashdraft.engine.sequence import Sequence
@@ -79,9 +86,9 @@ def load_speculator(draft: str | Path, engine: LLMEngine) -> DFlashSpeculator:
 @dataclass
 class _Plan:
     seq: Sequence
-    n: int  # tokens computed by the target this step
+    n: int  # rows the target computes this step
     row: int  # first row of this request in the flattened batch
-    drafts: list[int] | None  # set when this request verifies a block
+    verify: bool  # the rows are [x_start, d_1 .. d_{n-1}]: a draft block under verification
     accepted: int = 0  # leading drafts the target agreed with
 
 
@@ -105,19 +112,25 @@ class DFlashSpeculator:
         self.v_cache = torch.zeros(shape, device=engine.device, dtype=engine.dtype)
         self.kv = [(self.k_cache[i], self.v_cache[i]) for i in range(c.num_hidden_layers)]
         self.attn = make_backend(engine.runner.backend_name)
+        self.embed = drafter.embed_tokens or runner.model.embed_tokens
         self.stats = SpecStats(self.num_draft)
         self.poison_rejected = False  # tests: fill every slot a rejected draft touched with NaN
-        embed = drafter.embed_tokens or runner.model.embed_tokens
-        self._draft_step = lambda g: self.drafter(embed(g.input_ids), g.positions, self.kv, self.attn, g.meta)
-        n = engine.config.max_num_seqs
-        runner.capture_graphs(("target", self.tap_layers), self.num_draft + 1, True, runner.attn,
-                              runner.target_step(self.tap_layers), n)
-        runner.capture_graphs(("draft",), self.block_size, False, self.attn, self._draft_step, n)
         self.pause_at = engine.config.speculative_disable_batch_size
         self.paused = False  # this step decodes without drafts (too many requests running)
-        if self.pause_at is not None:  # paused steps: one row per request, taps still read
-            runner.capture_graphs(("target", self.tap_layers), 1, True, runner.attn,
-                                  runner.target_step(self.tap_layers), n)
+        with torch.inference_mode():  # the acceptance kernel is compiled now, not mid-serving
+            z = torch.zeros(1, self.num_draft + 1, dtype=torch.long, device=engine.device)
+            accepted_lengths(z[:, 1:], z)
+        self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """Capture before serving, at every batch bucket: the whole DFlash step (draft, drafts into
+        the verify input, verify, context write) as one graph, and, when speculation can pause,
+        the decode step that still writes the context."""
+        runner, n = self.engine.runner, self.engine.config.max_num_seqs
+        runner.capture_graphs(("dflash", self.tap_layers), self.block_size, False, self.attn, self._graph_step, n,
+                              setup=self._setup_graph)
+        if self.pause_at is not None:
+            runner.capture_graphs(("decode", self.tap_layers), 1, True, runner.attn, self._decode_step, n)
 
     # ---- public hooks used by the engine ----------------------------------------------------
     def totals(self) -> dict:
@@ -146,91 +159,147 @@ class DFlashSpeculator:
         eng.stats["num_preemptions"] += len(batch.preempted)
         if not batch.seqs:
             return []
-        plans, row = [], 0
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            decoding = seq.num_tokens - seq.num_computed_tokens == 1
-            plans.append(_Plan(seq, n, row, [] if decoding and n > 1 else None))
-            row += n
+        plans = []
         bm = eng.block_manager
-        for p in plans:  # the draft block spans B positions even when fewer are verified
-            if p.drafts is not None:
-                need = p.seq.num_computed_tokens + self.block_size
-                if bm.can_fit(p.seq.seq_id, need):
-                    bm.allocate(p.seq.seq_id, need)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            verify = seq.num_tokens - seq.num_computed_tokens == 1 and n > 1
+            if verify:  # the draft block spans B positions even when fewer are verified
+                need = seq.num_computed_tokens + self.block_size
+                if bm.can_fit(seq.seq_id, need):
+                    bm.allocate(seq.seq_id, need)
                 else:  # no page for the block: plain decoding for this request this step
-                    p.drafts, p.n = None, 1
+                    verify, n = False, 1
+            plans.append(_Plan(seq, n, 0, verify))
         row = 0
         for p in plans:
             p.row = row
             row += p.n
-        drafting = [p for p in plans if p.drafts is not None]
-        # drafts stay on the device: they are patched into the verify input there, and read back
-        # together with the target's tokens in the step's one device->host transfer
-        ids, tokens, draft_t = self._verify_input(plans, drafting)
-        hidden, taps, _ = eng.runner.forward(batch.seqs, tokens, eng.block_manager, self.tap_layers, input_ids=ids)
-        chosen = self._target_tokens(plans, hidden, draft_t, drafting)
-        for i, p in enumerate(plans):
-            if p.drafts is not None:
-                p.accepted = int(accepted_lengths(torch.tensor([p.drafts]), torch.tensor([chosen[i]]))[0])
-        self._write_context(plans, taps)
+        # drafts never leave the device: drafted, fed to the verify, compared with the target's
+        # tokens there; one device->host transfer reads the accepted lengths and the tokens
+        hidden, ids = self._forward(plans)
+        toks, owner = self._target_tokens(plans, hidden)
+        accepted = self._accept(plans, ids, toks)
+        host = [] if toks is None else (toks if accepted is None else torch.cat([accepted, toks])).tolist()
+        verifying = [p for p in plans if p.verify]
+        for p, a in zip(verifying, host):
+            p.accepted = a
+        chosen: dict[int, list[int]] = {}
+        for i, t in zip(owner, host[len(verifying):]):
+            chosen.setdefault(i, []).append(t)
         return self._commit(plans, chosen)
 
-    def _verify_input(self, plans: list[_Plan], drafting: list[_Plan]):
-        """Token ids of the verify forward on the device, drafts included without a host round
-        trip; the host lists carry the lengths (drafts as placeholders)."""
-        dev = self.engine.device
-        draft_t = None
-        if drafting:
-            d = self.propose([p.seq for p in drafting])
-            draft_t = d if isinstance(d, torch.Tensor) else torch.tensor(d, dtype=torch.long, device=dev)
-        tokens, dst, src = [], [], []
-        k = 0
-        for p in plans:
-            if p.drafts is None:
-                tokens.append(p.seq.token_ids[p.seq.num_computed_tokens:][:p.n])
-                continue
-            tokens.append([p.seq.token_ids[-1]] + [0] * (p.n - 1))
-            dst.extend(range(p.row + 1, p.row + p.n))
-            src.extend(range(k * draft_t.shape[1], k * draft_t.shape[1] + p.n - 1))
-            k += 1
-        ids = torch.tensor([t for toks in tokens for t in toks], dtype=torch.long, device=dev)
-        if dst:
-            idx = torch.tensor([dst, src], dtype=torch.long, device=dev)
-            ids[idx[0]] = draft_t.flatten()[idx[1]]
-        return ids, tokens, draft_t
+    def _forward(self, plans: list[_Plan]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft (for verifying requests), then the target over every scheduled row with its taps,
+        then the context K/V of every row into the draft cache. Returns the target's final hidden
+        states and the verify's input ids on the device (None when no request verifies).
 
-    def propose(self, seqs: list[Sequence]) -> list[list[int]]:
-        """Draft B-1 tokens per request in one non-causal drafter forward."""
+        Every row's context is written, rejected drafts' rows included: those positions lie at or
+        past the new committed length, so the next step's draft block (B scratch slots from there)
+        or verify rewrites them before anything reads them. Acceptance is thus not needed until the
+        step's end, and a step where every request verifies B rows (or every request decodes) is
+        one graph replay."""
+        eng, runner = self.engine, self.engine.runner
+        seqs = [p.seq for p in plans]
+        verifying = [p for p in plans if p.verify]
+        tokens = [p.seq.token_ids[-1:] + [self.mask_token_id] * (p.n - 1) if p.verify else
+                  p.seq.token_ids[p.seq.num_computed_tokens:][:p.n] for p in plans]
+        if not self.poison_rejected and len(verifying) in (0, len(plans)):
+            if verifying and all(p.n == self.num_draft + 1 for p in plans):
+                blocks = [t + [self.mask_token_id] * (self.block_size - len(t)) for t in tokens]
+                g = runner.filled_graph(("dflash", self.tap_layers), seqs, blocks, eng.block_manager, False,
+                                        self.attn, self._graph_step, setup=self._setup_graph)
+                if g is not None:
+                    return g.replay()[: len(plans) * plans[0].n], g.extra["verify_ids"]
+            elif not verifying:
+                out = runner.graphed(("decode", self.tap_layers), seqs, tokens, eng.block_manager, True,
+                                     runner.attn, self._decode_step)
+                if out is not None:
+                    return out[0], None
+        ids, positions, batch = runner.build_batch(seqs, tokens, eng.block_manager)
+        if verifying:
+            drafts = self.propose([p.seq for p in verifying])
+            if not isinstance(drafts, torch.Tensor):  # tests propose host lists
+                drafts = torch.tensor(drafts, dtype=torch.long, device=eng.device)
+            w = drafts.shape[1]
+            dst = [r for p in verifying for r in range(p.row + 1, p.row + p.n)]
+            src = [k * w + i for k, p in enumerate(verifying) for i in range(p.n - 1)]
+            idx = torch.tensor([dst, src], dtype=torch.long, device=eng.device)
+            ids[idx[0]] = drafts.flatten()[idx[1]]
+        hidden, taps = runner.run(ids, positions, batch, self.tap_layers)
+        store = AttentionBatch(batch.slot_mapping, [], [], [], batch.block_size)  # store-only: slots
+        self.drafter.write_context(taps, positions, self.kv, self.attn, store)
+        return hidden, ids if verifying else None
+
+    def propose(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Draft B-1 tokens per request in one non-causal drafter forward: [S, B-1] on the device."""
         eng, B = self.engine, self.block_size
         blocks = [[s.token_ids[-1]] + [self.mask_token_id] * (B - 1) for s in seqs]
-        embed = self.drafter.embed_tokens or eng.runner.model.embed_tokens
-        out = None if self.poison_rejected else eng.runner.graphed(
-            ("draft",), seqs, blocks, eng.block_manager, False, self.attn, self._draft_step)
-        if out is not None:
-            hidden = out[0]
-        else:
-            ids, pos, batch = eng.runner.build_batch(seqs, blocks, eng.block_manager, causal=False)
-            self.attn.prepare(batch, eng.device)
-            hidden = self.drafter(embed(ids), pos, self.kv, self.attn, batch)
-        hidden = hidden.view(len(seqs), B, -1)[:, 1:]
-        if self.drafter.lm_head is not None:
-            draft = greedy_tokens(self.drafter.lm_head(hidden))
-            if self.drafter.d2t is not None:
-                draft = draft + self.drafter.d2t[draft]
-        else:
-            draft = greedy_tokens(eng.runner.model.compute_logits(hidden, float32=False))  # no float32 copy
+        ids, pos, batch = eng.runner.build_batch(seqs, blocks, eng.block_manager, causal=False)
+        self.attn.prepare(batch, eng.device)
+        draft = self._draft_tokens(self.drafter(self.embed(ids), pos, self.kv, self.attn, batch), len(seqs))
         if self.poison_rejected:  # the block's scratch K/V must never be read again
             self._poison(self.k_cache, self.v_cache, batch.slot_mapping)
-        return draft  # [S, B-1] on the device
+        return draft
 
-    def _target_tokens(self, plans: list[_Plan], hidden: torch.Tensor, draft_t: torch.Tensor | None,
-                       drafting: list[_Plan]) -> dict[int, list[int]]:
-        """Target-chosen tokens: every verify slot of drafting requests, the last row of others.
-        The step's only device->host transfer reads them together with the drafts."""
+    def _draft_tokens(self, hidden: torch.Tensor, num_seqs: int) -> torch.Tensor:
+        """The drafter's final hidden [S * B, H] -> argmax drafts of slots 1..B-1, [S, B-1]."""
+        hidden = hidden.view(num_seqs, self.block_size, -1)[:, 1:]
+        if self.drafter.lm_head is None:
+            return greedy_tokens(self.engine.runner.model.compute_logits(hidden, float32=False))  # no float32 copy
+        draft = greedy_tokens(self.drafter.lm_head(hidden))
+        return draft + self.drafter.d2t[draft] if self.drafter.d2t is not None else draft
+
+    # ---- the graphed steps: functions of a StepGraph's static buffers ------------------------
+    def _setup_graph(self, g: StepGraph) -> None:
+        """The verify's own buffers beside the draft block's: its input ids, and positions and
+        metadata that are the draft's when it verifies all B rows (else derived in the graph)."""
+        S, B, k1, dev = g.num_seqs, self.block_size, self.num_draft + 1, g.device
+        g.extra["verify_ids"] = torch.zeros(S * k1, dtype=torch.long, device=dev)
+        if k1 == B:
+            g.extra["verify_positions"] = g.positions
+            meta = replace(g.meta, causal=True)
+        else:
+            g.extra["verify_positions"] = torch.zeros(S * k1, dtype=torch.long, device=dev)
+            meta = replace(g.meta, slot_mapping=torch.full((S * k1,), -1, dtype=torch.long, device=dev),
+                           query_start_loc=torch.zeros_like(g.meta.query_start_loc),
+                           seq_lens=torch.zeros_like(g.meta.seq_lens), max_query_len=k1, causal=True)
+        g.aux["verify_meta"] = meta
+        g.attn = [(self.attn, g.meta), (self.engine.runner.attn, meta)]
+
+    def _graph_step(self, g: StepGraph) -> torch.Tensor:
+        """One DFlash step over a graph's buffers: g.input_ids holds the draft blocks
+        [x_start, MASK ...]; returns the verify's final hidden states [S * (k+1), H]."""
+        S, B, k1 = g.num_seqs, self.block_size, self.num_draft + 1
+        vm, pos, ids = g.aux["verify_meta"], g.extra["verify_positions"], g.extra["verify_ids"]
+        if k1 < B:  # the verify reads the first k+1 rows of every block
+            m = g.meta
+            pos.copy_(g.positions.view(S, B)[:, :k1].flatten())
+            vm.slot_mapping.copy_(m.slot_mapping.view(S, B)[:, :k1].flatten())
+            vm.seq_lens.copy_((m.seq_lens - (B - k1)).clamp_min(0))
+            vm.query_start_loc.copy_(m.query_start_loc // B * k1)
+        drafts = self._draft_tokens(self.drafter(self.embed(g.input_ids), g.positions, self.kv, self.attn, g.meta), S)
+        ids.view(S, k1)[:, 0] = g.input_ids.view(S, B)[:, 0]
+        ids.view(S, k1)[:, 1:] = drafts[:, : k1 - 1]
+        runner = self.engine.runner
+        hidden, taps = runner.model(ids, pos, runner.kv, runner.attn, vm, self.tap_layers)
+        self.drafter.write_context(taps, pos, self.kv, self.attn, vm)
+        return hidden
+
+    def _decode_step(self, g: StepGraph) -> torch.Tensor:
+        """A step without drafts over a graph's buffers: the target, then every row's context."""
+        runner = self.engine.runner
+        hidden, taps = runner.model(g.input_ids, g.positions, runner.kv, runner.attn, g.meta, self.tap_layers)
+        self.drafter.write_context(taps, g.positions, self.kv, self.attn, g.meta)
+        return hidden
+
+    # ---- choose and accept ------------------------------------------------------------------
+    def _target_tokens(self, plans: list[_Plan], hidden: torch.Tensor) -> tuple[torch.Tensor | None, list[int]]:
+        """The target's tokens on the device (every verify slot of a verifying request, the last
+        row of other requests that reach their end) and the plan index of each."""
         rows, seqs, positions, owner = [], [], [], []
         for i, p in enumerate(plans):
             s, start = p.seq, p.seq.num_computed_tokens
-            if p.drafts is not None:
+            if p.verify:
                 width = p.n
             elif start + p.n == s.num_tokens:
                 width = 1
@@ -241,54 +310,44 @@ class DFlashSpeculator:
             positions.extend(range(start + p.n - width + 1, start + p.n + 1))
             seqs.extend([s] * width)
             owner.extend([i] * width)
-        out: dict[int, list[int]] = {}
         if not rows:
-            return out
+            return None, owner
         eng = self.engine
         sb = eng.runner.sampling_batch(seqs, positions)
-        rows_t = torch.tensor(rows, device=eng.device)
-        logits = eng.runner.model.compute_logits(hidden[rows_t], float32=not sb.all_greedy)
-        toks = sample(logits, sb)
-        host = torch.cat([toks, draft_t.flatten()]).tolist() if draft_t is not None else toks.tolist()
-        for i, t in zip(owner, host):
-            out.setdefault(i, []).append(t)
-        if draft_t is not None:
-            width, flat = draft_t.shape[1], host[len(rows):]
-            for k, p in enumerate(drafting):
-                p.drafts = flat[k * width: k * width + p.n - 1]
-        return out
+        if len(rows) < hidden.shape[0]:  # rows ascend: as many as hidden has means all of them
+            hidden = hidden[torch.tensor(rows, device=eng.device)]
+        return sample(eng.runner.model.compute_logits(hidden, float32=not sb.all_greedy), sb), owner
 
-    def _write_context(self, plans: list[_Plan], taps: torch.Tensor) -> None:
-        rows, seqs, ntoks = [], [], []
+    def _accept(self, plans: list[_Plan], ids: torch.Tensor | None, toks: torch.Tensor) -> torch.Tensor | None:
+        """Accepted drafts of each verifying request, [V] on the device: the leading verify inputs
+        (the drafts the target was fed) equal to the target's token one slot earlier."""
+        verifying = [p for p in plans if p.verify]
+        if not verifying:
+            return None
+        if len(verifying) == len(plans) and all(p.n == plans[0].n for p in plans):  # rows [S, n], all sampled
+            n = plans[0].n
+            return accepted_lengths(ids[: len(plans) * n].view(-1, n)[:, 1:], toks.view(-1, n))
+        # ragged: gather each request's drafts and tokens into [V, w] rows, padding that never matches
+        w = max(p.n for p in verifying) - 1
+        pad_d, pad_t = ids.shape[0], toks.shape[0]
+        d_idx, t_idx, first = [], [], 0
         for p in plans:
-            if not p.seq.params.speculative:
-                continue
-            # a verify commits x_start and the accepted drafts; anything else commits all its rows
-            n = p.accepted + 1 if p.drafts is not None else p.n
-            rows.extend(range(p.row, p.row + n))
-            seqs.append(p.seq)
-            ntoks.append(n)
-        if not rows:
-            return
-        eng = self.engine
-        bs = eng.block_manager.block_size
-        slots, pos = [], []
-        for s, n in zip(seqs, ntoks):
-            table = eng.block_manager.table(s.seq_id)
-            for q in range(s.num_computed_tokens, s.num_computed_tokens + n):
-                pos.append(q)
-                slots.append(table[q // bs] * bs + q % bs)
-        dev = eng.device
-        batch = AttentionBatch(torch.tensor(slots, dtype=torch.long, device=dev), [], [], [], bs)
-        sel = torch.tensor(rows, device=dev)
-        self.drafter.write_context(taps[sel], torch.tensor(pos, device=dev), self.kv, self.attn, batch)
+            if p.verify:
+                d_idx.append([p.row + 1 + i if i < p.n - 1 else pad_d for i in range(w)])
+                t_idx.append([first + i if i < p.n - 1 else pad_t for i in range(w + 1)])
+            first += p.n if p.verify else int(p.seq.num_computed_tokens + p.n == p.seq.num_tokens)
+        idx = torch.tensor([d for row in d_idx for d in row] + [t for row in t_idx for t in row],
+                           dtype=torch.long, device=ids.device)
+        dev_ids = torch.cat([ids, ids.new_full((1,), -1)])[idx[: len(d_idx) * w]].view(-1, w)
+        dev_toks = torch.cat([toks, toks.new_full((1,), -2)])[idx[len(d_idx) * w:]].view(-1, w + 1)
+        return accepted_lengths(dev_ids, dev_toks)
 
     def _commit(self, plans: list[_Plan], chosen: dict[int, list[int]]) -> list[Sequence]:
         eng = self.engine
         advanced = []
         for i, p in enumerate(plans):
             s = p.seq
-            if p.drafts is None:
+            if not p.verify:
                 s.num_computed_tokens += p.n
                 if i in chosen:
                     eng.append_tokens(s, chosen[i])
@@ -298,7 +357,7 @@ class DFlashSpeculator:
             if not hasattr(s, "spec_stats"):
                 s.spec_stats = SpecStats(self.num_draft)
             for st in (s.spec_stats, self.stats):
-                st.record(a, len(p.drafts))
+                st.record(a, p.n - 1)
             start = s.num_computed_tokens
             s.num_computed_tokens = start + a + 1
             eng.append_tokens(s, target[: a + 1])

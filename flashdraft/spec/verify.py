@@ -7,8 +7,15 @@ from __future__ import annotations
 
 import torch
 
+from flashdraft.models.transformer import fused_enabled
+
 
 def accepted_lengths(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """drafts [S, k], target [S, k+1] -> a [S]: number of leading drafts that match."""
+    """drafts [S, k], target [S, k+1] -> a [S]: number of leading drafts that match. On the
+    fused GPU path one Triton kernel (fused.accepted_lengths), else four torch ops."""
+    if drafts.numel() and fused_enabled(drafts):
+        from flashdraft.models import fused
+
+        return fused.accepted_lengths(drafts, target)
     match = (drafts == target[:, :-1]).to(torch.int64)
     return match.cumprod(dim=1).sum(dim=1)

@@ -20,32 +20,23 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 
 @pytest.mark.parametrize("with_drafter", [False, True])
 def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, monkeypatch):
-    """Same tokens and, with a drafter, the same acceptance counts; and in every step the drafts the
-    host reads back (to count acceptance) are the drafts the verify was fed: graphs share one memory
-    pool, so a graph output read after a later replay can be overwritten."""
+    """Same tokens and, with a drafter, the same drafts fed to every verify and the same acceptance
+    counts. With graphs the whole DFlash step is one replay; acceptance then reads the verify's
+    static input buffer on the device, after the replay (graphs share one memory pool, so an
+    intermediate result read after a later replay could have been overwritten)."""
     from fixtures import build_random_drafter
 
     from flashdraft import LLM, SamplingParams
     from flashdraft.spec.dflash import DFlashSpeculator
 
-    fed, checked = {}, []
-    real_input, real_tokens = DFlashSpeculator._verify_input, DFlashSpeculator._target_tokens
+    fed: list = []
+    real_accept = DFlashSpeculator._accept
 
-    def verify_input(self, plans, drafting):
-        ids, tokens, draft_t = real_input(self, plans, drafting)
-        fed["ids"] = ids.tolist()
-        return ids, tokens, draft_t
+    def accept(self, plans, ids, toks):
+        fed.append([ids[p.row + 1: p.row + p.n].tolist() for p in plans if p.verify])
+        return real_accept(self, plans, ids, toks)
 
-    def target_tokens(self, plans, hidden, draft_t, drafting):
-        out = real_tokens(self, plans, hidden, draft_t, drafting)
-        for p in drafting:
-            assert p.drafts == fed["ids"][p.row + 1: p.row + p.n]
-            checked.append(len(p.drafts))
-        return out
-
-    monkeypatch.setattr(DFlashSpeculator, "_verify_input", verify_input)
-    monkeypatch.setattr(DFlashSpeculator, "_target_tokens", target_tokens)
-
+    monkeypatch.setattr(DFlashSpeculator, "_accept", accept)
     draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)) if with_drafter else None
     # 3 then 2 then 1 running sequences (buckets 4, 2, 1, padded), prompts of different lengths
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
@@ -53,6 +44,7 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
     eager = LLM(str(tiny_llama), draft=draft, device=DEVICE, dtype="float32", attention_backend="torch",
                 cuda_graphs=False, kv_block_size=8)
     want = [o.token_ids for o in eager.generate(prompts, params)]
+    want_fed, fed[:] = list(fed), []
     graphed = LLM(str(tiny_llama), draft=draft, device=DEVICE, dtype="float32", attention_backend="triton",
                   kv_block_size=8)
     runner = graphed.engine.runner
@@ -60,19 +52,17 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
         runner.use_graphs = True
         runner.capture_graphs(("target", ()), 1, True, runner.attn, runner.target_step(()), 3)
         if with_drafter:
-            sp = graphed.engine.spec
-            runner.capture_graphs(("target", sp.tap_layers), sp.num_draft + 1, True, runner.attn,
-                                  runner.target_step(sp.tap_layers), 3)
-            runner.capture_graphs(("draft",), sp.block_size, False, sp.attn, sp._draft_step, 3)
+            graphed.engine.spec.capture_graphs()
     captured = set(runner.graphs)
     got = [o.token_ids for o in graphed.generate(prompts, params)]
     assert set(runner.graphs) == captured  # every step shape was captured before serving
     assert got == want
     kinds = {key[0][0] for key in runner.graphs}
-    assert kinds == ({"target", "draft"} if with_drafter else {"target"}), runner.graphs.keys()
+    assert kinds == ({"target", "dflash"} if with_drafter else {"target"}), runner.graphs.keys()
     assert {key[1] for key in runner.graphs} >= {1, 2, 4}
     if with_drafter:
-        assert graphed.engine.spec_totals()["num_drafts"] > 0 and checked
+        assert graphed.engine.spec_totals()["num_drafts"] > 0 and fed
+        assert fed == want_fed
         assert graphed.engine.spec_totals() == eager.engine.spec_totals()
 
 

@@ -290,15 +290,14 @@ def test_engine_tokens_match_torch_path(tiny_qwen3, tmp_path, monkeypatch, with_
     kw = dict(draft=draft, device=str(DEVICE), dtype="float32", max_num_batched_tokens=24, kv_block_size=8)
     from flashdraft.spec.dflash import DFlashSpeculator
 
-    drafts = []  # every proposal: tokens are lossless whatever the drafter does, the drafts show it agrees
-    propose = DFlashSpeculator.propose
+    drafts = []  # every verify's drafts: tokens are lossless whatever the drafter does, the drafts show it agrees
+    real_accept = DFlashSpeculator._accept
 
-    def recorded(self, seqs):
-        d = propose(self, seqs)
-        drafts.append(d.tolist() if isinstance(d, torch.Tensor) else [list(x) for x in d])
-        return d
+    def recorded(self, plans, ids, toks):
+        drafts.append([ids[p.row + 1: p.row + p.n].tolist() for p in plans if p.verify])
+        return real_accept(self, plans, ids, toks)
 
-    monkeypatch.setattr(DFlashSpeculator, "propose", recorded)
+    monkeypatch.setattr(DFlashSpeculator, "_accept", recorded)
     with fused_mode("off"):
         ref = LLM(str(tiny_qwen3), attention_backend="torch", **kw)
         want = [o.token_ids for o in ref.generate(prompts, params)]
@@ -347,3 +346,25 @@ def test_argmax(rows, n, dtype):
         assert torch.equal(greedy_tokens(x.view(rows, 1, n)), want.view(rows, 1))
     with pytest.raises(ValueError, match="argmax takes"):
         fused.argmax(x.view(-1))
+
+
+@pytest.mark.parametrize("S,k", [(1, 15), (5, 3), (32, 15), (3, 1), (2, 20)])
+def test_accepted_lengths(S, k):
+    """The acceptance kernel against the torch rule on [S, k] drafts whose first mismatch sits
+    anywhere (none included), on strided views like the engine's verify rows."""
+    from flashdraft.spec.verify import accepted_lengths
+
+    g = torch.Generator().manual_seed(S * 100 + k)
+    target = torch.randint(0, 50, (S, k + 1), generator=g)
+    rows = torch.cat([target[:, :1], target[:, :-1]], 1)  # a verify's input: x_start then the drafts
+    for s in range(S):
+        j = s % (k + 1)  # first wrong draft, k: all right
+        if j < k:
+            rows[s, 1 + j] = target[s, j] + 1
+        rows[s, 2 + j:] = torch.randint(0, 50, (max(0, k - 1 - j),), generator=g)
+    want = (rows[:, 1:] == target[:, :-1]).long().cumprod(1).sum(1)
+    assert want.tolist() == [s % (k + 1) for s in range(S)]
+    got = fused.accepted_lengths(rows.to(DEVICE)[:, 1:], target.to(DEVICE))
+    assert got.dtype == torch.int64 and got.tolist() == want.tolist()
+    with fused_mode("on"), torch.inference_mode():
+        assert accepted_lengths(rows.to(DEVICE)[:, 1:], target.to(DEVICE)).tolist() == want.tolist()
