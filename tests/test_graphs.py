@@ -192,7 +192,7 @@ def test_graphed_dflash_step_matches_eager_engine(tiny_llama, tmp_path, monkeypa
     outs = graphed.generate(prompts, params)
     assert [o.token_ids for o in outs] == want
     assert graphed.engine.spec_totals() == eager.engine.spec_totals()
-    assert replays["dflash"] > 0 and (replays["decode"] > 0) == (pause is not None), replays
+    assert replays["dflash"] > 0 and (pause is None or replays["decode"] > 0), replays
     if pause is None:  # request i's drafts go wrong at slot i % B: it accepts exactly that many
         for p, o in zip(prompts, outs):
             h = o.metrics["acceptance_histogram"]

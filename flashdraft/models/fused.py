@@ -97,7 +97,7 @@ def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, parts, BLOCK_P: tl.constexpr
     tl.store(out_ptr + row, tl.where(first == 2147483647, 0, first).to(tl.int64))
 
 
-@triton.jit(do_not_specialize=["k"])
+@triton.jit(do_not_specialize=["d_ptr", "t_ptr", "k", "stride_d", "stride_t"])  # one variant: views at any offset
 def _accept_kernel(d_ptr, t_ptr, out_ptr, k, stride_d, stride_t, BLOCK: tl.constexpr):
     s = tl.program_id(0)
     j = tl.arange(0, BLOCK)

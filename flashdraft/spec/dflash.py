@@ -117,6 +117,11 @@ class DFlashSpeculator:
         self.poison_rejected = False  # tests: fill every slot a rejected draft touched with NaN
         self.pause_at = engine.config.speculative_disable_batch_size
         self.paused = False  # this step decodes without drafts (too many requests running)
+        if runner.backend_name == "triton" and engine.device.type == "cuda":  # ragged steps draft eagerly
+            from flashdraft.attention.triton_paged import compile_variants
+
+            compile_variants(c.num_attention_heads, c.num_key_value_heads, drafter.head_dim, runner.block_size,
+                             engine.dtype, engine.device, causal=False)
         with torch.inference_mode():  # the acceptance kernel is compiled now, not mid-serving
             z = torch.zeros(1, self.num_draft + 1, dtype=torch.long, device=engine.device)
             accepted_lengths(z[:, 1:], z)
@@ -124,13 +129,12 @@ class DFlashSpeculator:
 
     def capture_graphs(self) -> None:
         """Capture before serving, at every batch bucket: the whole DFlash step (draft, drafts into
-        the verify input, verify, context write) as one graph, and, when speculation can pause,
-        the decode step that still writes the context."""
+        the verify input, verify, context write) as one graph, and the decode step that still
+        writes the context (paused speculation, one-token prompts, requests near max_model_len)."""
         runner, n = self.engine.runner, self.engine.config.max_num_seqs
         runner.capture_graphs(("dflash", self.tap_layers), self.block_size, False, self.attn, self._graph_step, n,
                               setup=self._setup_graph)
-        if self.pause_at is not None:
-            runner.capture_graphs(("decode", self.tap_layers), 1, True, runner.attn, self._decode_step, n)
+        runner.capture_graphs(("decode", self.tap_layers), 1, True, runner.attn, self._decode_step, n)
 
     # ---- public hooks used by the engine ----------------------------------------------------
     def totals(self) -> dict:

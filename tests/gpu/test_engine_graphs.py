@@ -58,7 +58,7 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
     assert set(runner.graphs) == captured  # every step shape was captured before serving
     assert got == want
     kinds = {key[0][0] for key in runner.graphs}
-    assert kinds == ({"target", "dflash"} if with_drafter else {"target"}), runner.graphs.keys()
+    assert kinds == ({"target", "dflash", "decode"} if with_drafter else {"target"}), runner.graphs.keys()
     assert {key[1] for key in runner.graphs} >= {1, 2, 4}
     if with_drafter:
         assert graphed.engine.spec_totals()["num_drafts"] > 0 and fed
@@ -68,9 +68,9 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
 
 @pytest.mark.skipif(INTERPRET, reason="counts compiled kernels")
 def test_serving_compiles_no_attention_kernel_after_start(tiny_llama, tmp_path):
-    """Every attention, greedy-argmax and embedding variant a step can pick is compiled when the
-    engine starts: prefill chunks of every length, mixed prefill + decode steps and batches of 1 to
-    12 then launch no compile."""
+    """Every attention, greedy-argmax, embedding and acceptance variant a step can pick is compiled
+    when the engine starts (the eager draft of ragged steps included): prefill chunks of every
+    length, mixed prefill + decode steps and batches of 1 to 12 then launch no compile."""
     from fixtures import build_random_drafter
 
     from flashdraft import LLM, SamplingParams
@@ -79,7 +79,8 @@ def test_serving_compiles_no_attention_kernel_after_start(tiny_llama, tmp_path):
 
     def variants() -> int:
         return sum(len(c[0]) for fn in (triton_paged._attn_kernel, triton_paged._reduce_kernel,
-                                        fused._argmax_part_kernel, fused._argmax_final_kernel, fused._embedding_kernel)
+                                        fused._argmax_part_kernel, fused._argmax_final_kernel, fused._embedding_kernel,
+                                        fused._accept_kernel)
                    for c in fn.device_caches.values())
 
     draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
