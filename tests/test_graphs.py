@@ -228,3 +228,7 @@ def test_graphed_dflash_step_drafts_like_eager(tiny_llama, tmp_path, monkeypatch
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
     assert replays["dflash"] > 0
     assert fed == want_fed
+    # a lone prompt's prefill (one sequence, 12 rows) runs eagerly: graphs exist for the step
+    # kinds captured at start only (decode, the DFlash block), never one per prompt length
+    graphed.generate([[7] * 12], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert {key[2] for key in graphed.engine.runner.graphs} == {1, 4}

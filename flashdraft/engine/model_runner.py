@@ -60,6 +60,9 @@ class ModelRunner:
         self.max_graph_batch = config.max_graph_batch
         self.max_blocks = -(-(max_model_len + 64) // self.block_size)
         self.graphs: dict[tuple, StepGraph] = {}
+        # (key, rows per sequence) of the step kinds that replay graphs: only those registered by
+        # capture_graphs; any other shape (a lone prompt's prefill) runs eagerly, never captured
+        self.graph_shapes: set[tuple] = set()
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         cfg = model.config
         # max_model_len plus room for draft slots past the end of a sequence
@@ -139,9 +142,10 @@ class ModelRunner:
                      causal: bool, attn, fn, input_ids: torch.Tensor | None = None, setup=None) -> StepGraph | None:
         """The captured graph of this step's shape with the step's inputs and metadata copied into
         its buffers, ready to replay; None when the step is not graphable (graphs off, ragged
-        rows, more sequences than the largest bucket). `setup` as in `_graph`."""
+        rows, rows per sequence of no registered kind, more sequences than the largest bucket).
+        `setup` as in `_graph`."""
         q_len = len(tokens[0]) if tokens else 0
-        if not self.use_graphs or not q_len or len(seqs) > self.max_graph_batch \
+        if not self.use_graphs or (key, q_len) not in self.graph_shapes or len(seqs) > self.max_graph_batch \
                 or any(len(t) != q_len for t in tokens):
             return None
         bucket = 1 << (len(seqs) - 1).bit_length()
@@ -179,7 +183,9 @@ class ModelRunner:
 
     def capture_graphs(self, key: tuple, q_len: int, causal: bool, attn, fn, max_seqs: int, setup=None) -> None:
         """Capture every bucket a step of up to max_seqs sequences can use, largest first (so
-        smaller graphs reuse its memory pool), before serving: no capture stalls mid-run."""
+        smaller graphs reuse its memory pool), before serving: no capture stalls mid-run. The
+        shape is registered even with graphs off, for runners whose graphs are switched on later."""
+        self.graph_shapes.add((key, q_len))
         if not self.use_graphs:
             return
         bucket = 1 << (min(max_seqs, self.max_graph_batch) - 1).bit_length()
