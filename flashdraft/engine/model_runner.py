@@ -14,6 +14,8 @@ from flashdraft.engine.sampler import SamplingBatch, greedy_tokens
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.transformer import DecoderLM, fused_enabled
 
+PAD_ROWS = 32  # = skinny.MAX_ROWS: fewer rows run the Triton GEMMs, one variant for any count
+
 
 def make_backend(name: str) -> AttentionBackend:
     if name == "torch":
@@ -64,6 +66,11 @@ class ModelRunner:
         # capture_graphs; any other shape (a lone prompt's prefill) runs eagerly, never captured
         self.graph_shapes: set[tuple] = set()
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # eager steps of more rows than the few-row GEMMs take are padded to a multiple of this
+        # (padding rows: slot -1, nothing stored, nothing attended): cuBLAS picks and loads a kernel
+        # per new row count (0.3-0.8 ms a GEMM on an H100), so a prefill of any length must not
+        # bring a new one; the Triton backend skips the padding rows, the torch reference does not
+        self.pad_rows = PAD_ROWS if self.backend_name == "triton" else 0
         cfg = model.config
         # max_model_len plus room for draft slots past the end of a sequence
         model.setup_rope(max_model_len + 64)
@@ -84,7 +91,8 @@ class ModelRunner:
     def build_batch(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
                     causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         """tokens[s] are the new tokens of seqs[s], at positions num_computed_tokens onwards.
-        The drafter builds its blocks with this too: same positions, same pages."""
+        The drafter builds its blocks with this too: same positions, same pages. Rows past
+        query_start_loc[-1] are padding (see pad_rows): outputs are cut by the caller."""
         ids, pos, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
         bs = self.block_size
         for seq, toks in zip(seqs, tokens):
@@ -97,6 +105,12 @@ class ModelRunner:
             qsl.append(qsl[-1] + len(toks))
             seq_lens.append(start + len(toks))
             tables.append(table)
+        n = len(ids)
+        if self.pad_rows and n > self.pad_rows:
+            pad = -n % self.pad_rows
+            ids.extend([0] * pad)
+            pos.extend([0] * pad)
+            slots.extend([-1] * pad)
         dev = self.device
         batch = AttentionBatch(torch.tensor(slots, dtype=torch.long, device=dev), qsl, seq_lens, tables, bs, causal)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
@@ -104,19 +118,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
-                tap_layers: tuple[int, ...] = (), input_ids: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
-        """Run the target; returns final hidden [T, H], taps [T, n*H] or None, and row offsets.
-        input_ids (on the device) replaces the token values of `tokens`, which then only give
-        lengths. Steps where every sequence brings the same number of tokens (decode, verify)
+                tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """Run the target; returns final hidden [T, H], taps [T, n*H] or None, and row offsets
+        (T may count padding rows past the last offset).
+        Steps where every sequence brings the same number of tokens (decode, verify)
         replay a captured CUDA graph when graphs are on."""
-        out = self.graphed(("target", tap_layers), seqs, tokens, bm, True, self.attn, self.target_step(tap_layers),
-                           input_ids)
+        out = self.graphed(("target", tap_layers), seqs, tokens, bm, True, self.attn, self.target_step(tap_layers))
         if out is not None:
             (hidden, taps), qsl = out
             return hidden, taps, qsl
         ids, positions, batch = self.build_batch(seqs, tokens, bm)
-        hidden, taps = self.run(ids if input_ids is None else input_ids, positions, batch, tap_layers)
+        hidden, taps = self.run(ids, positions, batch, tap_layers)
         return hidden, taps, batch.query_start_loc
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
@@ -126,11 +138,11 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv, self.attn, batch, tap_layers)
 
     def graphed(self, key: tuple, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager, causal: bool,
-                attn: AttentionBackend, fn, input_ids: torch.Tensor | None = None) -> tuple | None:
+                attn: AttentionBackend, fn) -> tuple | None:
         """Run fn(graph) through the captured graph of this step's shape (bucket of sequences x
         rows per sequence), capturing it on first use; None when the step is not graphable. The
         outputs (tensors or tuples of tensors, rows first) are cut to this step's rows."""
-        g = self.filled_graph(key, seqs, tokens, bm, causal, attn, fn, input_ids)
+        g = self.filled_graph(key, seqs, tokens, bm, causal, attn, fn)
         if g is None:
             return None
         out = g.replay()
@@ -139,7 +151,7 @@ class ModelRunner:
         return cut, [i * q_len for i in range(len(seqs) + 1)]
 
     def filled_graph(self, key: tuple, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
-                     causal: bool, attn, fn, input_ids: torch.Tensor | None = None, setup=None) -> StepGraph | None:
+                     causal: bool, attn, fn, setup=None) -> StepGraph | None:
         """The captured graph of this step's shape with the step's inputs and metadata copied into
         its buffers, ready to replay; None when the step is not graphable (graphs off, ragged
         rows, rows per sequence of no registered kind, more sequences than the largest bucket).
@@ -160,7 +172,7 @@ class ModelRunner:
             seq_lens.append(start + q_len)
             tables.append(table)
         g = self._graph(key, bucket, q_len, causal, attn, fn, setup)
-        g.fill(ids if input_ids is None else input_ids, pos, slots, seq_lens, tables)
+        g.fill(ids, pos, slots, seq_lens, tables)
         return g
 
     def target_step(self, tap_layers: tuple[int, ...]):

@@ -79,7 +79,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     tl.store(y_ptr + n, y.to(dt), mask=n < N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # any row count, one variant per MPAD: nothing compiles mid-serving
 def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MPAD: tl.constexpr, EVEN: tl.constexpr,
                 GLU: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):

@@ -240,7 +240,8 @@ class DFlashSpeculator:
         blocks = [[s.token_ids[-1]] + [self.mask_token_id] * (B - 1) for s in seqs]
         ids, pos, batch = eng.runner.build_batch(seqs, blocks, eng.block_manager, causal=False)
         self.attn.prepare(batch, eng.device)
-        draft = self._draft_tokens(self.drafter(self.embed(ids), pos, self.kv, self.attn, batch), len(seqs))
+        hidden = self.drafter(self.embed(ids), pos, self.kv, self.attn, batch)[: len(seqs) * B]  # no padding rows
+        draft = self._draft_tokens(hidden, len(seqs))
         if self.poison_rejected:  # the block's scratch K/V must never be read again
             self._poison(self.k_cache, self.v_cache, batch.slot_mapping)
         return draft
@@ -385,6 +386,7 @@ class DFlashSpeculator:
 
     @staticmethod
     def _poison(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        slots = slots[slots >= 0]  # not the padding rows' -1
         for cache in (k_cache, v_cache):
             flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
             flat[:, slots] = float("nan")

@@ -67,21 +67,23 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
 
 
 @pytest.mark.skipif(INTERPRET, reason="counts compiled kernels")
-def test_serving_compiles_no_attention_kernel_after_start(tiny_llama, tmp_path):
-    """Every attention, greedy-argmax, embedding and acceptance variant a step can pick is compiled
-    when the engine starts (the eager draft of ragged steps included): prefill chunks of every
-    length, mixed prefill + decode steps and batches of 1 to 12 then launch no compile."""
+def test_serving_compiles_no_kernel_after_start(tiny_llama, tmp_path):
+    """Every Triton kernel variant a step can pick (attention, GEMMs, fused norms, stores, argmax,
+    embedding, acceptance) is compiled when the engine starts (the eager draft of ragged steps
+    included): prefill chunks of every length, mixed prefill + decode steps and batches of 1 to 12
+    then launch no compile."""
+    import triton
     from fixtures import build_random_drafter
 
     from flashdraft import LLM, SamplingParams
     from flashdraft.attention import triton_paged
-    from flashdraft.models import fused
+    from flashdraft.models import fused, skinny
 
-    def variants() -> int:
-        return sum(len(c[0]) for fn in (triton_paged._attn_kernel, triton_paged._reduce_kernel,
-                                        fused._argmax_part_kernel, fused._argmax_final_kernel, fused._embedding_kernel,
-                                        fused._accept_kernel)
-                   for c in fn.device_caches.values())
+    kernels = {name: fn for mod in (triton_paged, fused, skinny) for name, fn in vars(mod).items()
+               if isinstance(fn, triton.runtime.jit.JITFunction)}
+
+    def variants() -> dict[str, int]:
+        return {name: sum(len(c[0]) for c in fn.device_caches.values()) for name, fn in kernels.items()}
 
     draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
     llm = LLM(str(tiny_llama), draft=draft, device="cuda", dtype="bfloat16", kv_block_size=16,
@@ -90,4 +92,44 @@ def test_serving_compiles_no_attention_kernel_after_start(tiny_llama, tmp_path):
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 9, 16, 17, 33, 64, 100, 150, 7, 250, 2)]
     for group in (prompts[:1], prompts[:3], prompts):
         llm.generate(group, SamplingParams(max_tokens=20, ignore_eos=True))
-    assert variants() == before
+    after = variants()
+    assert after == before, {k: (before[k], after[k]) for k in after if after[k] != before[k]}
+
+
+def test_eager_steps_padded_to_few_row_counts_give_the_same_tokens(tiny_llama, tmp_path, monkeypatch):
+    """Eager steps of more than PAD_ROWS rows run padded to a multiple of it (a GEMM's kernel is
+    picked and loaded per row count): tokens, drafts and acceptance as unpadded, and the padding
+    rows store nothing (the DFlash engine's poison check reads every cache slot it must not)."""
+    from fixtures import build_random_drafter
+
+    from flashdraft import LLM, SamplingParams
+    from flashdraft.engine.model_runner import PAD_ROWS, ModelRunner
+
+    rows: list[int] = []
+    real = ModelRunner.build_batch
+
+    def build_batch(self, *args, **kw):
+        out = real(self, *args, **kw)
+        rows.append((out[0].shape[0], out[2].query_start_loc[-1]))
+        return out
+
+    monkeypatch.setattr(ModelRunner, "build_batch", build_batch)
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
+    prompts = [list(range(3, 3 + n)) for n in (40, 5, 70, 9, 33)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    got = {}
+    for pad in (PAD_ROWS, 0):
+        llm = LLM(str(tiny_llama), draft=draft, device=DEVICE, dtype="float32", attention_backend="triton",
+                  kv_block_size=8, max_num_batched_tokens=96, cuda_graphs=False)
+        assert llm.engine.runner.pad_rows == PAD_ROWS
+        llm.engine.runner.pad_rows = pad
+        llm.engine.spec.poison_rejected = True
+        rows.clear()
+        got[pad] = ([o.token_ids for o in llm.generate(prompts, params)], llm.engine.spec_totals())
+        padded = [(t, n) for t, n in rows if t != n]
+        if pad:
+            assert padded and all(t % PAD_ROWS == 0 and n < t < n + PAD_ROWS for t, n in padded)
+            assert all(t == n for t, n in rows if n <= PAD_ROWS)
+        else:
+            assert not padded
+    assert got[PAD_ROWS] == got[0]
