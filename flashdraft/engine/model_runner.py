@@ -15,6 +15,9 @@ from flashdraft.engine.sequence import Sequence
 from flashdraft.models.transformer import DecoderLM, fused_enabled
 
 PAD_ROWS = 32  # = skinny.MAX_ROWS: fewer rows run the Triton GEMMs, one variant for any count
+# row counts of the placeholder steps run at start: the few-row GEMMs' two tile heights (up to 16
+# rows, up to 32) and cuBLAS with the MLP's separate silu * up kernel
+WARM_ROWS = (16, 32, 64)
 
 
 def make_backend(name: str) -> AttentionBackend:
@@ -87,6 +90,10 @@ class ModelRunner:
             if device.type == "cuda" and fused_enabled(self.k_cache):
                 for dt in {dtype, torch.float32}:
                     greedy_tokens(torch.zeros(1, cfg.vocab_size, device=device, dtype=dt))
+                for n in WARM_ROWS:  # and every GEMM and fused-kernel variant of eager steps
+                    hidden, _ = self.run(*self.placeholder_batch(n))
+                    for f32 in (False, True):
+                        model.compute_logits(hidden, float32=f32)
 
     def build_batch(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
                     causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
@@ -115,6 +122,14 @@ class ModelRunner:
         batch = AttentionBatch(torch.tensor(slots, dtype=torch.long, device=dev), qsl, seq_lens, tables, bs, causal)
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 batch)
+
+    def placeholder_batch(self, n: int, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """A step of one placeholder sequence of n rows (token 0 at positions 0..n-1, keys read
+        from page 0) that stores nothing: run at start, so no kernel variant compiles mid-serving."""
+        dev = self.device
+        batch = AttentionBatch(torch.full((n,), -1, dtype=torch.long, device=dev), [0, n], [n],
+                               [[0] * -(-n // self.block_size)], self.block_size, causal)
+        return torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), batch
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,

@@ -30,11 +30,12 @@ import torch
 
 from flashdraft.attention.base import AttentionBatch
 from flashdraft.engine.graphs import StepGraph
-from flashdraft.engine.model_runner import make_backend
+from flashdraft.engine.model_runner import WARM_ROWS, make_backend
 from flashdraft.engine.sampler import greedy_tokens, sample
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.loader import load_weights
+from flashdraft.models.transformer import fused_enabled
 from flashdraft.spec.formats import read_draft_spec
 from flashdraft.spec.metrics import SpecStats
 from flashdraft.spec.verify import accepted_lengths
@@ -125,7 +126,22 @@ class DFlashSpeculator:
         with torch.inference_mode():  # the acceptance kernel is compiled now, not mid-serving
             z = torch.zeros(1, self.num_draft + 1, dtype=torch.long, device=engine.device)
             accepted_lengths(z[:, 1:], z)
+            if fused_enabled(z):  # every kernel variant of eager drafts and context writes
+                self._warm_eager()
         self.capture_graphs()
+
+    def _warm_eager(self) -> None:
+        """Placeholder steps (nothing stored) through the context write, the draft and its head."""
+        runner, B = self.engine.runner, self.block_size
+        for n in WARM_ROWS:
+            ids, pos, batch = runner.placeholder_batch(n)
+            self.drafter.write_context(runner.run(ids, pos, batch, self.tap_layers)[1], pos, self.kv, self.attn,
+                                       batch)
+            if n < B:
+                continue
+            ids, pos, batch = runner.placeholder_batch(n // B * B, causal=False)
+            self.attn.prepare(batch, self.engine.device)
+            self._draft_tokens(self.drafter(self.embed(ids), pos, self.kv, self.attn, batch), n // B)
 
     def capture_graphs(self) -> None:
         """Capture before serving, at every batch bucket: the whole DFlash step (draft, drafts into

@@ -86,8 +86,10 @@ def test_serving_compiles_no_kernel_after_start(tiny_llama, tmp_path):
         return {name: sum(len(c[0]) for c in fn.device_caches.values()) for name, fn in kernels.items()}
 
     draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
+    # long prompts arrive in chunks, with short remainders; at most 4 x 4 rows in a graph: the
+    # eager MLP's kernel (the graphs' few-row GEMMs fuse it) is first launched by a prefill
     llm = LLM(str(tiny_llama), draft=draft, device="cuda", dtype="bfloat16", kv_block_size=16,
-              max_num_batched_tokens=64)  # long prompts arrive in chunks, with short remainders
+              max_num_batched_tokens=64, max_num_seqs=4)
     before = variants()
     prompts = [list(range(3, 3 + n)) for n in (1, 5, 9, 16, 17, 33, 64, 100, 150, 7, 250, 2)]
     for group in (prompts[:1], prompts[:3], prompts):
