@@ -55,7 +55,8 @@ class DeviceMeta:
         host = list(qsl) + [0] * (a_lens - S - 1) + list(batch.seq_lens) + [0] * (a_tables - a_lens - S)
         for t in batch.block_tables:
             host += list(t[:width]) + [0] * (width - len(t[:width]))
-        packed = torch.tensor(host, dtype=torch.int32).to(device, non_blocking=True)
+        packed = torch.tensor(host, dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
+        packed = packed.to(device, non_blocking=True)  # from pinned memory: no wait for queued work
         return cls(slot_mapping=batch.slot_mapping.to(device=device, dtype=torch.long),
                    query_start_loc=packed[: S + 1], seq_lens=packed[a_lens: a_lens + S],
                    block_tables=packed[a_tables:].view(S, width),

@@ -10,6 +10,7 @@ import torch
 
 from flashdraft.config import EngineConfig
 from flashdraft.engine.block_manager import BlockManager
+from flashdraft.engine.graphs import to_device
 from flashdraft.engine.model_runner import ModelRunner, plan_num_blocks
 from flashdraft.engine.sampler import sample
 from flashdraft.engine.scheduler import Scheduler
@@ -157,10 +158,12 @@ class LLMEngine:
         for s, n in zip(batch.seqs, batch.num_new_tokens):
             s.num_computed_tokens += n
         if ready:
-            rows = torch.tensor([qsl[i + 1] - 1 for i in ready], device=self.device)
+            rows = [qsl[i + 1] - 1 for i in ready]
+            if rows != list(range(len(rows))):  # a decode batch samples rows 0..n-1: no gather
+                hidden = hidden[to_device(rows, torch.long, self.device)]
             seqs = [batch.seqs[i] for i in ready]
             sb = self.runner.sampling_batch(seqs, [s.num_tokens for s in seqs])
-            logits = self.runner.model.compute_logits(hidden[rows], float32=not sb.all_greedy)
+            logits = self.runner.model.compute_logits(hidden[: len(rows)], float32=not sb.all_greedy)
             for seq, tok in zip(seqs, sample(logits, sb).tolist()):
                 self.append_tokens(seq, [tok])
         self.stats["num_steps"] += 1

@@ -29,6 +29,16 @@ from flashdraft.attention.base import DeviceMeta
 Tensorish = torch.Tensor | Sequence
 
 
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a tensor on `device` without waiting for the GPU: staged in pinned memory and
+    copied asynchronously. A copy from pageable memory first waits for everything already queued on
+    the stream (the step just launched), which would put the whole GPU step on the host's path."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 class StepGraph:
     def __init__(self, fn: Callable[[StepGraph], Any], num_seqs: int, q_len: int, max_blocks: int, block_size: int,
                  device: torch.device | str, causal: bool = True, max_seq_len: int | None = None,
@@ -37,6 +47,7 @@ class StepGraph:
         static inputs, e.g. taps); T = num_seqs * q_len. max_seq_len defaults to the pages' span."""
         self.fn = fn
         self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"  # host values staged in pinned memory: copies never wait
         self.num_seqs, self.q_len = num_seqs, q_len
         self.num_rows = T = num_seqs * q_len
         dev = self.device
@@ -109,17 +120,19 @@ class StepGraph:
             if not isinstance(block_tables, torch.Tensor):
                 width = max([len(t) for t in block_tables] + [1])
                 block_tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables],
-                                            dtype=torch.int32).view(len(block_tables), width)
+                                            dtype=torch.int32, pin_memory=self._pin).view(len(block_tables), width)
             s, w = block_tables.shape
             m.block_tables[:s, :w].copy_(block_tables, non_blocking=True)
         if seq_lens is not None:
             n = self._copy(m.seq_lens, seq_lens, pad=0)
             if query_start_loc is None:
-                qsl = torch.arange(self.num_seqs + 1, dtype=torch.int32).clamp(max=n) * self.q_len
-                query_start_loc = qsl
+                query_start_loc = [min(i, n) * self.q_len for i in range(self.num_seqs + 1)]
         if query_start_loc is not None:
-            qsl = torch.as_tensor(query_start_loc, dtype=torch.int32)
-            if qsl.numel() < self.num_seqs + 1:  # padding sequences: no rows
+            qsl = query_start_loc
+            if not isinstance(qsl, torch.Tensor):  # padding sequences: no rows
+                qsl = list(qsl) + [qsl[-1]] * (self.num_seqs + 1 - len(qsl))
+                qsl = torch.tensor(qsl, dtype=torch.int32, pin_memory=self._pin)
+            elif qsl.numel() < self.num_seqs + 1:
                 qsl = torch.cat([qsl, qsl[-1:].expand(self.num_seqs + 1 - qsl.numel())])
             m.query_start_loc.copy_(qsl, non_blocking=True)
         for name, value in extra.items():
@@ -141,7 +154,7 @@ class StepGraph:
 
     def _copy(self, buf: torch.Tensor, value: Tensorish, pad: int | None = None) -> int:
         if not isinstance(value, torch.Tensor):
-            value = torch.tensor(value, dtype=buf.dtype)
+            value = torch.tensor(value, dtype=buf.dtype, pin_memory=self._pin)
         n = value.shape[0]
         if n > buf.shape[0]:
             raise ValueError(f"{n} rows do not fit a static buffer of {buf.shape[0]}")

@@ -9,7 +9,7 @@ from flashdraft.attention.base import AttentionBackend, AttentionBatch
 from flashdraft.attention.torch_ref import TorchAttention
 from flashdraft.config import EngineConfig
 from flashdraft.engine.block_manager import BlockManager
-from flashdraft.engine.graphs import StepGraph
+from flashdraft.engine.graphs import StepGraph, to_device
 from flashdraft.engine.sampler import SamplingBatch, greedy_tokens
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.transformer import DecoderLM, fused_enabled
@@ -119,9 +119,8 @@ class ModelRunner:
             pos.extend([0] * pad)
             slots.extend([-1] * pad)
         dev = self.device
-        batch = AttentionBatch(torch.tensor(slots, dtype=torch.long, device=dev), qsl, seq_lens, tables, bs, causal)
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                batch)
+        batch = AttentionBatch(to_device(slots, torch.long, dev), qsl, seq_lens, tables, bs, causal)
+        return to_device(ids, torch.long, dev), to_device(pos, torch.long, dev), batch
 
     def placeholder_batch(self, n: int, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         """A step of one placeholder sequence of n rows (token 0 at positions 0..n-1, keys read
@@ -228,10 +227,10 @@ class ModelRunner:
         if not any(temps):
             return SamplingBatch(None, None, None, None, None, all_greedy=True)
         return SamplingBatch(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
-            top_k=torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], device=dev),
-            top_p=torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=dev),
-            seeds=torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            temperature=to_device(temps, torch.float32, dev),
+            top_k=to_device([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], torch.long, dev),
+            top_p=to_device([s.params.top_p for s in seqs], torch.float32, dev),
+            seeds=to_device([s.seed for s in seqs], torch.int64, dev),
+            positions=to_device(positions, torch.int64, dev),
             all_greedy=False,
         )

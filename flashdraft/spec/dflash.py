@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flashdraft.attention.base import AttentionBatch
-from flashdraft.engine.graphs import StepGraph
+from flashdraft.engine.graphs import StepGraph, to_device
 from flashdraft.engine.model_runner import WARM_ROWS, make_backend
 from flashdraft.engine.sampler import greedy_tokens, sample
 from flashdraft.engine.sequence import Sequence
@@ -239,11 +239,11 @@ class DFlashSpeculator:
         if verifying:
             drafts = self.propose([p.seq for p in verifying])
             if not isinstance(drafts, torch.Tensor):  # tests propose host lists
-                drafts = torch.tensor(drafts, dtype=torch.long, device=eng.device)
+                drafts = to_device(drafts, torch.long, eng.device)
             w = drafts.shape[1]
             dst = [r for p in verifying for r in range(p.row + 1, p.row + p.n)]
             src = [k * w + i for k, p in enumerate(verifying) for i in range(p.n - 1)]
-            idx = torch.tensor([dst, src], dtype=torch.long, device=eng.device)
+            idx = to_device([dst, src], torch.long, eng.device)
             ids[idx[0]] = drafts.flatten()[idx[1]]
         hidden, taps = runner.run(ids, positions, batch, self.tap_layers)
         store = AttentionBatch(batch.slot_mapping, [], [], [], batch.block_size)  # store-only: slots
@@ -336,7 +336,7 @@ class DFlashSpeculator:
         eng = self.engine
         sb = eng.runner.sampling_batch(seqs, positions)
         if len(rows) < hidden.shape[0]:  # rows ascend: as many as hidden has means all of them
-            hidden = hidden[torch.tensor(rows, device=eng.device)]
+            hidden = hidden[to_device(rows, torch.long, eng.device)]
         return sample(eng.runner.model.compute_logits(hidden, float32=not sb.all_greedy), sb), owner
 
     def _accept(self, plans: list[_Plan], ids: torch.Tensor | None, toks: torch.Tensor) -> torch.Tensor | None:
@@ -357,8 +357,8 @@ class DFlashSpeculator:
                 d_idx.append([p.row + 1 + i if i < p.n - 1 else pad_d for i in range(w)])
                 t_idx.append([first + i if i < p.n - 1 else pad_t for i in range(w + 1)])
             first += p.n if p.verify else int(p.seq.num_computed_tokens + p.n == p.seq.num_tokens)
-        idx = torch.tensor([d for row in d_idx for d in row] + [t for row in t_idx for t in row],
-                           dtype=torch.long, device=ids.device)
+        idx = to_device([d for row in d_idx for d in row] + [t for row in t_idx for t in row], torch.long,
+                        ids.device)
         dev_ids = torch.cat([ids, ids.new_full((1,), -1)])[idx[: len(d_idx) * w]].view(-1, w)
         dev_toks = torch.cat([toks, toks.new_full((1,), -2)])[idx[len(d_idx) * w:]].view(-1, w + 1)
         return accepted_lengths(dev_ids, dev_toks)
@@ -395,7 +395,7 @@ class DFlashSpeculator:
         bm, bs = self.engine.block_manager, self.engine.block_manager.block_size
         table = bm.table(seq.seq_id)
         slots = [table[q // bs] * bs + q % bs for q in range(seq.num_computed_tokens, end)]
-        idx = torch.tensor(slots, dtype=torch.long, device=self.engine.device)
+        idx = to_device(slots, torch.long, self.engine.device)
         r = self.engine.runner
         self._poison(r.k_cache, r.v_cache, idx)
         self._poison(self.k_cache, self.v_cache, idx)
