@@ -31,8 +31,9 @@ Tensorish = torch.Tensor | Sequence
 
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A host list as a tensor on `device` without waiting for the GPU: staged in pinned memory and
-    copied asynchronously. A copy from pageable memory first waits for everything already queued on
-    the stream (the step just launched), which would put the whole GPU step on the host's path."""
+    copied asynchronously. `torch.tensor(values, device="cuda")` copies synchronously, returning only
+    once everything already queued on the stream (the step just launched) has run; CUDA guarantees
+    an asynchronous host-to-device copy only from pinned memory."""
     device = torch.device(device)
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
@@ -47,7 +48,7 @@ class StepGraph:
         static inputs, e.g. taps); T = num_seqs * q_len. max_seq_len defaults to the pages' span."""
         self.fn = fn
         self.device = torch.device(device)
-        self._pin = self.device.type == "cuda"  # host values staged in pinned memory: copies never wait
+        self._pin = self.device.type == "cuda"  # host values staged pinned: fills never wait for the GPU
         self.num_seqs, self.q_len = num_seqs, q_len
         self.num_rows = T = num_seqs * q_len
         dev = self.device
