@@ -165,3 +165,19 @@ class Served:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def record_fed_drafts(monkeypatch) -> list:
+    """Patch DFlashSpeculator._accept to record, at every step, the drafts each verifying request
+    fed the target (the verify input rows after its first); returns the list it appends to."""
+    from flashdraft.spec.dflash import DFlashSpeculator
+
+    fed: list = []
+    real_accept = DFlashSpeculator._accept
+
+    def accept(self, plans, ids, toks):
+        fed.append([ids[p.row + 1: p.row + p.n].tolist() for p in plans if p.verify])
+        return real_accept(self, plans, ids, toks)
+
+    monkeypatch.setattr(DFlashSpeculator, "_accept", accept)
+    return fed

@@ -204,19 +204,11 @@ def test_graphed_dflash_step_matches_eager_engine(tiny_llama, tmp_path, monkeypa
 def test_graphed_dflash_step_drafts_like_eager(tiny_llama, tmp_path, monkeypatch, num_spec):
     """With a real (random) drafter the graphed step feeds the verify the drafts of the eager
     step, step for step: the context K/V the graph writes is the context the eager step writes."""
-    from fixtures import build_random_drafter
+    from fixtures import build_random_drafter, record_fed_drafts
 
     from flashdraft import LLM
-    from flashdraft.spec.dflash import DFlashSpeculator
 
-    fed: list = []
-    real_accept = DFlashSpeculator._accept
-
-    def accept(self, plans, ids, toks):
-        fed.append([ids[p.row + 1: p.row + p.n].tolist() for p in plans if p.verify])
-        return real_accept(self, plans, ids, toks)
-
-    monkeypatch.setattr(DFlashSpeculator, "_accept", accept)
+    fed = record_fed_drafts(monkeypatch)
     draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
     kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8,
               draft=draft, num_speculative_tokens=num_spec)

@@ -24,19 +24,11 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
     counts. With graphs the whole DFlash step is one replay; acceptance then reads the verify's
     static input buffer on the device, after the replay (graphs share one memory pool, so an
     intermediate result read after a later replay could have been overwritten)."""
-    from fixtures import build_random_drafter
+    from fixtures import build_random_drafter, record_fed_drafts
 
     from flashdraft import LLM, SamplingParams
-    from flashdraft.spec.dflash import DFlashSpeculator
 
-    fed: list = []
-    real_accept = DFlashSpeculator._accept
-
-    def accept(self, plans, ids, toks):
-        fed.append([ids[p.row + 1: p.row + p.n].tolist() for p in plans if p.verify])
-        return real_accept(self, plans, ids, toks)
-
-    monkeypatch.setattr(DFlashSpeculator, "_accept", accept)
+    fed = record_fed_drafts(monkeypatch)
     draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)) if with_drafter else None
     # 3 then 2 then 1 running sequences (buckets 4, 2, 1, padded), prompts of different lengths
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
