@@ -2,7 +2,7 @@
 drafter, greedy, one request at a time. Per arm: tokens/s and steps/s over a few prompts, then
 one more request under cProfile, split into the wait for the GPU (the step's one device->host read,
 `tolist`) and everything else (host work: scheduling, metadata, launches, commits); the top
-functions by own time. Run it at two commits (PYTHONPATH) in one session for a side-by-side.
+functions by own time. Run it at two commits (PYTHONPATH) one after the other on one machine for a side-by-side.
 
     python benchmarks/device/step_host.py --gguf smollm2.gguf --draft DRAFTER_DIR \\
         --prompts humaneval.jsonl --out results/step_host.json
