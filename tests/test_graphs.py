@@ -130,12 +130,20 @@ def _graphed_llm(model: str, kw: dict):
 
     llm = LLM(model, **kw)
     runner, sp = llm.engine.runner, llm.engine.spec
-    runner.attn, sp.attn = StaticTorchAttention(), StaticTorchAttention()
+    runner.attn = StaticTorchAttention()
     runner.use_graphs = True
-    sp.capture_graphs()
+    if sp is not None:
+        sp.attn = StaticTorchAttention()
+        sp.capture_graphs()
+    else:
+        cfg, step = llm.engine.config, runner.target_step(())
+        runner.capture_graphs(("target", ()), 1, True, runner.attn, step, cfg.max_num_seqs)
+        runner.capture_ragged_graphs(("target", ()), step, cfg.max_num_seqs, cfg.max_num_batched_tokens)
     replays = Counter()
-    for key, g in runner.graphs.items():
-        def counted(key=key[0][0], replay=g.replay):
+    graphs = [(key[0][0], g) for key, g in runner.graphs.items()]
+    graphs += [("ragged", g) for g in runner.ragged_graphs.values()]
+    for key, g in graphs:
+        def counted(key=key, replay=g.replay):
             replays[key] += 1
             return replay()
         g.replay = counted
@@ -193,6 +201,7 @@ def test_graphed_dflash_step_matches_eager_engine(tiny_llama, tmp_path, monkeypa
     assert [o.token_ids for o in outs] == want
     assert graphed.engine.spec_totals() == eager.engine.spec_totals()
     assert replays["dflash"] > 0 and (pause is None or replays["decode"] > 0), replays
+    assert replays["ragged"] > 0, replays  # the first step: three prefills of different lengths
     if pause is None:  # request i's drafts go wrong at slot i % B: it accepts exactly that many
         for p, o in zip(prompts, outs):
             h = o.metrics["acceptance_histogram"]
@@ -224,3 +233,25 @@ def test_graphed_dflash_step_drafts_like_eager(tiny_llama, tmp_path, monkeypatch
     # kinds captured at start only (decode, the DFlash block), never one per prompt length
     graphed.generate([[7] * 12], SamplingParams(max_tokens=3, ignore_eos=True))
     assert {key[2] for key in graphed.engine.runner.graphs} == {1, 4}
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_ragged_steps_replay_graphs_with_the_eager_tokens(tiny_llama, tmp_path, with_drafter):
+    """Steps that mix prefill chunks with decode (or verify) rows replay a graph of (rows,
+    sequences) buckets, padding rows and sequences included, and give the eager engine's tokens."""
+    from fixtures import build_random_drafter
+
+    from flashdraft import LLM
+
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)) if with_drafter else None
+    # two running requests at a time, so later prompts are prefilled beside decoding ones; at most
+    # 40 rows a step, so the 70-token prompt is prefilled in two chunks
+    kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=2, kv_block_size=8,
+              max_num_batched_tokens=40, draft=draft)
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 110)), [9, 8, 7], list(range(3, 33))]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 5, 7, 12, 6)]
+    want = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(prompts, params)]
+    graphed, replays = _graphed_llm(str(tiny_llama), kw)
+    assert {key[1:] for key in graphed.engine.runner.ragged_graphs} == {(4, 32), (4, 64)}
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
+    assert replays["ragged"] >= 4, replays

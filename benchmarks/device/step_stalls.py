@@ -2,6 +2,8 @@
 through `LLM.generate` at a fixed concurrency (max_num_seqs), every step timed with a device sync
 around it; steps over 10 ms are listed with the Triton variants they compiled and the graphs they
 captured. Two passes over the same prompts: the second shows what is left once everything is warm.
+With --profile, the second pass runs every step under cProfile and prints where the host time of
+the slow steps (and, apart, of all the others) goes.
 
     python benchmarks/device/step_stalls.py --gguf smollm2.gguf --draft DRAFTER_DIR \\
         --prompts prompts/humaneval.jsonl --concurrency 8
@@ -10,7 +12,10 @@ captured. Two passes over the same prompts: the second shows what is left once e
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 
 import torch
@@ -30,6 +35,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--profile", action="store_true", help="cProfile the second pass's steps")
     args = ap.parse_args()
 
     kernels = {f"{m.__name__.rsplit('.', 1)[-1]}.{n}": f for m in (triton_paged, fused, skinny)
@@ -43,13 +49,19 @@ def main() -> None:
     ids = [eng.apply_chat_template(p.messages) for p in load_prompts(args.prompts, args.num_prompts)]
     real_step, slow = eng.step, []
 
+    profiles = {"slow": pstats.Stats(), "other": pstats.Stats()}  # merged per kind of step
+    profiling = False
+
     def step():
         before, graphs = variants(), len(eng.runner.graphs)
         torch.cuda.synchronize()
+        prof = cProfile.Profile() if profiling else None
         t0 = time.perf_counter()
-        out = real_step()
+        out = real_step() if prof is None else prof.runcall(real_step)
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3
+        if prof is not None:
+            profiles["slow" if ms > 10 else "other"].add(prof)
         after = variants()
         new = {k: after[k] - before[k] for k in after if after[k] != before[k]}
         if ms > 10 or new or len(eng.runner.graphs) != graphs:
@@ -59,6 +71,7 @@ def main() -> None:
 
     eng.step = step
     for rep in range(2):
+        profiling = args.profile and rep == 1
         slow.clear()
         t0 = time.perf_counter()
         outs = llm.generate(ids, SamplingParams(max_tokens=args.max_tokens))
@@ -68,6 +81,13 @@ def main() -> None:
               f"{sum(1 for s in slow if s['compiled'])} with a compile")
         for s in slow:
             print("  " + json.dumps(s))
+    for kind, st in profiles.items():
+        if st.stats:
+            buf = io.StringIO()
+            st.stream = buf
+            st.sort_stats("tottime").print_stats(30)
+            st.sort_stats("cumulative").print_stats(30)
+            print(f"--- {kind} steps under cProfile ---\n{buf.getvalue()}")
 
 
 if __name__ == "__main__":

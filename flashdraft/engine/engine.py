@@ -84,6 +84,9 @@ class LLMEngine:
             from flashdraft.spec.dflash import load_speculator
 
             self.spec = load_speculator(draft, self)
+        else:  # ragged steps (prefill chunks beside decodes) replay graphs too
+            self.runner.capture_ragged_graphs(("target", ()), self.runner.target_step(()), config.max_num_seqs,
+                                              config.max_num_batched_tokens)
         self._seed = config.seed
         self.stats = {"num_steps": 0, "num_preemptions": 0, "num_generated_tokens": 0}
 

@@ -43,14 +43,17 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) 
 class StepGraph:
     def __init__(self, fn: Callable[[StepGraph], Any], num_seqs: int, q_len: int, max_blocks: int, block_size: int,
                  device: torch.device | str, causal: bool = True, max_seq_len: int | None = None,
-                 attn: Sequence = (), extra: dict[str, torch.Tensor] | None = None):
+                 attn: Sequence = (), extra: dict[str, torch.Tensor] | None = None, num_rows: int | None = None):
         """fn(g) runs one step over g.input_ids [T], g.positions [T], g.meta and g.extra (further
-        static inputs, e.g. taps); T = num_seqs * q_len. max_seq_len defaults to the pages' span."""
+        static inputs, e.g. taps); T = num_seqs * q_len. max_seq_len defaults to the pages' span.
+        num_rows (T) given: a ragged step, up to num_seqs sequences sharing T rows in any split
+        (prefill chunks beside decode or verify rows); q_len then bounds one sequence's rows (T
+        for any split) and fills pass query_start_loc."""
         self.fn = fn
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"  # host values staged pinned: fills never wait for the GPU
         self.num_seqs, self.q_len = num_seqs, q_len
-        self.num_rows = T = num_seqs * q_len
+        self.num_rows = T = num_seqs * q_len if num_rows is None else num_rows
         dev = self.device
         self.input_ids = torch.zeros(T, dtype=torch.long, device=dev)
         self.positions = torch.zeros(T, dtype=torch.long, device=dev)

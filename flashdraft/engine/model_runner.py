@@ -18,6 +18,10 @@ PAD_ROWS = 32  # = skinny.MAX_ROWS: fewer rows run the Triton GEMMs, one variant
 # row counts of the placeholder steps run at start: the few-row GEMMs' two tile heights (up to 16
 # rows, up to 32) and cuBLAS with the MLP's separate silu * up kernel
 WARM_ROWS = (16, 32, 64)
+# buckets of the graphed ragged steps (prefill chunks beside decode or verify rows): total rows,
+# and sequences (a step's attention grid grows with rows x sequences, so both are bucketed)
+RAGGED_ROWS = (32, 64, 128, 256, 512, 1024, 2048)
+RAGGED_SEQS = (4, 16, 64, 256)
 
 
 def make_backend(name: str) -> AttentionBackend:
@@ -68,6 +72,9 @@ class ModelRunner:
         # (key, rows per sequence) of the step kinds that replay graphs: only those registered by
         # capture_graphs; any other shape (a lone prompt's prefill) runs eagerly, never captured
         self.graph_shapes: set[tuple] = set()
+        # ragged steps of a registered kind replay a graph of (sequences bucket, rows bucket) when
+        # one is captured (capture_ragged_graphs); others run eagerly
+        self.ragged_graphs: dict[tuple, StepGraph] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # eager steps of more rows than the few-row GEMMs take are padded to a multiple of this
         # (padding rows: slot -1, nothing stored, nothing attended): cuBLAS picks and loads a kernel
@@ -141,6 +148,13 @@ class ModelRunner:
         if out is not None:
             (hidden, taps), qsl = out
             return hidden, taps, qsl
+        g = self.ragged_graph(("target", tap_layers), seqs, tokens, bm) if self.ragged_graphs else None
+        if g is not None:
+            hidden, taps = g.replay()
+            qsl = [0]
+            for t in tokens:
+                qsl.append(qsl[-1] + len(t))
+            return hidden[: qsl[-1]], taps[: qsl[-1]] if taps is not None else None, qsl
         ids, positions, batch = self.build_batch(seqs, tokens, bm)
         hidden, taps = self.run(ids, positions, batch, tap_layers)
         return hidden, taps, batch.query_start_loc
@@ -188,6 +202,54 @@ class ModelRunner:
         g = self._graph(key, bucket, q_len, causal, attn, fn, setup)
         g.fill(ids, pos, slots, seq_lens, tables)
         return g
+
+    def ragged_graph(self, key: tuple, seqs: list[Sequence], tokens: list[list[int]],
+                     bm: BlockManager) -> StepGraph | None:
+        """The captured ragged graph (see capture_ragged_graphs) of the smallest buckets that hold
+        this step, its inputs and metadata filled, ready to replay; None when there is none.
+        Rows past the step's are padding: no sequence, slot -1, outputs to be cut."""
+        n = sum(len(t) for t in tokens)
+        rows = next((r for r in RAGGED_ROWS if r >= n), None)
+        nseq = next((b for b in RAGGED_SEQS if b >= len(seqs)), None)
+        g = self.ragged_graphs.get((key, nseq, rows))
+        if g is None or not self.use_graphs:
+            return None
+        bs = self.block_size
+        ids, pos, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
+        for seq, toks in zip(seqs, tokens):
+            start = seq.num_computed_tokens
+            table = bm.table(seq.seq_id)
+            ids.extend(toks)
+            p = range(start, start + len(toks))
+            pos.extend(p)
+            slots.extend(table[i // bs] * bs + i % bs for i in p)
+            qsl.append(qsl[-1] + len(toks))
+            seq_lens.append(start + len(toks))
+            tables.append(table)
+        g.fill(ids, pos, slots, seq_lens, tables, query_start_loc=qsl)
+        return g
+
+    def capture_ragged_graphs(self, key: tuple, fn, max_seqs: int, max_rows: int) -> None:
+        """Capture, before serving, a graph of step kind `key` (fn as in capture_graphs, causal)
+        for every (sequences, rows) bucket a ragged step of up to max_seqs sequences and max_rows
+        rows can use. An eager ragged step costs 15-40 ms of host time on a 30-layer model (a few
+        hundred launches); its replay, well under 1 ms."""
+        if not self.use_graphs:
+            return
+        most = min(max_seqs, self.max_graph_batch)
+        seq_buckets = [b for b in RAGGED_SEQS if b < most] + [next((b for b in RAGGED_SEQS if b >= most),
+                                                                    RAGGED_SEQS[-1])]
+        row_buckets = [r for r in RAGGED_ROWS if r < max_rows] + [r for r in RAGGED_ROWS if r >= max_rows][:1]
+        for rows in reversed(row_buckets):  # largest first: smaller graphs reuse its memory pool
+            for nseq in reversed(seq_buckets):
+                if (key, nseq, rows) in self.ragged_graphs:
+                    continue
+                g = StepGraph(fn, nseq, rows, self.max_blocks, self.block_size, self.device, causal=True,
+                              max_seq_len=self.max_blocks * self.block_size, attn=[self.attn], num_rows=rows)
+                # a placeholder step: one sequence over every row, reading page 0, storing nothing
+                g.fill([0] * rows, list(range(rows)), [-1] * rows, [rows], [[0]], query_start_loc=[0, rows])
+                g.capture(pool=self.graph_pool)
+                self.ragged_graphs[(key, nseq, rows)] = g
 
     def target_step(self, tap_layers: tuple[int, ...]):
         return lambda g: self.model(g.input_ids, g.positions, self.kv, self.attn, g.meta, tap_layers)

@@ -146,11 +146,14 @@ class DFlashSpeculator:
     def capture_graphs(self) -> None:
         """Capture before serving, at every batch bucket: the whole DFlash step (draft, drafts into
         the verify input, verify, context write) as one graph, and the decode step that still
-        writes the context (paused speculation, one-token prompts, requests near max_model_len)."""
+        writes the context (paused speculation, one-token prompts, requests near max_model_len),
+        and the same over ragged steps (prefill chunks beside verify blocks; drafted eagerly)."""
         runner, n = self.engine.runner, self.engine.config.max_num_seqs
         runner.capture_graphs(("dflash", self.tap_layers), self.block_size, False, self.attn, self._graph_step, n,
                               setup=self._setup_graph)
         runner.capture_graphs(("decode", self.tap_layers), 1, True, runner.attn, self._decode_step, n)
+        runner.capture_ragged_graphs(("decode", self.tap_layers), self._decode_step, n,
+                                     self.engine.config.max_num_batched_tokens)
 
     # ---- public hooks used by the engine ----------------------------------------------------
     def totals(self) -> dict:
@@ -235,9 +238,15 @@ class DFlashSpeculator:
                                      runner.attn, self._decode_step)
                 if out is not None:
                     return out[0], None
-        ids, positions, batch = runner.build_batch(seqs, tokens, eng.block_manager)
-        if verifying:
-            drafts = self.propose([p.seq for p in verifying])
+        drafts = self.propose([p.seq for p in verifying]) if verifying else None
+        g = None
+        if not self.poison_rejected and runner.ragged_graphs:
+            g = runner.ragged_graph(("decode", self.tap_layers), seqs, tokens, eng.block_manager)
+        if g is not None:
+            ids = g.input_ids
+        else:
+            ids, positions, batch = runner.build_batch(seqs, tokens, eng.block_manager)
+        if verifying:  # the drafts into the verify rows, on the device
             if not isinstance(drafts, torch.Tensor):  # tests propose host lists
                 drafts = to_device(drafts, torch.long, eng.device)
             w = drafts.shape[1]
@@ -245,6 +254,8 @@ class DFlashSpeculator:
             src = [k * w + i for k, p in enumerate(verifying) for i in range(p.n - 1)]
             idx = to_device([dst, src], torch.long, eng.device)
             ids[idx[0]] = drafts.flatten()[idx[1]]
+        if g is not None:
+            return g.replay()[: sum(p.n for p in plans)], ids if verifying else None
         hidden, taps = runner.run(ids, positions, batch, self.tap_layers)
         store = AttentionBatch(batch.slot_mapping, [], [], [], batch.block_size)  # store-only: slots
         self.drafter.write_context(taps, positions, self.kv, self.attn, store)
