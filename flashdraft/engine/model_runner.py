@@ -70,7 +70,7 @@ class ModelRunner:
         self.max_blocks = -(-(max_model_len + 64) // self.block_size)
         self.graphs: dict[tuple, StepGraph] = {}
         # (key, rows per sequence) of the step kinds that replay graphs: only those registered by
-        # capture_graphs; any other shape (a lone prompt's prefill) runs eagerly, never captured
+        # capture_graphs; any other shape (a lone prompt's prefill) is ragged, never captured here
         self.graph_shapes: set[tuple] = set()
         # ragged steps of a registered kind replay a graph of (sequences bucket, rows bucket) when
         # one is captured (capture_ragged_graphs); others run eagerly

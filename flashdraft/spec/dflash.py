@@ -17,7 +17,7 @@
 
 With CUDA graphs, a step where every request verifies (or every request decodes) replays steps
 2-4 as one graph over metadata built once for the step; ragged steps (prefill chunks beside
-verifies) run the same code eagerly.
+verifies) draft eagerly, then replay steps 3-4 as a graph of their (sequences, rows) bucket.
 """
 
 from __future__ import annotations
