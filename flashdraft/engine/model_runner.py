@@ -102,11 +102,10 @@ class ModelRunner:
                     for f32 in (False, True):
                         model.compute_logits(hidden, float32=f32)
 
-    def build_batch(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
-                    causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
-        """tokens[s] are the new tokens of seqs[s], at positions num_computed_tokens onwards.
-        The drafter builds its blocks with this too: same positions, same pages. Rows past
-        query_start_loc[-1] are padding (see pad_rows): outputs are cut by the caller."""
+    def step_lists(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager) -> tuple[list, ...]:
+        """A step's host lists: token ids, positions and cache slots of every row, query start
+        offsets, sequence lengths and block tables. tokens[s] are the new tokens of seqs[s], at
+        positions num_computed_tokens onwards."""
         ids, pos, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
         bs = self.block_size
         for seq, toks in zip(seqs, tokens):
@@ -119,6 +118,15 @@ class ModelRunner:
             qsl.append(qsl[-1] + len(toks))
             seq_lens.append(start + len(toks))
             tables.append(table)
+        return ids, pos, slots, qsl, seq_lens, tables
+
+    def build_batch(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
+                    causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """tokens[s] are the new tokens of seqs[s], at positions num_computed_tokens onwards.
+        The drafter builds its blocks with this too: same positions, same pages. Rows past
+        query_start_loc[-1] are padding (see pad_rows): outputs are cut by the caller."""
+        ids, pos, slots, qsl, seq_lens, tables = self.step_lists(seqs, tokens, bm)
+        bs = self.block_size
         n = len(ids)
         if self.pad_rows and n > self.pad_rows:
             pad = -n % self.pad_rows
@@ -189,16 +197,7 @@ class ModelRunner:
                 or any(len(t) != q_len for t in tokens):
             return None
         bucket = 1 << (len(seqs) - 1).bit_length()
-        bs = self.block_size
-        ids, pos, slots, seq_lens, tables = [], [], [], [], []
-        for seq, toks in zip(seqs, tokens):
-            start = seq.num_computed_tokens
-            table = bm.table(seq.seq_id)
-            ids.extend(toks)
-            pos.extend(range(start, start + q_len))
-            slots.extend(table[i // bs] * bs + i % bs for i in range(start, start + q_len))
-            seq_lens.append(start + q_len)
-            tables.append(table)
+        ids, pos, slots, _, seq_lens, tables = self.step_lists(seqs, tokens, bm)
         g = self._graph(key, bucket, q_len, causal, attn, fn, setup)
         g.fill(ids, pos, slots, seq_lens, tables)
         return g
@@ -214,18 +213,7 @@ class ModelRunner:
         g = self.ragged_graphs.get((key, nseq, rows))
         if g is None or not self.use_graphs:
             return None
-        bs = self.block_size
-        ids, pos, slots, qsl, seq_lens, tables = [], [], [], [0], [], []
-        for seq, toks in zip(seqs, tokens):
-            start = seq.num_computed_tokens
-            table = bm.table(seq.seq_id)
-            ids.extend(toks)
-            p = range(start, start + len(toks))
-            pos.extend(p)
-            slots.extend(table[i // bs] * bs + i % bs for i in p)
-            qsl.append(qsl[-1] + len(toks))
-            seq_lens.append(start + len(toks))
-            tables.append(table)
+        ids, pos, slots, qsl, seq_lens, tables = self.step_lists(seqs, tokens, bm)
         g.fill(ids, pos, slots, seq_lens, tables, query_start_loc=qsl)
         return g
 
