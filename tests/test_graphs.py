@@ -236,10 +236,11 @@ def test_graphed_dflash_step_drafts_like_eager(tiny_llama, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("with_drafter", [False, True])
-def test_ragged_steps_replay_graphs_with_the_eager_tokens(tiny_llama, tmp_path, with_drafter):
+def test_ragged_steps_replay_graphs_with_the_eager_tokens(tiny_llama, tmp_path, with_drafter, monkeypatch):
     """Steps that mix prefill chunks with decode (or verify) rows replay a graph of (rows,
-    sequences) buckets, padding rows and sequences included, and give the eager engine's tokens."""
-    from fixtures import build_random_drafter
+    sequences) buckets, padding rows and sequences included, and give the eager engine's tokens;
+    with a drafter, their draft blocks replay the draft-only graph and feed the eager drafts."""
+    from fixtures import build_random_drafter, record_fed_drafts
 
     from flashdraft import LLM
 
@@ -250,8 +251,12 @@ def test_ragged_steps_replay_graphs_with_the_eager_tokens(tiny_llama, tmp_path, 
               max_num_batched_tokens=40, draft=draft)
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 110)), [9, 8, 7], list(range(3, 33))]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 5, 7, 12, 6)]
+    fed = record_fed_drafts(monkeypatch)
     want = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(prompts, params)]
+    want_fed, fed[:] = list(fed), []
     graphed, replays = _graphed_llm(str(tiny_llama), kw)
     assert {key[1:] for key in graphed.engine.runner.ragged_graphs} == {(4, 32), (4, 64)}
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
     assert replays["ragged"] >= 4, replays
+    assert fed == want_fed
+    assert (replays["draft"] > 0) == with_drafter, replays

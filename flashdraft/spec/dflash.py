@@ -147,13 +147,15 @@ class DFlashSpeculator:
         """Capture before serving, at every batch bucket: the whole DFlash step (draft, drafts into
         the verify input, verify, context write) as one graph, and the decode step that still
         writes the context (paused speculation, one-token prompts, requests near max_model_len),
-        and the same over ragged steps (prefill chunks beside verify blocks; drafted eagerly)."""
+        and for ragged steps (prefill chunks beside verify blocks) the draft blocks alone and the
+        target with the context write over (sequences, rows) buckets."""
         runner, n = self.engine.runner, self.engine.config.max_num_seqs
         runner.capture_graphs(("dflash", self.tap_layers), self.block_size, False, self.attn, self._graph_step, n,
                               setup=self._setup_graph)
         runner.capture_graphs(("decode", self.tap_layers), 1, True, runner.attn, self._decode_step, n)
         runner.capture_ragged_graphs(("decode", self.tap_layers), self._decode_step, n,
                                      self.engine.config.max_num_batched_tokens)
+        runner.capture_graphs(("draft", self.tap_layers), self.block_size, False, self.attn, self._draft_step, n)
 
     # ---- public hooks used by the engine ----------------------------------------------------
     def totals(self) -> dict:
@@ -265,6 +267,11 @@ class DFlashSpeculator:
         """Draft B-1 tokens per request in one non-causal drafter forward: [S, B-1] on the device."""
         eng, B = self.engine, self.block_size
         blocks = [[s.token_ids[-1]] + [self.mask_token_id] * (B - 1) for s in seqs]
+        if not self.poison_rejected:
+            g = eng.runner.filled_graph(("draft", self.tap_layers), seqs, blocks, eng.block_manager, False,
+                                        self.attn, self._draft_step)
+            if g is not None:  # read before any other replay: graphs share one memory pool
+                return g.replay()[: len(seqs)]
         ids, pos, batch = eng.runner.build_batch(seqs, blocks, eng.block_manager, causal=False)
         self.attn.prepare(batch, eng.device)
         hidden = self.drafter(self.embed(ids), pos, self.kv, self.attn, batch)[: len(seqs) * B]  # no padding rows
@@ -316,6 +323,11 @@ class DFlashSpeculator:
         hidden, taps = runner.model(ids, pos, runner.kv, runner.attn, vm, self.tap_layers)
         self.drafter.write_context(taps, pos, self.kv, self.attn, vm)
         return hidden
+
+    def _draft_step(self, g: StepGraph) -> torch.Tensor:
+        """The draft blocks alone over a graph's buffers: [S, B-1] drafts."""
+        return self._draft_tokens(self.drafter(self.embed(g.input_ids), g.positions, self.kv, self.attn, g.meta),
+                                  g.num_seqs)
 
     def _decode_step(self, g: StepGraph) -> torch.Tensor:
         """A step without drafts over a graph's buffers: the target, then every row's context."""

@@ -52,7 +52,7 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
     assert set(runner.ragged_graphs) == ragged
     assert got == want
     kinds = {key[0][0] for key in runner.graphs}
-    assert kinds == ({"target", "dflash", "decode"} if with_drafter else {"target"}), runner.graphs.keys()
+    assert kinds == ({"target", "dflash", "decode", "draft"} if with_drafter else {"target"}), runner.graphs.keys()
     assert {key[1] for key in runner.graphs} >= {1, 2, 4}
     if with_drafter:
         assert graphed.engine.spec_totals()["num_drafts"] > 0 and fed
