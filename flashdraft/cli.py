@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: triton on CUDA when it imports, else torch")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="drafts verified per step, 1 to the drafter's block size - 1 (default: all of them)")
     p.add_argument("--speculative-disable-batch-size", type=int, default=None, metavar="N",
                    help="decode without drafts in steps where at least N requests are running")
 
@@ -33,7 +35,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, attention_backend=args.attention_backend,
-                cuda_graphs=not args.no_cuda_graphs,
+                cuda_graphs=not args.no_cuda_graphs, num_speculative_tokens=args.num_speculative_tokens,
                 speculative_disable_batch_size=args.speculative_disable_batch_size)
 
 

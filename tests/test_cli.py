@@ -45,3 +45,20 @@ def test_generate_speculates_by_default_with_the_shipped_drafter():
     assert spec.returncode == 0, spec.stderr
     assert spec.stdout == plain.stdout and "Paris" in spec.stdout
     assert "tau=" in spec.stderr and "tau=" not in plain.stderr
+
+
+def test_generate_verifies_fewer_drafts_when_asked():
+    """--num-speculative-tokens K verifies K drafts a step (vLLM's name), same text; an impossible
+    K is refused with a message naming the allowed range."""
+    import re
+
+    args = [sys.executable, "-m", "flashdraft", "generate", "What is the capital of France?", "--max-tokens", "24"]
+    spec = subprocess.run(args + ["--num-speculative-tokens", "3"], capture_output=True, text=True, timeout=300)
+    plain = subprocess.run(args + ["--no-spec"], capture_output=True, text=True, timeout=300)
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    drafts, draft_tokens = (int(re.search(rf"{k}=(\d+)", spec.stderr).group(1)) for k in ("drafts", "draft_tokens"))
+    assert drafts > 0 and draft_tokens == 3 * drafts
+    bad = subprocess.run(args + ["--num-speculative-tokens", "9"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "num_speculative_tokens must be in [1, 7], got 9" in bad.stderr
+    assert "Traceback" not in bad.stderr
