@@ -17,7 +17,8 @@
 
 With CUDA graphs, a step where every request verifies (or every request decodes) replays steps
 2-4 as one graph over metadata built once for the step; ragged steps (prefill chunks beside
-verifies) draft eagerly, then replay steps 3-4 as a graph of their (sequences, rows) bucket.
+verifies) replay the draft blocks alone as a graph of their batch bucket, then steps 3-4 as a
+graph of their (sequences, rows) bucket.
 """
 
 from __future__ import annotations
@@ -316,7 +317,7 @@ class DFlashSpeculator:
             vm.slot_mapping.copy_(m.slot_mapping.view(S, B)[:, :k1].flatten())
             vm.seq_lens.copy_((m.seq_lens - (B - k1)).clamp_min(0))
             vm.query_start_loc.copy_(m.query_start_loc // B * k1)
-        drafts = self._draft_tokens(self.drafter(self.embed(g.input_ids), g.positions, self.kv, self.attn, g.meta), S)
+        drafts = self._draft_step(g)
         ids.view(S, k1)[:, 0] = g.input_ids.view(S, B)[:, 0]
         ids.view(S, k1)[:, 1:] = drafts[:, : k1 - 1]
         runner = self.engine.runner
