@@ -102,7 +102,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                       gen_batch=args.gen_batch, precondition_taps=not args.no_precondition_taps,
                       init_layers_from=args.init_layers_from, init_drafter=args.init_drafter,
                       time_budget_s=args.time_budget,
-                      local_context=args.local_context, local_context_frac=args.local_context_frac)
+                      local_context=args.local_context, local_context_frac=args.local_context_frac,
+                      labels=args.labels, stop_after_s=args.stop_after)
     out = train(cfg)
     print(f"drafter written to {out}")
     return 0
@@ -147,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--model", default=None, help="target: HF folder or .gguf (default: embedded SmolLM2-135M)")
     t.add_argument("--out", required=True, help="output folder (z-lab checkpoint, data, logs, trainer state)")
     t.add_argument("--data", default=None, help="existing jsonl of {prompt_ids, response_ids}; skips generation")
-    t.add_argument("--prompts", default=None, help="jsonl of {prompt} or {messages} (default: ShareGPT train split)")
+    t.add_argument("--prompts", default=None,
+                   help="comma-separated prompt sources: jsonl files of {prompt} or {messages}, 'sharegpt' (the "
+                        "training split) and 'python' (problems from the standard library's documented "
+                        "functions); default: sharegpt")
     t.add_argument("--num-prompts", type=int, default=None)
     t.add_argument("--prompt-turns", choices=["first", "all"], default="first",
                    help="ShareGPT prompts: first human turns only, or every human turn with its history")
@@ -185,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="curriculum: for the first --local-context-frac of the steps, blocks see only the last "
                         "N context positions")
     t.add_argument("--local-context-frac", type=float, default=0.1)
+    t.add_argument("--labels", choices=["data", "argmax", "kl"], default="data",
+                   help="what slot k is scored against: the data's token (the published recipe), the target's "
+                        "greedy choice there, or KL to the target's whole distribution")
+    t.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                   help="save the trainer state and stop after this many seconds; --resume goes on")
     t.set_defaults(func=cmd_train_drafter)
 
     args = parser.parse_args(argv)

@@ -286,3 +286,30 @@ def test_init_drafter_continues_a_saved_checkpoint(tiny_llama, tmp_path):
     assert scale.max() / scale.min() > 2  # the preconditioner is far from 1: the round trip above means something
     moved = load_file(str(tmp_path / "more" / "model.safetensors"))
     assert not torch.allclose(moved["fc.weight"], want["fc.weight"])
+
+
+def test_python_function_prompts_and_prompt_sources(tmp_path):
+    from flashdraft.bench.datasets import load_prompts
+    from flashdraft.train.data import python_function_prompts, training_conversations
+
+    src = tmp_path / "lib"
+    (src / "test").mkdir(parents=True)
+    (src / "mod.py").write_text('def clamp(x: int, lo: int, hi: int) -> int:\n'
+                                '    """Return x limited to the closed range [lo, hi], for integers."""\n'
+                                '    return max(lo, min(x, hi))\n\n'
+                                'def _private(x):\n    """A private helper that is never a problem to solve."""\n\n'
+                                'def bare(x):\n    return x\n')
+    (src / "test" / "test_mod.py").write_text('def test_it():\n    """A test function that is left out."""\n')
+    got = python_function_prompts(src, min_doc=10)
+    assert len(got) == 1 and "def clamp(x: int, lo: int, hi: int) -> int:" in got[0]
+    assert "Return x limited to the closed range [lo, hi], for integers." in got[0]
+    stdlib = python_function_prompts()
+    assert len(stdlib) > 2000 and len(set(stdlib)) == len(stdlib)
+    heval = {p.messages[0]["content"] for p in load_prompts("humaneval")}
+    assert not heval & set(stdlib)  # the evaluation's problems are not among them
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    both = training_conversations(f"{f},python")
+    assert both[0] == [{"role": "user", "content": "hello"}] and len(both) == 1 + len(stdlib)
+    with pytest.raises(FileNotFoundError, match="neither a file nor one of sharegpt, python"):
+        training_conversations("pyhton")

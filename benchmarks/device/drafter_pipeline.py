@@ -7,6 +7,8 @@ lands in --out (config, weights split in parts, logs, eval.json).
     # or in two calls: --phase gen --out data-out, then --phase train --data data-out/data.jsonl.gz
     # on several GPUs: one --phase gen --shard K/N process per GPU, then
     # torchrun --nproc-per-node N drafter_pipeline.py --phase train ... (rank 0 evaluates)
+    # training longer than one command may run: --stop-after S, then the same command with --resume
+    # evaluation alone: --phase eval --drafter DIR
 """
 
 from __future__ import annotations
@@ -83,8 +85,13 @@ def evaluate(args, drafter: Path, summary: dict, out: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--phase", choices=["gen", "train", "all"], default="all",
-                    help="gen: data only; train: train (+ eval) on --data; all: both")
+    ap.add_argument("--phase", choices=["gen", "train", "all", "eval"], default="all",
+                    help="gen: data only; train: train (+ eval) on --data; all: both; eval: --drafter only")
+    ap.add_argument("--drafter", default=None, help="eval: the drafter folder to evaluate")
+    ap.add_argument("--labels", default="data", choices=["data", "argmax", "kl"])
+    ap.add_argument("--stop-after", type=float, default=None,
+                    help="train: save the state and stop after S seconds (no eval); --resume goes on")
+    ap.add_argument("--resume", action="store_true", help="train: go on from the state in --work")
     ap.add_argument("--gguf", required=True)
     ap.add_argument("--data-dir", required=True)
     ap.add_argument("--out", required=True)
@@ -121,6 +128,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    if args.phase == "eval":
+        summary = {"drafter": args.drafter, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+        evaluate(args, Path(args.drafter), summary, out)
+        return
     data = Path(args.data) if args.data else gen_data(args, work)
     if args.phase in ("gen", "all") and not args.data:
         with open(out / "data.jsonl.gz", "wb") as gz:
@@ -137,14 +148,18 @@ def main() -> None:
                       device="cuda", dtype="bfloat16", save_every=args.save_every, time_budget_s=args.train_seconds,
                       init_layers_from=args.init_layers_from, init_drafter=args.init_drafter,
                       local_context=args.local_context,
-                      local_context_frac=args.local_context_frac)
+                      local_context_frac=args.local_context_frac, labels=args.labels,
+                      stop_after_s=args.stop_after, resume=args.resume)
     t0 = time.time()
     drafter = train(cfg)  # data parallel over the GPUs when started by torchrun
     if int(os.environ.get("RANK", "0")) != 0:
         return
     last = cfg.log[-1]
-    log(f"training: {last['step']} steps, {last['epoch'] + 1} epochs, {time.time() - t0:.0f}s, "
-        f"final loss {last['loss']:.3f}, train tau {last['tau']:.2f}")
+    log(f"training: {last['step']} of {last['total_steps']} steps, {last['epoch'] + 1} epochs, "
+        f"{time.time() - t0:.0f}s, final loss {last['loss']:.3f}, train tau {last['tau']:.2f}")
+    if last["step"] < last["total_steps"]:
+        log("stopped early (--stop-after); the same command with --resume goes on")
+        return
     # results leave the machine before the evaluation, in case the run hits its time limit
     (out / "config.json").write_text((drafter / "config.json").read_text())
     (out / "train_log.jsonl").write_text((drafter / "train_log.jsonl").read_text())

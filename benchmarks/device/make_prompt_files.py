@@ -1,6 +1,7 @@
 """Write the prompt files the GPU pipeline reads (the prompt packages are not installed there):
 train_prompts.jsonl (ShareGPT training split, first turns of at most 1,500 characters),
 train_conversations.jsonl.gz (every human turn with its history, at most 3,000 characters in all),
+python_functions.jsonl.gz (code problems from this Python's standard library, `python_function_prompts`),
 humaneval.jsonl, mt_bench.jsonl (first turns) and sharegpt_heldout.jsonl (first 200 held-out).
 
     python benchmarks/device/make_prompt_files.py DIR
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from flashdraft.bench.datasets import load_prompts
-from flashdraft.train.data import sharegpt_conversations, sharegpt_prompts
+from flashdraft.train.data import python_function_prompts, sharegpt_conversations, sharegpt_prompts
 
 
 def write(path: Path, prompts: list[str]) -> None:
@@ -30,6 +31,10 @@ def main() -> None:
     lines = "".join(json.dumps({"messages": c}) + "\n" for c in convs)
     (out / "train_conversations.jsonl.gz").write_bytes(gzip.compress(lines.encode()))  # 23 MB -> 5.5 MB
     print(f"{out / 'train_conversations.jsonl.gz'}: {len(convs)} conversations")
+    code = python_function_prompts()
+    lines = "".join(json.dumps({"prompt": p}) + "\n" for p in code)
+    (out / "python_functions.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    print(f"{out / 'python_functions.jsonl.gz'}: {len(code)} prompts")
     write(out / "sharegpt_heldout.jsonl", sharegpt_prompts("heldout")[:200])
     for name, key in (("humaneval", "humaneval"), ("mt_bench", "mt-bench")):
         write(out / f"{name}.jsonl", [p.messages[0]["content"] for p in load_prompts(key)])

@@ -3,14 +3,16 @@ the serving mode: chat template, the engine's own decoding)."""
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
+import sysconfig
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-from flashdraft.bench.datasets import first_human_turn, sharegpt_split
+from flashdraft.bench.datasets import HUMANEVAL_TEMPLATE, first_human_turn, sharegpt_split
 from flashdraft.sampling_params import SamplingParams
 
 
@@ -62,6 +64,67 @@ def sharegpt_conversations(turns: str = "first") -> list[list[dict]]:
         for n in range(3, len(msgs) + 1, 2):  # later turns; the first turns came from "first"
             out.setdefault(tuple(m["content"] for m in msgs[:n]), msgs[:n])
     return list(out.values())
+
+
+CODE_TEMPLATES = (
+    HUMANEVAL_TEMPLATE,  # the wording HumanEval is served with
+    "Implement the following Python function.\n```python\n{prompt}\n```",
+    "Write a Python function `{name}{signature}`. {doc}",
+)
+SKIP_STDLIB = ("test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages")
+
+
+def python_function_prompts(root: str | Path | None = None, min_doc: int = 40, max_doc: int = 1500) -> list[str]:
+    """Code prompts from the public functions and methods of Python's own standard library (read
+    with `ast`, nothing imported): each documented function's signature and docstring, as a problem
+    to solve, in the three wordings of CODE_TEMPLATES, one per function in turn. The target writes
+    the responses (self-distillation), so no library code enters the data; the evaluation's
+    HumanEval problems are not standard-library functions."""
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    out = []
+    for f in sorted(root.rglob("*.py")):
+        if any(part in SKIP_STDLIB for part in f.relative_to(root).parts):
+            continue
+        try:
+            tree = ast.parse(f.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or not min_doc <= len(doc) <= max_doc:
+                continue
+            signature = f"({ast.unparse(node.args)})" + (f" -> {ast.unparse(node.returns)}" if node.returns else "")
+            body = "\n".join("    " + line if line else "" for line in doc.splitlines())
+            stub = f"def {node.name}{signature}:\n    \"\"\"\n{body}\n    \"\"\"\n"
+            template = CODE_TEMPLATES[len(out) % len(CODE_TEMPLATES)]
+            out.append(template.format(prompt=stub, name=node.name, signature=signature, doc=doc))
+    return list(dict.fromkeys(out))
+
+
+PROMPT_SOURCES = ("sharegpt", "python")
+
+
+def training_conversations(sources: str | None, turns: str = "first") -> list[list[dict]]:
+    """Comma-separated prompt sources -> conversations, in order: "sharegpt" (the training split,
+    `turns` as in sharegpt_conversations), "python" (python_function_prompts) or a prompt file
+    (read_prompt_file). None: ShareGPT."""
+    out = []
+    for src in (sources or "sharegpt").split(","):
+        src = src.strip()
+        if src == "sharegpt":
+            out += sharegpt_conversations(turns)
+        elif src == "python":
+            out += [[{"role": "user", "content": p}] for p in python_function_prompts()]
+        elif src:
+            if not Path(src).exists():
+                raise FileNotFoundError(f"prompt source {src!r} is neither a file nor one of "
+                                        f"{', '.join(PROMPT_SOURCES)}")
+            out += read_prompt_file(src)
+    if not out:
+        raise ValueError(f"no prompts in {sources!r}")
+    return out
 
 
 def read_prompt_file(path: str | Path) -> list[list[dict]]:

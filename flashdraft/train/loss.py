@@ -1,7 +1,15 @@
 """The DFlash training objective (DFLASH.md): blocks anchored at response positions p, input
 [x_p, MASK x (B-1)] at positions p..p+B-1, seeing the context features of positions strictly
 before p and their own B slots bidirectionally, never other blocks; slot k is scored against
-x[p+k] (same position) with weight exp(-(k-1)/gamma), slot 0 unweighted."""
+x[p+k] (same position) with weight exp(-(k-1)/gamma), slot 0 unweighted.
+
+What slot k is scored against (`labels`):
+- "data": the token x[p+k] of the training sequence (the published recipe).
+- "argmax": the target's own greedy choice for position p+k given x[:p+k] (its logits at p+k-1),
+  the token a greedy verify accepts there; equal to "data" on greedy self-distilled responses,
+  and the target's mode where the responses were sampled.
+- "kl": KL(target || drafter) over the whole vocabulary at each slot, the target's distribution
+  at p+k-1 as a soft label (speculators' default objective)."""
 
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.rope import apply_rope
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+LABELS = ("data", "argmax", "kl")
 
 
 def gamma_for(block_size: int) -> float:
@@ -116,29 +125,47 @@ def draft_hidden(drafter: DFlashDraftModel, taps: torch.Tensor, embed: torch.Ten
     return drafter.norm(h)
 
 
-def _ce_chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _ce_chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, soft: torch.Tensor | None = None,
+              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     logits = F.linear(h, w)
     logits = logits.float() if logits.element_size() < 4 else logits
-    return F.cross_entropy(logits, y, reduction="none"), logits.argmax(-1)
+    if soft is None:
+        return F.cross_entropy(logits, y, reduction="none"), logits.argmax(-1)
+    target = soft[rows]
+    log_p = F.log_softmax(target.float() if target.element_size() < 4 else target, -1)  # the target's, at these rows
+    kl = (log_p.exp() * (log_p - F.log_softmax(logits, -1))).sum(-1)
+    return kl, logits.argmax(-1)
 
 
-def head_cross_entropy(hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor,
-                       chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+def head_cross_entropy(hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, chunk: int = 8192,
+                       soft: torch.Tensor | None = None, rows: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row cross-entropy and argmax of lm_head(hidden) [rows, H] against labels [rows], in
     row chunks recomputed in the backward pass: the full float32 logits (rows x vocab, 13 GB for
-    16 sequences x 512 anchors x 8 slots of a 49k vocabulary) never exist at once."""
+    16 sequences x 512 anchors x 8 slots of a 49k vocabulary) never exist at once. With soft
+    ([positions, vocab] target logits) and rows (the position of each hidden row), the per-row
+    loss is KL(softmax(soft[rows]) || softmax(lm_head(hidden))) instead; labels are unused then."""
+    if soft is None:
+        rows = torch.zeros_like(labels)
     if hidden.shape[0] <= chunk or not torch.is_grad_enabled():
-        return _ce_chunk(hidden, lm_head, labels)
-    parts = [checkpoint(_ce_chunk, h, lm_head, y, use_reentrant=False)
-             for h, y in zip(hidden.split(chunk), labels.split(chunk))]
+        return _ce_chunk(hidden, lm_head, labels, soft, rows)
+    parts = [checkpoint(_ce_chunk, h, lm_head, y, soft, r, use_reentrant=False)
+             for h, y, r in zip(hidden.split(chunk), labels.split(chunk), rows.split(chunk))]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: torch.Tensor, taps: torch.Tensor,
                 ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
-                mask_token_id: int, gamma: float, window: int | None = None) -> tuple[torch.Tensor, dict]:
-    """Weighted same-position cross-entropy; also per-slot accuracy and the acceptance length a
-    greedy verify would see on these blocks (leading correct slots + 1)."""
+                mask_token_id: int, gamma: float, window: int | None = None, labels: str = "data",
+                target_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Weighted same-position loss (cross-entropy, or KL for labels="kl"); also per-slot accuracy
+    and the acceptance length a greedy verify would see on these blocks (leading correct slots + 1),
+    against the sequence's tokens for labels="data" and the target's greedy choices otherwise.
+    target_logits [b, S, vocab]: the frozen target's logits over ids, needed unless labels="data"."""
+    if labels not in LABELS:
+        raise ValueError(f"unknown labels {labels!r}; use one of {', '.join(LABELS)}")
+    if labels != "data" and target_logits is None:
+        raise ValueError(f"labels={labels!r} needs the target's logits")
     b, s = ids.shape
     block = drafter.spec.block_size
     dev = ids.device
@@ -146,18 +173,26 @@ def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: t
     blocks[:, :, 0] = ids.gather(1, anchors)
     label_pos = anchors[:, :, None] + torch.arange(block, device=dev)  # [b, N, B]
     in_seq = label_pos < lengths[:, None, None]
-    labels = ids.gather(1, label_pos.clamp_max(s - 1).flatten(1)).view_as(label_pos)
+    label_pos = label_pos.clamp_max(s - 1)
+    # the token scored at position t: the data's x[t], or the target's greedy choice from its logits at t - 1
+    source = ids if labels == "data" else torch.cat([ids[:, :1], target_logits[:, :-1].argmax(-1)], 1)
+    targets = source.gather(1, label_pos.flatten(1)).view_as(label_pos)
     k = torch.arange(block, device=dev, dtype=torch.float32)
     w = torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
     weight = w[None, None, :] * (in_seq & valid[:, :, None]).float()
     mask = block_attention_mask(anchors, valid, s, block, window)
     hidden = draft_hidden(drafter, taps, F.embedding(blocks.flatten(1), embed_table), anchors, mask)
     hidden = hidden.view(b, -1, block, hidden.shape[-1])[:, :, 1:].flatten(0, 2)  # slot 0 is never scored
-    ce, pred = head_cross_entropy(hidden, lm_head, labels[:, :, 1:].flatten())
+    soft = rows = None
+    if labels == "kl":  # slot k at position p + k is scored against the target's logits at p + k - 1
+        soft = target_logits.flatten(0, 1)
+        seq0 = torch.arange(b, device=dev)[:, None, None] * s
+        rows = torch.where(weight > 0, seq0 + label_pos - 1, seq0)[:, :, 1:].flatten()  # unscored: a real row
+    ce, pred = head_cross_entropy(hidden, lm_head, targets[:, :, 1:].flatten(), soft=soft, rows=rows)
     wt = weight[:, :, 1:].flatten()
     loss = (ce * wt).sum() / wt.sum().clamp_min(1e-6)
     with torch.no_grad():
-        correct = (pred.view_as(labels[:, :, 1:]) == labels[:, :, 1:]) & (weight[:, :, 1:] > 0)
+        correct = (pred.view_as(targets[:, :, 1:]) == targets[:, :, 1:]) & (weight[:, :, 1:] > 0)
         scored = weight[:, :, 1:] > 0
         acc = correct.float().sum((0, 1)) / scored.float().sum((0, 1)).clamp_min(1)
         full = valid & in_seq[:, :, -1]  # blocks whose every slot lies inside the sequence

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.loader import load_config, load_weights, resolve_model_dir
 from flashdraft.spec.formats import DraftSpec, default_target_layer_ids
-from flashdraft.train.loss import dflash_loss, gamma_for, sample_anchors
+from flashdraft.train.loss import LABELS, dflash_loss, gamma_for, sample_anchors
 
 
 @dataclass
@@ -30,7 +30,7 @@ class TrainConfig:
     model: str | None = None
     out: str = "drafter"
     data: str | None = None  # jsonl of {"prompt_ids", "response_ids"}; generated when missing
-    prompts: str | None = None  # jsonl of prompts/messages; default: ShareGPT train split
+    prompts: str | None = None  # comma-separated: jsonl files of prompts/messages, "sharegpt", "python"
     num_prompts: int | None = None
     prompt_turns: str = "first"  # ShareGPT prompts: "first" human turns, or "all" human turns with history
     samples_per_prompt: int = 1  # responses per prompt; more than 1 needs gen_temperature > 0
@@ -62,6 +62,8 @@ class TrainConfig:
     init_drafter: str | None = None  # continue from a saved drafter folder (its shape and taps; a new schedule)
     local_context: int | None = None  # curriculum: blocks see only this many context positions ...
     local_context_frac: float = 0.1  # ... for this fraction of the steps
+    labels: str = "data"  # slot targets: "data" tokens, the target's "argmax", or "kl" to its distribution
+    stop_after_s: float | None = None  # save the trainer state and return after this many seconds (--resume goes on)
     log: list = field(default_factory=list, repr=False)
 
 
@@ -227,6 +229,8 @@ def train(cfg: TrainConfig) -> Path:
 
     from flashdraft.train.data import read_samples
 
+    if cfg.labels not in LABELS:
+        raise ValueError(f"unknown labels {cfg.labels!r}; use one of {', '.join(LABELS)}")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     rank, world, device = _init_distributed(cfg)
@@ -290,7 +294,7 @@ def train(cfg: TrainConfig) -> Path:
         return (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, total - warm)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-    step, start_epoch = 0, 0
+    step, start_epoch, done_s = 0, 0, 0.0
     ckpt = out / "trainer_state.pt"
     if cfg.resume and ckpt.exists():
         st = torch.load(ckpt, map_location=device, weights_only=False)
@@ -298,6 +302,8 @@ def train(cfg: TrainConfig) -> Path:
         opt.load_state_dict(st["opt"])
         sched.load_state_dict(st["sched"])
         step, start_epoch = st["step"], st["epoch"]
+        plan.update(st.get("plan", {}))  # a schedule the time budget shortened stays shortened
+        done_s = st.get("elapsed_s", 0.0)
     gen = torch.Generator().manual_seed(cfg.seed + step + 1_000_003 * rank)  # ranks draw their own anchors
     gamma = gamma_for(cfg.block_size)
     tap_idx = [i + 1 for i in spec.target_layer_ids]
@@ -314,10 +320,11 @@ def train(cfg: TrainConfig) -> Path:
             with torch.no_grad():
                 drafter.fc.weight.div_(scale.to(drafter.fc.weight.dtype)[None, :])
     log_f = open(out / "train_log.jsonl", "a") if main else None
-    t0 = time.time()
-    t_mark = (step, t0)  # the rate marks at steps 10 and 100 replace it (a resumed run may start past them)
+    t_start = time.time()
+    t0 = t_start - done_s  # the time budget counts the runs before a resume too
+    t_mark = (step, t_start)  # the rate marks at steps 10 and 100 replace it (a resumed run may start past them)
     bar = tqdm(total=plan["total"], initial=step, desc="training drafter", unit="step", disable=not main)
-    epoch = start_epoch
+    epoch, stop = start_epoch, False
     while step < plan["total"]:
         rng = random.Random(cfg.seed * 1000 + epoch)  # anchors and order resampled every epoch
         groups = _batches(samples, cfg.batch_size, rng)[rank::world][:steps_per_epoch]
@@ -333,15 +340,18 @@ def train(cfg: TrainConfig) -> Path:
             anchors, valid = sample_anchors(loss_mask, lengths, cfg.num_anchors, gen)
             ids, lengths, anchors, valid = ids.to(device), lengths.to(device), anchors.to(device), valid.to(device)
             with torch.no_grad():
-                hs = target(ids, attention_mask=(torch.arange(s_max, device=device) < lengths[:, None]).long(),
-                            output_hidden_states=True).hidden_states
+                t_out = target(ids, attention_mask=(torch.arange(s_max, device=device) < lengths[:, None]).long(),
+                               output_hidden_states=True)
+                hs = t_out.hidden_states
                 taps = torch.cat([hs[i] for i in tap_idx], -1)
+                t_logits = None if cfg.labels == "data" else t_out.logits
+                del t_out, hs
                 if scale is not None:
                     taps = (taps.float() * scale).to(taps.dtype)
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 window = cfg.local_context if step < cfg.local_context_frac * plan["total"] else None
                 loss, stats = dflash_loss(drafter, lm_head, embed, taps, ids, lengths, anchors, valid, mask_id, gamma,
-                                          window)
+                                          window, cfg.labels, t_logits)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             logged = torch.tensor([loss.item(), stats["tau"], stats["acc_per_slot"][0]], device=device)
@@ -352,7 +362,8 @@ def train(cfg: TrainConfig) -> Path:
             step += 1
             loss_v, tau_v, acc1_v = logged.tolist()
             rec = {"step": step, "epoch": epoch, "loss": loss_v, "grad_norm": float(gnorm),
-                   "lr": sched.get_last_lr()[0], "tau": tau_v, "acc_slot1": acc1_v, "elapsed_s": time.time() - t0}
+                   "lr": sched.get_last_lr()[0], "tau": tau_v, "acc_slot1": acc1_v, "elapsed_s": time.time() - t0,
+                   "total_steps": plan["total"]}
             if main:
                 log_f.write(json.dumps(rec) + "\n")
             cfg.log.append(rec)
@@ -372,15 +383,23 @@ def train(cfg: TrainConfig) -> Path:
                     plan["total"] = total
                     plan["warm"] = max(1, int(cfg.warmup_ratio * plan["total"]))
                     bar.total = plan["total"]
-            if step % cfg.save_every == 0 or step == plan["total"]:
+            stop = cfg.stop_after_s is not None and time.time() - t_start >= cfg.stop_after_s
+            if world > 1 and cfg.stop_after_s is not None:  # rank 0's clock decides for everyone
+                flag = torch.tensor([float(stop)], device=device)
+                dist.broadcast(flag, 0)
+                stop = bool(flag.item())
+            if step % cfg.save_every == 0 or step == plan["total"] or stop:
                 _check_in_sync(params, world)
                 if main:
                     torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(),
                                 "sched": sched.state_dict(), "step": step, "epoch": epoch,
+                                "plan": dict(plan), "elapsed_s": time.time() - t0,
                                 "config": asdict(cfg) | {"log": []}, "tap_scale": scale}, ckpt)
                     save_checkpoint(drafter, target_cfg, out, fc_scale=scale)
-            if step >= plan["total"]:
+            if step >= plan["total"] or stop:
                 break
+        if step >= plan["total"] or stop:
+            break
         epoch += 1
     bar.close()
     if main:
@@ -395,12 +414,9 @@ def make_data(cfg: TrainConfig, data_path: Path, device: torch.device, rank: int
     """Self-distillation data into data_path. Data parallel: rank r answers every world-th prompt
     into its own part file, then rank 0 joins the parts in rank order."""
     from flashdraft import LLM
-    from flashdraft.train.data import generate_responses, read_prompt_file, sharegpt_conversations
+    from flashdraft.train.data import generate_responses, training_conversations
 
-    if cfg.prompts:
-        convs = read_prompt_file(cfg.prompts)
-    else:
-        convs = sharegpt_conversations(cfg.prompt_turns)
+    convs = training_conversations(cfg.prompts, cfg.prompt_turns)
     if cfg.num_prompts:
         convs = convs[: cfg.num_prompts]
     llm = LLM(cfg.model, draft=None, device=str(device), max_num_seqs=cfg.gen_batch,
