@@ -36,7 +36,7 @@ def gen_data(args, out: Path) -> Path:
     data = out / "data.jsonl"
     convs = read_prompt_file(Path(args.data_dir) / args.prompt_file)[: args.num_prompts]
     llm = LLM(args.gguf, draft=None, device="cuda", dtype="bfloat16", max_num_seqs=args.gen_batch,
-              max_num_batched_tokens=16384, kv_cache_memory_gb=40, max_model_len=1024)
+              max_num_batched_tokens=16384, kv_cache_memory_gb=args.gen_kv_gb, max_model_len=1024)
     if args.skip_data:  # only the prompts an earlier data file lacks
         done = {tuple(ids) for ids, p in ((s[: p], p) for s, p in read_samples(args.skip_data))}
         convs = [c for c in convs if tuple(llm.engine.apply_chat_template(c)) not in done]
@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--gen-batch", type=int, default=1024)
     ap.add_argument("--gen-seconds", type=float, default=180)
+    ap.add_argument("--gen-kv-gb", type=float, default=40, help="gen: KV cache size (several processes share a GPU)")
     ap.add_argument("--train-seconds", type=float, default=240)
     ap.add_argument("--num-layers", type=int, default=3)
     ap.add_argument("--block-size", type=int, default=8)

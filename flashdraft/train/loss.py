@@ -17,6 +17,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from flashdraft.models.dflash_draft import DFlashDraftModel
@@ -84,6 +85,17 @@ def _heads(t: torch.Tensor, b: int, n_kv: int, head_dim: int, rep: int) -> torch
     return t.reshape(b, -1, n_kv, head_dim).transpose(1, 2).repeat_interleave(rep, 1)
 
 
+# Not cuDNN's attention: it plans a graph on the host for every new shape (each anchor group's key
+# count is new), ~7 ms forward and ~15 ms backward per call on an H200, most of a training step
+# (benchmarks/device/train_speed.py)
+TRAIN_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def _attention(q, k, v, mask, scale):
+    with sdpa_kernel(TRAIN_SDPA):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 def draft_hidden(drafter: DFlashDraftModel, taps: torch.Tensor, embed: torch.Tensor, anchors: torch.Tensor,
                  mask: torch.Tensor, groups: int = 8) -> torch.Tensor:
     """Training forward. taps [b, S, n*H]; embed [b, N*B, H] -> normed hidden [b, N*B, H].
@@ -116,9 +128,8 @@ def draft_hidden(drafter: DFlashDraftModel, taps: torch.Tensor, embed: torch.Ten
         for g0, g1, n_ctx in parts:
             r0, r1 = g0 * block, g1 * block  # the group's query rows = its own block slots
             m = torch.cat([mask[:, r0:r1, :n_ctx], mask[:, r0:r1, s + r0: s + r1]], -1)
-            outs.append(F.scaled_dot_product_attention(
-                q[:, :, r0:r1], torch.cat([kc[:, :, :n_ctx], kb[:, :, r0:r1]], 2),
-                torch.cat([vc[:, :, :n_ctx], vb[:, :, r0:r1]], 2), attn_mask=m[:, None], scale=a.scale))
+            outs.append(_attention(q[:, :, r0:r1], torch.cat([kc[:, :, :n_ctx], kb[:, :, r0:r1]], 2),
+                                   torch.cat([vc[:, :, :n_ctx], vb[:, :, r0:r1]], 2), m[:, None], a.scale))
         o = torch.cat(outs, 2)
         h = h + a.o_proj(o.transpose(1, 2).reshape(b, -1, a.q_size))
         h = h + layer.mlp(layer.post_attention_layernorm(h))

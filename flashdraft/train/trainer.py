@@ -224,6 +224,34 @@ def _check_in_sync(params: list[torch.Tensor], world: int) -> None:
         raise RuntimeError("data-parallel ranks hold different drafter weights")
 
 
+def make_batch(seqs: list[tuple[list[int], int]], num_anchors: int, gen: torch.Generator, device
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[(prompt + response ids, prompt length)] -> ids [b, S] (right-padded), lengths [b], anchors
+    and valid [b, N] (sample_anchors among the response tokens), on device."""
+    s_max = max(len(s) for s, _ in seqs)
+    ids = torch.zeros(len(seqs), s_max, dtype=torch.long)
+    loss_mask = torch.zeros(len(seqs), s_max, dtype=torch.bool)
+    for r, (s, p) in enumerate(seqs):
+        ids[r, : len(s)] = torch.tensor(s)
+        loss_mask[r, p: len(s)] = True
+    lengths = torch.tensor([len(s) for s, _ in seqs])
+    anchors, valid = sample_anchors(loss_mask, lengths, num_anchors, gen)
+    return ids.to(device), lengths.to(device), anchors.to(device), valid.to(device)
+
+
+@torch.no_grad()
+def target_features(target, ids: torch.Tensor, lengths: torch.Tensor, tap_idx: list[int],
+                    scale: torch.Tensor | None, want_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The frozen target over ids: taps [b, S, n*H] (hidden_states[l + 1], times the preconditioner
+    scale) and, when asked, its logits [b, S, vocab]."""
+    mask = (torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]).long()
+    out = target(ids, attention_mask=mask, output_hidden_states=True)
+    taps = torch.cat([out.hidden_states[i] for i in tap_idx], -1)
+    if scale is not None:
+        taps = (taps.float() * scale).to(taps.dtype)
+    return taps, out.logits if want_logits else None
+
+
 def train(cfg: TrainConfig) -> Path:
     from transformers import AutoModelForCausalLM
 
@@ -329,25 +357,8 @@ def train(cfg: TrainConfig) -> Path:
         rng = random.Random(cfg.seed * 1000 + epoch)  # anchors and order resampled every epoch
         groups = _batches(samples, cfg.batch_size, rng)[rank::world][:steps_per_epoch]
         for group in groups[step % steps_per_epoch if epoch == start_epoch else 0:]:
-            seqs = [samples[i] for i in group]
-            s_max = max(len(s) for s, _ in seqs)
-            ids = torch.zeros(len(seqs), s_max, dtype=torch.long)
-            loss_mask = torch.zeros(len(seqs), s_max, dtype=torch.bool)
-            for r, (s, p) in enumerate(seqs):
-                ids[r, : len(s)] = torch.tensor(s)
-                loss_mask[r, p: len(s)] = True
-            lengths = torch.tensor([len(s) for s, _ in seqs])
-            anchors, valid = sample_anchors(loss_mask, lengths, cfg.num_anchors, gen)
-            ids, lengths, anchors, valid = ids.to(device), lengths.to(device), anchors.to(device), valid.to(device)
-            with torch.no_grad():
-                t_out = target(ids, attention_mask=(torch.arange(s_max, device=device) < lengths[:, None]).long(),
-                               output_hidden_states=True)
-                hs = t_out.hidden_states
-                taps = torch.cat([hs[i] for i in tap_idx], -1)
-                t_logits = None if cfg.labels == "data" else t_out.logits
-                del t_out, hs
-                if scale is not None:
-                    taps = (taps.float() * scale).to(taps.dtype)
+            ids, lengths, anchors, valid = make_batch([samples[i] for i in group], cfg.num_anchors, gen, device)
+            taps, t_logits = target_features(target, ids, lengths, tap_idx, scale, cfg.labels != "data")
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 window = cfg.local_context if step < cfg.local_context_frac * plan["total"] else None
                 loss, stats = dflash_loss(drafter, lm_head, embed, taps, ids, lengths, anchors, valid, mask_id, gamma,
