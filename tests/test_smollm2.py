@@ -60,3 +60,30 @@ def test_chat_text_and_stop(smollm2):
                        SamplingParams(max_tokens=32))[0]
     assert out.text == "The capital of France is Paris."
     assert out.finish_reason == "stop" and out.token_ids[-1] == 2  # <|im_end|> ends it
+
+
+
+def test_a_conversion_finished_meanwhile_by_another_process_is_kept(tmp_path, monkeypatch):
+    """Workers started together convert the GGUF at once into the same cache folder. Here a second
+    conversion runs to the end while the first is about to write its weights (the interleaving
+    that broke a shared temporary folder): both succeed, one complete folder is left and no
+    temporary folder."""
+    from safetensors import safe_open
+
+    import flashdraft.models.gguf_convert as gc
+
+    out = tmp_path / "smollm2"
+    real_save, calls = gc.save_file, []
+
+    def save_after_another_process(tensors, filename, metadata=None):
+        if not calls:
+            calls.append(filename)
+            assert gc.convert_gguf(default_model_path(), out) == out  # the other process, start to end
+        real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(gc, "save_file", save_after_another_process)
+    assert gc.convert_gguf(default_model_path(), out) == out
+    assert len(calls) == 1 and [p.name for p in tmp_path.iterdir()] == ["smollm2"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "model.layers.29.mlp.down_proj.weight" in f.keys()
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()

@@ -2,7 +2,8 @@
 files needed): SmolLM2-135M's shape and the shipped drafter's (3 layers, B=8, taps [1, 14, 27]),
 synthetic sequences of 120-300 prompt + 250-500 response tokens, the trainer's own pieces
 (make_batch, target_features, dflash_loss, AdamW). Prints seconds per step at several batch sizes
-(CUDA-synchronised, after warm-up) and a torch.profiler table of one batch size.
+(CUDA-synchronised, after warm-up) and torch.profiler tables of three steps at one batch size
+(their footer gives the GPU time of the three steps).
 
     python benchmarks/device/train_speed.py [--batch 4,16,32] [--profile-batch 16] [--labels data]
 """
@@ -91,9 +92,6 @@ def main() -> None:
     ka = prof.key_averages()
     print(ka.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     print(ka.table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
-    gpu = sum(e.self_device_time_total for e in ka) / 3 / 1e3
-    print(f"GPU busy per step (sum of kernel self time): {gpu:.1f} ms")
-    res["gpu_ms_per_step_profiled"] = gpu
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

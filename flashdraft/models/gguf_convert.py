@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -88,17 +90,23 @@ def convert_gguf(path: str | os.PathLike, out_dir: Path | None = None) -> Path:
         elif arch == "llama" and name.endswith("k_proj.weight"):
             w = _unpermute(w, n_kv)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    # each process writes its own folder and renames it into place: processes that convert the same
+    # file at once (several workers on a first start) never write into each other's files
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     gen = {"eos_token_id": config.eos_token_id, "bos_token_id": config.bos_token_id}
     (tmp / "generation_config.json").write_text(json.dumps(gen))
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": path.name})
-    if out.exists():
-        import shutil
-        shutil.rmtree(out)
-    tmp.rename(out)
+    if out.exists() and not (out / "model.safetensors").exists():
+        shutil.rmtree(out, ignore_errors=True)  # an incomplete folder from an older version
+    try:
+        tmp.rename(out)
+    except OSError:  # another process got there first with the same conversion
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "model.safetensors").exists():
+            raise
     log.info("converted %s -> %s", path, out)
     return out
