@@ -70,7 +70,7 @@ def test_argmax_labels_are_the_targets_greedy_tokens(setup):
     assert st_arg == st_data
     # other tokens at response positions that are no anchor (a sampled response): "data" scores
     # them, "argmax" still scores the target's greedy choices, which the logits alone decide
-    anchors = setup_anchors(loss)
+    anchors = loss.anchors
     sampled = greedy.clone()
     for i in range(2):
         for t in range(5, 20):
@@ -78,10 +78,6 @@ def test_argmax_labels_are_the_targets_greedy_tokens(setup):
                 sampled[i, t] = (sampled[i, t] + 1) % logits.shape[-1]
     assert not torch.allclose(loss(sampled, "data")[0], l_data)
     torch.testing.assert_close(loss(sampled, "argmax")[0], l_arg, rtol=0, atol=0)
-
-
-def setup_anchors(loss) -> list[list[int]]:
-    return loss.anchors
 
 
 def test_kl_to_a_one_hot_target_is_cross_entropy_on_its_argmax(setup):
