@@ -25,6 +25,7 @@ import torch
 
 from flashdraft import LLM, SamplingParams
 from flashdraft.train.data import generate_responses, read_prompt_file, read_samples
+from flashdraft.train.loss import LABELS
 from flashdraft.train.trainer import TrainConfig, train
 
 
@@ -88,7 +89,7 @@ def main() -> None:
     ap.add_argument("--phase", choices=["gen", "train", "all", "eval"], default="all",
                     help="gen: data only; train: train (+ eval) on --data; all: both; eval: --drafter only")
     ap.add_argument("--drafter", default=None, help="eval: the drafter folder to evaluate")
-    ap.add_argument("--labels", default="data", choices=["data", "argmax", "kl"])
+    ap.add_argument("--labels", default="data", choices=LABELS)
     ap.add_argument("--stop-after", type=float, default=None,
                     help="train: save the state and stop after S seconds (no eval); --resume goes on")
     ap.add_argument("--resume", action="store_true", help="train: go on from the state in --work")
@@ -125,6 +126,8 @@ def main() -> None:
                                                    "(one process per GPU)")
     ap.add_argument("--seed", type=int, default=0, help="gen: sampling seeds start here")
     args = ap.parse_args()
+    if args.phase == "eval" and not args.drafter:
+        ap.error("--phase eval needs --drafter DIR")
     out, work = Path(args.out), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
