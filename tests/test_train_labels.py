@@ -10,20 +10,20 @@ import torch
 import torch.nn.functional as F
 
 from flashdraft.train.loss import dflash_loss, head_cross_entropy, sample_anchors
-from flashdraft.train.trainer import TrainConfig, drafter_spec, init_drafter, train
+from flashdraft.train.trainer import LOG_EVERY, TrainConfig, drafter_spec, init_drafter, train
 
 
 def test_chunked_kl_matches_dense_float64():
     g = torch.Generator().manual_seed(0)
     h = torch.randn(11, 6, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.randn(20, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(20, 6, generator=g, dtype=torch.float64)
     soft = torch.randn(7, 20, generator=g, dtype=torch.float64) * 3
     rows = torch.randint(0, 7, (11,), generator=g)
     kl, pred = head_cross_entropy(h, w, torch.zeros(11, dtype=torch.long), chunk=4, soft=soft, rows=rows)
     weights = torch.arange(11.0, dtype=torch.float64)
     (kl * weights).sum().backward()
-    gh, gw = h.grad.clone(), w.grad.clone()
-    h.grad = w.grad = None
+    gh = h.grad.clone()
+    h.grad = None
     logits = h @ w.T
     ref = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(soft[rows], -1), log_target=True,
                    reduction="none").sum(-1)
@@ -31,7 +31,6 @@ def test_chunked_kl_matches_dense_float64():
     torch.testing.assert_close(kl, ref, rtol=1e-12, atol=1e-12)
     assert torch.equal(pred, logits.argmax(-1)) and (ref > 0).all()
     torch.testing.assert_close(gh, h.grad, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(gw, w.grad, rtol=1e-10, atol=1e-12)
 
 
 @pytest.fixture
@@ -67,7 +66,7 @@ def test_argmax_labels_are_the_targets_greedy_tokens(setup):
     # on a sequence the target itself wrote greedily, its choices are the data's tokens
     (l_data, st_data), (l_arg, st_arg) = loss(greedy, "data"), loss(greedy, "argmax")
     torch.testing.assert_close(l_arg, l_data, rtol=0, atol=0)
-    assert st_arg == st_data
+    assert all(torch.equal(st_arg[k], st_data[k]) for k in st_data)
     # other tokens at response positions that are no anchor (a sampled response): "data" scores
     # them, "argmax" still scores the target's greedy choices, which the logits alone decide
     anchors = loss.anchors
@@ -86,7 +85,7 @@ def test_kl_to_a_one_hot_target_is_cross_entropy_on_its_argmax(setup):
     l_kl, st_kl = loss(greedy, "kl", sharp)
     l_arg, st_arg = loss(greedy, "argmax", sharp)
     torch.testing.assert_close(l_kl, l_arg, rtol=1e-9, atol=1e-9)
-    assert st_kl == st_arg
+    assert all(torch.equal(st_kl[k], st_arg[k]) for k in st_arg)
     # a soft target is not the same objective
     l_soft, _ = loss(greedy, "kl", logits)
     assert not torch.allclose(l_soft, l_arg)
@@ -108,14 +107,14 @@ def test_train_with_kl_labels_stops_and_resumes(tiny_llama, tmp_path):
                   num_layers=1, block_size=4, target_layer_ids=[0, 2], mask_token_id=3, max_steps=30,
                   batch_size=5, num_anchors=16, lr=3e-3, device="cpu", dtype="float32", gen_batch=8,
                   labels="kl")
-    first = TrainConfig(stop_after_s=0.0, **common)  # stops (and saves) after its first step
+    first = TrainConfig(stop_after_s=0.0, **common)  # stops (and saves) at its first look at the clock
     train(first)
-    assert [r["step"] for r in first.log] == [1] and first.log[0]["total_steps"] == 30
+    assert [r["step"] for r in first.log] == list(range(1, LOG_EVERY + 1)) and first.log[0]["total_steps"] == 30
     state = torch.load(tmp_path / "d" / "trainer_state.pt", weights_only=False)
-    assert state["step"] == 1 and state["plan"]["total"] == 30
+    assert state["step"] == LOG_EVERY and state["plan"]["total"] == 30
     rest = TrainConfig(resume=True, **common)
     train(rest)
-    assert [r["step"] for r in rest.log] == list(range(2, 31))
+    assert [r["step"] for r in rest.log] == list(range(LOG_EVERY + 1, 31))
     losses = [r["loss"] for r in first.log + rest.log]
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
     log = [json.loads(x) for x in (tmp_path / "d" / "train_log.jsonl").read_text().splitlines()]

@@ -1,7 +1,8 @@
 """Where a drafter-training step spends its time, on random weights of a target's shape (no model
 files needed): SmolLM2-135M's shape and the shipped drafter's (3 layers, B=8, taps [1, 14, 27]),
 synthetic sequences of 120-300 prompt + 250-500 response tokens, the trainer's own pieces
-(make_batch, target_features, dflash_loss, AdamW). Prints seconds per step at several batch sizes
+(make_batch, target_features, dflash_loss, AdamW; like the trainer, nothing in a step waits for the
+GPU). Prints seconds per step at several batch sizes
 (CUDA-synchronised, after warm-up) and torch.profiler tables of three steps at one batch size
 (their footer gives the GPU time of the three steps).
 
@@ -29,7 +30,7 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", default="4,16,32")
-    ap.add_argument("--profile-batch", type=int, default=16)
+    ap.add_argument("--profile-batch", type=int, default=16, help="0: no profile")
     ap.add_argument("--labels", default="data")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--out", default=None, help="write the timings here as json")
@@ -65,7 +66,6 @@ def main() -> None:
                                       args.labels, logits)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        loss.item()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
 
@@ -83,6 +83,11 @@ def main() -> None:
         res[f"b{b}_s_per_step"] = dt
         print(f"batch {b}: {dt * 1000:.1f} ms/step, {b / dt:.1f} sequences/s, "
               f"peak {torch.cuda.max_memory_allocated() / 2**30 if dev.type == 'cuda' else 0:.1f} GiB", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    if not args.profile_batch:
+        return
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -92,9 +97,6 @@ def main() -> None:
     ka = prof.key_averages()
     print(ka.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     print(ka.table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,9 @@ What slot k is scored against (`labels`):
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.checkpoint import checkpoint
 
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.rope import apply_rope
@@ -101,11 +98,13 @@ def draft_hidden(drafter: DFlashDraftModel, taps: torch.Tensor, embed: torch.Ten
     """Training forward. taps [b, S, n*H]; embed [b, N*B, H] -> normed hidden [b, N*B, H].
     Attention runs per group of consecutive anchors over only the keys the group can see
     (`key_groups`): about 4x less attention work than all queries over all S + N*B keys, which
-    groups=0 runs (the reference)."""
+    groups=0 runs (the reference). anchors may stay on the CPU: the groups are planned from them
+    without waiting for the GPU."""
     b, s, _ = taps.shape
     n = anchors.shape[1]
     block = embed.shape[1] // n
     parts = key_groups(anchors, groups) if groups else [(0, n, s)]
+    anchors = anchors.to(taps.device, non_blocking=True)
     ctx = drafter.hidden_norm(drafter.fc(taps))
     ctx_pos = torch.arange(s, device=taps.device)
     q_pos = (anchors[:, :, None] + torch.arange(block, device=taps.device)).flatten(1)  # [b, NB]
@@ -136,33 +135,55 @@ def draft_hidden(drafter: DFlashDraftModel, taps: torch.Tensor, embed: torch.Ten
     return drafter.norm(h)
 
 
-def _ce_chunk(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, soft: torch.Tensor | None = None,
-              rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(h, w)
-    logits = logits.float() if logits.element_size() < 4 else logits
-    if soft is None:
-        return F.cross_entropy(logits, y, reduction="none"), logits.argmax(-1)
-    target = soft[rows]
-    log_p = F.log_softmax(target.float() if target.element_size() < 4 else target, -1)  # the target's, at these rows
-    kl = (log_p.exp() * (log_p - F.log_softmax(logits, -1))).sum(-1)
-    return kl, logits.argmax(-1)
+class _HeadLoss(torch.autograd.Function):
+    """Per-row loss of lm_head(hidden) and its gradient in one pass over row chunks. lm_head is
+    frozen, so d loss_r / d hidden_r is all the backward needs: it is computed with the loss and
+    scaled by the incoming per-row gradient in backward. Against checkpointed chunks this saves
+    the recomputed logits and their float32 backward passes; the full logits never exist."""
+
+    @staticmethod
+    def forward(ctx, hidden, w, labels, soft, rows, chunk, want_grad):
+        losses, preds, grads = [], [], []
+        for i in range(0, hidden.shape[0], chunk):
+            logits = F.linear(hidden[i: i + chunk], w)  # the matmul dtype (bf16 under autocast)
+            preds.append(logits.argmax(-1))
+            f32 = torch.promote_types(logits.dtype, torch.float32)  # float64 stays float64 (tests)
+            log_q = F.log_softmax(logits, -1, dtype=f32)
+            if soft is None:  # cross-entropy against labels; d/dlogits = softmax - one-hot
+                y = labels[i: i + chunk, None]
+                losses.append(-log_q.gather(1, y)[:, 0])
+                if want_grad:
+                    g = torch.exp(log_q, out=logits)
+                    g.scatter_add_(1, y, torch.full_like(y, -1, dtype=g.dtype))
+            else:  # KL(p || q), p the target's softmax at these rows; d/dlogits = q - p
+                log_p = F.log_softmax(soft[rows[i: i + chunk]], -1, dtype=f32)
+                p = log_p.exp()
+                losses.append((p * (log_p - log_q)).sum(-1))
+                if want_grad:
+                    g = torch.exp(log_q, out=logits).sub_(p.to(logits.dtype))
+            if want_grad:
+                grads.append((g @ w.to(g.dtype)).to(hidden.dtype))
+        ctx.save_for_backward(torch.cat(grads) if want_grad else None)
+        pred = torch.cat(preds)
+        ctx.mark_non_differentiable(pred)
+        return torch.cat(losses), pred
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_pred):
+        (grad_rows,) = ctx.saved_tensors
+        return grad_loss[:, None].to(grad_rows.dtype) * grad_rows, None, None, None, None, None, None
 
 
 def head_cross_entropy(hidden: torch.Tensor, lm_head: torch.Tensor, labels: torch.Tensor, chunk: int = 8192,
                        soft: torch.Tensor | None = None, rows: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row cross-entropy and argmax of lm_head(hidden) [rows, H] against labels [rows], in
-    row chunks recomputed in the backward pass: the full float32 logits (rows x vocab, 13 GB for
-    16 sequences x 512 anchors x 8 slots of a 49k vocabulary) never exist at once. With soft
-    ([positions, vocab] target logits) and rows (the position of each hidden row), the per-row
-    loss is KL(softmax(soft[rows]) || softmax(lm_head(hidden))) instead; labels are unused then."""
-    if soft is None:
-        rows = torch.zeros_like(labels)
-    if hidden.shape[0] <= chunk or not torch.is_grad_enabled():
-        return _ce_chunk(hidden, lm_head, labels, soft, rows)
-    parts = [checkpoint(_ce_chunk, h, lm_head, y, soft, r, use_reentrant=False)
-             for h, y, r in zip(hidden.split(chunk), labels.split(chunk), rows.split(chunk))]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    """Per-row cross-entropy (float32) and argmax of lm_head(hidden) [rows, H] against labels [rows],
+    in row chunks (the full float32 logits would be 13 GB for 16 sequences x 512 anchors x 8 slots of
+    a 49k vocabulary). With soft ([positions, vocab] target logits) and rows (the position of each
+    hidden row), the per-row loss is KL(softmax(soft[rows]) || softmax(lm_head(hidden))) instead;
+    labels are unused then. lm_head is frozen: no gradient reaches it."""
+    want_grad = torch.is_grad_enabled() and hidden.requires_grad
+    return _HeadLoss.apply(hidden, lm_head.detach(), labels, soft, rows, chunk, want_grad)
 
 
 def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: torch.Tensor, taps: torch.Tensor,
@@ -172,7 +193,9 @@ def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: t
     """Weighted same-position loss (cross-entropy, or KL for labels="kl"); also per-slot accuracy
     and the acceptance length a greedy verify would see on these blocks (leading correct slots + 1),
     against the sequence's tokens for labels="data" and the target's greedy choices otherwise.
-    target_logits [b, S, vocab]: the frozen target's logits over ids, needed unless labels="data"."""
+    target_logits [b, S, vocab]: the frozen target's logits over ids, needed unless labels="data".
+    anchors may be on the CPU (as make_batch leaves them) and the statistics stay on ids' device:
+    nothing here waits for the GPU."""
     if labels not in LABELS:
         raise ValueError(f"unknown labels {labels!r}; use one of {', '.join(LABELS)}")
     if labels != "data" and target_logits is None:
@@ -180,6 +203,8 @@ def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: t
     b, s = ids.shape
     block = drafter.spec.block_size
     dev = ids.device
+    anchors_in = anchors
+    anchors = anchors.to(dev, non_blocking=True)
     blocks = torch.full((b, anchors.shape[1], block), mask_token_id, device=dev)
     blocks[:, :, 0] = ids.gather(1, anchors)
     label_pos = anchors[:, :, None] + torch.arange(block, device=dev)  # [b, N, B]
@@ -192,7 +217,7 @@ def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: t
     w = torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
     weight = w[None, None, :] * (in_seq & valid[:, :, None]).float()
     mask = block_attention_mask(anchors, valid, s, block, window)
-    hidden = draft_hidden(drafter, taps, F.embedding(blocks.flatten(1), embed_table), anchors, mask)
+    hidden = draft_hidden(drafter, taps, F.embedding(blocks.flatten(1), embed_table), anchors_in, mask)
     hidden = hidden.view(b, -1, block, hidden.shape[-1])[:, :, 1:].flatten(0, 2)  # slot 0 is never scored
     soft = rows = None
     if labels == "kl":  # slot k at position p + k is scored against the target's logits at p + k - 1
@@ -207,5 +232,6 @@ def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: t
         scored = weight[:, :, 1:] > 0
         acc = correct.float().sum((0, 1)) / scored.float().sum((0, 1)).clamp_min(1)
         full = valid & in_seq[:, :, -1]  # blocks whose every slot lies inside the sequence
-        tau = (correct.long().cumprod(-1).sum(-1) + 1).float()[full].mean() if full.any() else torch.tensor(math.nan)
-    return loss, {"acc_per_slot": acc.tolist(), "tau": float(tau)}
+        run = (correct.long().cumprod(-1).sum(-1) + 1).float()
+        tau = (run * full).sum() / full.sum()  # NaN when no block is whole
+    return loss, {"acc_per_slot": acc, "tau": tau}

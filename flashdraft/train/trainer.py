@@ -63,7 +63,7 @@ class TrainConfig:
     local_context: int | None = None  # curriculum: blocks see only this many context positions ...
     local_context_frac: float = 0.1  # ... for this fraction of the steps
     labels: str = "data"  # slot targets: "data" tokens, the target's "argmax", or "kl" to its distribution
-    stop_after_s: float | None = None  # save the trainer state and return after this many seconds (--resume goes on)
+    stop_after_s: float | None = None  # save and return after this many seconds, at a log step (--resume goes on)
     log: list = field(default_factory=list, repr=False)
 
 
@@ -224,10 +224,14 @@ def _check_in_sync(params: list[torch.Tensor], world: int) -> None:
         raise RuntimeError("data-parallel ranks hold different drafter weights")
 
 
+LOG_EVERY = 10  # training steps between reads of the logged numbers from the GPU
+
+
 def make_batch(seqs: list[tuple[list[int], int]], num_anchors: int, gen: torch.Generator, device
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """[(prompt + response ids, prompt length)] -> ids [b, S] (right-padded), lengths [b], anchors
-    and valid [b, N] (sample_anchors among the response tokens), on device."""
+    and valid [b, N] (sample_anchors among the response tokens); all on device but the anchors, which
+    stay on the CPU for dflash_loss to plan its attention groups from without waiting for the GPU."""
     s_max = max(len(s) for s, _ in seqs)
     ids = torch.zeros(len(seqs), s_max, dtype=torch.long)
     loss_mask = torch.zeros(len(seqs), s_max, dtype=torch.bool)
@@ -236,7 +240,8 @@ def make_batch(seqs: list[tuple[list[int], int]], num_anchors: int, gen: torch.G
         loss_mask[r, p: len(s)] = True
     lengths = torch.tensor([len(s) for s, _ in seqs])
     anchors, valid = sample_anchors(loss_mask, lengths, num_anchors, gen)
-    return ids.to(device), lengths.to(device), anchors.to(device), valid.to(device)
+    return (ids.to(device, non_blocking=True), lengths.to(device, non_blocking=True), anchors,
+            valid.to(device, non_blocking=True))
 
 
 @torch.no_grad()
@@ -352,6 +357,20 @@ def train(cfg: TrainConfig) -> Path:
     t0 = t_start - done_s  # the time budget counts the runs before a resume too
     t_mark = (step, t_start)  # the rate marks at steps 10 and 100 replace it (a resumed run may start past them)
     bar = tqdm(total=plan["total"], initial=step, desc="training drafter", unit="step", disable=not main)
+    pending: list[tuple[dict, torch.Tensor]] = []
+
+    def flush() -> None:  # the pending records' numbers come back from the GPU in one read
+        if not pending:
+            return
+        values = torch.stack([v for _, v in pending]).tolist()
+        for (rec, _), (loss_v, tau_v, acc1_v, gnorm_v) in zip(pending, values):
+            rec |= {"loss": loss_v, "grad_norm": gnorm_v, "tau": tau_v, "acc_slot1": acc1_v}
+            if main:
+                log_f.write(json.dumps(rec) + "\n")
+            cfg.log.append(rec)
+        bar.set_postfix(loss=f"{loss_v:.3f}", tau=f"{tau_v:.2f}")
+        pending.clear()
+
     epoch, stop = start_epoch, False
     while step < plan["total"]:
         rng = random.Random(cfg.seed * 1000 + epoch)  # anchors and order resampled every epoch
@@ -365,21 +384,21 @@ def train(cfg: TrainConfig) -> Path:
                                           window, cfg.labels, t_logits)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            logged = torch.tensor([loss.item(), stats["tau"], stats["acc_per_slot"][0]], device=device)
+            logged = torch.stack([loss.detach().float(), stats["tau"].float(), stats["acc_per_slot"][0].float()])
             _average([p.grad for p in params] + [logged], world)  # the all-ranks batch's gradient
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             sched.step()
             step += 1
-            loss_v, tau_v, acc1_v = logged.tolist()
-            rec = {"step": step, "epoch": epoch, "loss": loss_v, "grad_norm": float(gnorm),
-                   "lr": sched.get_last_lr()[0], "tau": tau_v, "acc_slot1": acc1_v, "elapsed_s": time.time() - t0,
-                   "total_steps": plan["total"]}
-            if main:
-                log_f.write(json.dumps(rec) + "\n")
-            cfg.log.append(rec)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau']:.2f}")
+            # the record's numbers stay on the GPU until the next flush: one wait every LOG_EVERY steps
+            pending.append(({"step": step, "epoch": epoch, "lr": sched.get_last_lr()[0],
+                             "elapsed_s": time.time() - t0, "total_steps": plan["total"]},
+                            torch.cat([logged, gnorm.float().reshape(1)])))
             bar.update(1)
+            due = step % LOG_EVERY == 0 or step >= plan["total"] or step % cfg.save_every == 0
+            if not due:
+                continue
+            flush()
             if step in (10, 100):
                 t_mark = (step, time.time())
             if cfg.time_budget_s and step in (30, 300):  # rate measured after warm-up, then re-measured
@@ -412,6 +431,7 @@ def train(cfg: TrainConfig) -> Path:
         if step >= plan["total"] or stop:
             break
         epoch += 1
+    flush()
     bar.close()
     if main:
         log_f.close()
