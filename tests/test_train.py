@@ -336,3 +336,24 @@ def test_python_function_prompts_and_prompt_sources(tmp_path):
     assert both[0] == [{"role": "user", "content": "hello"}] and len(both) == 1 + len(stdlib)
     with pytest.raises(FileNotFoundError, match="neither a file nor one of sharegpt, python"):
         training_conversations("pyhton")
+
+
+def test_target_features_taps_without_the_head_equal_the_full_forward(tiny_llama):
+    """Without labels that need logits the target's head is skipped (its base model runs alone); the
+    taps are the full model's hidden_states[l + 1] either way, padding included."""
+    from transformers import AutoModelForCausalLM
+
+    from flashdraft.train.trainer import target_features
+
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, target.config.vocab_size, (2, 9), generator=g)
+    lengths = torch.tensor([9, 6])
+    taps, none = target_features(target, ids, lengths, [1, 3], None, want_logits=False)
+    taps2, logits = target_features(target, ids, lengths, [1, 3], None, want_logits=True)
+    with torch.no_grad():
+        ref = target(ids, attention_mask=(torch.arange(9) < lengths[:, None]).long(), output_hidden_states=True)
+    assert none is None and torch.equal(logits, ref.logits)
+    want = torch.cat([ref.hidden_states[1], ref.hidden_states[3]], -1)
+    torch.testing.assert_close(taps, want, rtol=0, atol=0)
+    torch.testing.assert_close(taps2, want, rtol=0, atol=0)

@@ -17,12 +17,13 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+from torch.nn.attention import sdpa_kernel
 from tqdm import tqdm
 
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.loader import load_config, load_weights, resolve_model_dir
 from flashdraft.spec.formats import DraftSpec, default_target_layer_ids
-from flashdraft.train.loss import LABELS, dflash_loss, gamma_for, sample_anchors
+from flashdraft.train.loss import LABELS, TRAIN_SDPA, dflash_loss, gamma_for, sample_anchors
 
 
 @dataclass
@@ -248,9 +249,11 @@ def make_batch(seqs: list[tuple[list[int], int]], num_anchors: int, gen: torch.G
 def target_features(target, ids: torch.Tensor, lengths: torch.Tensor, tap_idx: list[int],
                     scale: torch.Tensor | None, want_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The frozen target over ids: taps [b, S, n*H] (hidden_states[l + 1], times the preconditioner
-    scale) and, when asked, its logits [b, S, vocab]."""
+    scale) and, when asked, its logits [b, S, vocab] (otherwise the head is not run). Its attention
+    takes the drafter's kernel list: cuDNN would plan a graph on the host for every new length."""
     mask = (torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]).long()
-    out = target(ids, attention_mask=mask, output_hidden_states=True)
+    with sdpa_kernel(TRAIN_SDPA):
+        out = (target if want_logits else target.base_model)(ids, attention_mask=mask, output_hidden_states=True)
     taps = torch.cat([out.hidden_states[i] for i in tap_idx], -1)
     if scale is not None:
         taps = (taps.float() * scale).to(taps.dtype)
