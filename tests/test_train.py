@@ -338,14 +338,17 @@ def test_python_function_prompts_and_prompt_sources(tmp_path):
         training_conversations("pyhton")
 
 
-def test_target_features_taps_without_the_head_equal_the_full_forward(tiny_llama):
-    """Without labels that need logits the target's head is skipped (its base model runs alone); the
-    taps are the full model's hidden_states[l + 1] either way, padding included."""
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_qwen3"])
+def test_target_features_taps_without_the_head_equal_the_full_forward(arch, request):
+    """The trainer's target forward (its own additive causal + padding mask; the head skipped when no
+    logits are needed) gives the taps and logits of transformers' forward with a 2-D padding mask,
+    padded positions included."""
     from transformers import AutoModelForCausalLM
 
     from flashdraft.train.trainer import target_features
 
-    target = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+    folder = request.getfixturevalue(arch)
+    target = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, target.config.vocab_size, (2, 9), generator=g)
     lengths = torch.tensor([9, 6])

@@ -250,8 +250,13 @@ def target_features(target, ids: torch.Tensor, lengths: torch.Tensor, tap_idx: l
                     scale: torch.Tensor | None, want_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The frozen target over ids: taps [b, S, n*H] (hidden_states[l + 1], times the preconditioner
     scale) and, when asked, its logits [b, S, vocab] (otherwise the head is not run). Its attention
-    takes the drafter's kernel list: cuDNN would plan a graph on the host for every new length."""
-    mask = (torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]).long()
+    takes the drafter's kernel list: cuDNN would plan a graph on the host for every new length. The
+    causal + padding mask is built here, additive [b, 1, S, S]: given a padding mask, transformers
+    first asks the GPU whether it could skip the mask, a wait for the GPU in every step."""
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    keep = (pos[None, :] <= pos[:, None])[None, None] & (pos < lengths[:, None])[:, None, None, :]
+    dtype = target.get_input_embeddings().weight.dtype
+    mask = torch.zeros(keep.shape, dtype=dtype, device=ids.device).masked_fill_(~keep, torch.finfo(dtype).min)
     with sdpa_kernel(TRAIN_SDPA):
         out = (target if want_logits else target.base_model)(ids, attention_mask=mask, output_hidden_states=True)
     taps = torch.cat([out.hidden_states[i] for i in tap_idx], -1)
