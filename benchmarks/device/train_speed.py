@@ -3,7 +3,8 @@ files needed): SmolLM2-135M's shape and the shipped drafter's (3 layers, B=8, ta
 synthetic sequences of 120-300 prompt + 250-500 response tokens, the trainer's own pieces
 (make_batch, target_features, dflash_loss, AdamW; like the trainer, nothing in a step waits for the
 GPU). Prints seconds per step at several batch sizes
-(CUDA-synchronised, after warm-up) and torch.profiler tables of three steps at one batch size
+(CUDA-synchronised, after three warm-up steps, which also compile the trainer's fused functions when
+FLASHDRAFT_TRAIN_COMPILE allows) and torch.profiler tables of three steps at one batch size
 (their footer gives the GPU time of the three steps).
 
     python benchmarks/device/train_speed.py [--batch 4,16,32] [--profile-batch 16] [--labels data]
@@ -69,8 +70,11 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
 
+    from flashdraft.train import loss as loss_mod
+
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "labels": args.labels}
+           "labels": args.labels, "compile": loss_mod.COMPILE}
+    print(f"FLASHDRAFT_TRAIN_COMPILE={loss_mod.COMPILE}", flush=True)
     for b in map(int, args.batch.split(",")):
         for _ in range(3):
             step(b)

@@ -100,7 +100,8 @@ class TorchAttention(AttentionBackend):
             v = v_flat.index_select(0, self.slots[s]).transpose(0, 1)
             # rows ordered (group member, query row) inside each kv head
             qg = q[a:b].view(q_len, n_kv, group, hd).permute(1, 2, 0, 3).reshape(n_kv, group * q_len, hd)
-            scores = torch.matmul(qg, k.transpose(1, 2)).float() * scale
+            scores = torch.matmul(qg, k.transpose(1, 2))
+            scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale  # float64 stays float64
             if self.masks[s] is not None:
                 scores.masked_fill_(self.masks[s].repeat(group, 1), float("-inf"))
             o = torch.matmul(scores.softmax(-1).to(v.dtype), v)
@@ -118,7 +119,8 @@ class TorchAttention(AttentionBackend):
         # cannot leak through a zero attention weight (0 * inf = nan)
         v = torch.where(self.key_valid[:, :, None, None], v, 0).permute(0, 2, 1, 3)
         qp = q[self.q_gather].view(S, Q, n_kv, group, hd).permute(0, 2, 3, 1, 4).reshape(S, n_kv, group * Q, hd)
-        scores = torch.matmul(qp, k.transpose(-1, -2)).float() * scale  # [S, n_kv, group*Q, L]
+        scores = torch.matmul(qp, k.transpose(-1, -2))  # [S, n_kv, group*Q, L]
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
         scores.masked_fill_(self.mask.repeat(1, group, 1)[:, None], float("-inf"))
         o = torch.matmul(scores.softmax(-1).to(v.dtype), v)  # [S, n_kv, group*Q, hd]
         o = o.view(S, n_kv, group, Q, hd).permute(0, 3, 1, 2, 4).reshape(S * Q, n_kv * group, hd)
@@ -213,7 +215,8 @@ class StaticTorchAttention(AttentionBackend):
         # keys past seq_len are other pages' data: zero V so a non-finite value cannot leak
         v = torch.where(p["key_valid"], v_cache.view(-1, n_kv, hd)[p["key_slots"]], 0).permute(0, 2, 1, 3)
         qp = q[p["q_gather"]].view(S, Q, n_kv, group, hd).permute(0, 2, 3, 1, 4).reshape(S, n_kv, group * Q, hd)
-        scores = torch.matmul(qp, k.transpose(-1, -2)).float() * scale  # [S, n_kv, group*Q, L]
+        scores = torch.matmul(qp, k.transpose(-1, -2))  # [S, n_kv, group*Q, L]
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
         # a large finite fill (not -inf): rows with no visible key (padding sequences) get a uniform
         # softmax over zeroed V instead of NaN; masked_fill also overwrites non-finite scores
         scores.masked_fill_(p["masked"], -1e30)

@@ -13,6 +13,8 @@ What slot k is scored against (`labels`):
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -77,6 +79,47 @@ def key_groups(anchors: torch.Tensor, groups: int) -> list[tuple[int, int, int]]
     return [(g, min(g + size, n), max(1, max(ends[g: g + size]))) for g in range(0, n, size)]
 
 
+# The drafter's norms and RoPE run in float32 (as at inference) between bf16 matmuls: eagerly that is
+# a dozen float32 passes over every q/k row and their backward, most of a training step's GPU time
+# after the matmuls (benchmarks/device/train_speed.py). Compiled, each norm (+ RoPE) is one kernel
+# forward and one backward with the same float32 arithmetic. "auto": compiled for CUDA tensors.
+COMPILE = os.environ.get("FLASHDRAFT_TRAIN_COMPILE", "auto")
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the model computes it (float32 statistics, the weight's dtype out), returned in
+    x's dtype: the dtype autocast would cast it to for the next matmul."""
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (w * h.to(x.dtype)).to(x.dtype)
+
+
+def _norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """q/k norm then RoPE (x [T, heads, D]; cos/sin [T, D]), in float32, returned in x's dtype."""
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    h = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return apply_rope(h, cos, sin).to(x.dtype)
+
+
+_compiled: dict = {}
+
+
+def _compiling(like: torch.Tensor) -> bool:
+    """Whether COMPILE asks for the compiled functions for tensors like `like`."""
+    if COMPILE not in ("auto", "1", "0"):
+        raise ValueError(f"FLASHDRAFT_TRAIN_COMPILE must be auto, 1 or 0, got {COMPILE!r}")
+    return COMPILE == "1" or (COMPILE == "auto" and like.device.type == "cuda")
+
+
+def _fn(name: str, eager, like: torch.Tensor):
+    """`eager` compiled (once, shapes dynamic) when _compiling(like), else `eager` itself."""
+    if not _compiling(like):
+        return eager
+    if name not in _compiled:
+        _compiled[name] = torch.compile(eager, dynamic=True)
+    return _compiled[name]
+
+
 def _heads(t: torch.Tensor, b: int, n_kv: int, head_dim: int, rep: int) -> torch.Tensor:
     """[b * L, n_kv, D] or [b, L, n_kv * D] -> [b, n_kv * rep, L, D] (GQA heads repeated)."""
     return t.reshape(b, -1, n_kv, head_dim).transpose(1, 2).repeat_interleave(rep, 1)
@@ -105,22 +148,23 @@ def draft_hidden(drafter: DFlashDraftModel, taps: torch.Tensor, embed: torch.Ten
     block = embed.shape[1] // n
     parts = key_groups(anchors, groups) if groups else [(0, n, s)]
     anchors = anchors.to(taps.device, non_blocking=True)
-    ctx = drafter.hidden_norm(drafter.fc(taps))
     ctx_pos = torch.arange(s, device=taps.device)
     q_pos = (anchors[:, :, None] + torch.arange(block, device=taps.device)).flatten(1)  # [b, NB]
     cos_c, sin_c = drafter.rope.lookup(ctx_pos)
     cos_q, sin_q = drafter.rope.lookup(q_pos.flatten())
+    rms, norm_rope = _fn("rms", _rms_norm, taps), _fn("norm_rope", _norm_rope, taps)
+    ctx = rms(drafter.fc(taps), drafter.hidden_norm.weight, drafter.hidden_norm.eps)
     h = embed
     for layer in drafter.layers:
         a = layer.self_attn
-        x = layer.input_layernorm(h)
+        x = rms(h, layer.input_layernorm.weight, layer.input_layernorm.eps)
         q, kb, vb = a.qkv_proj(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         _, kc, vc = a.qkv_proj(ctx).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-        q = apply_rope(a.q_norm(q.reshape(-1, a.n_heads, a.head_dim)), cos_q, sin_q)
-        kb = apply_rope(a.k_norm(kb.reshape(-1, a.n_kv, a.head_dim)), cos_q, sin_q)
-        kc = apply_rope(a.k_norm(kc.reshape(-1, a.n_kv, a.head_dim)), cos_c.repeat(b, 1), sin_c.repeat(b, 1))
-        dt = vb.dtype  # autocast leaves norms/rope in float32; attention runs in the matmul dtype
-        q, kc, kb, vc = q.to(dt), kc.to(dt), kb.to(dt), vc.to(dt)
+        # norms and rope in float32; q and k come back in the matmul dtype, as attention takes them
+        q = norm_rope(q.reshape(-1, a.n_heads, a.head_dim), a.q_norm.weight, a.q_norm.eps, cos_q, sin_q)
+        kb = norm_rope(kb.reshape(-1, a.n_kv, a.head_dim), a.k_norm.weight, a.k_norm.eps, cos_q, sin_q)
+        kc = norm_rope(kc.reshape(-1, a.n_kv, a.head_dim), a.k_norm.weight, a.k_norm.eps,
+                       cos_c.repeat(b, 1), sin_c.repeat(b, 1))
         kc, vc, kb, vb = (_heads(t, b, a.n_kv, a.head_dim, a.n_heads // a.n_kv) for t in (kc, vc, kb, vb))
         q = q.view(b, -1, a.n_heads, a.head_dim).transpose(1, 2)
         outs = []
@@ -131,8 +175,22 @@ def draft_hidden(drafter: DFlashDraftModel, taps: torch.Tensor, embed: torch.Ten
                                    torch.cat([vc[:, :, :n_ctx], vb[:, :, r0:r1]], 2), m[:, None], a.scale))
         o = torch.cat(outs, 2)
         h = h + a.o_proj(o.transpose(1, 2).reshape(b, -1, a.q_size))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + layer.mlp(rms(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps))
     return drafter.norm(h)
+
+
+def _ce_rows(logits: torch.Tensor, y: torch.Tensor, want_grad: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Cross-entropy (float32) and argmax of logits [n, V] against y [n], and the gradient with
+    respect to the logits, softmax - one-hot, in the logits' dtype: _HeadLoss's eager branch in the
+    form the compiler fuses (the one-hot as a comparison, not a scatter into a copy)."""
+    log_q = F.log_softmax(logits, -1, dtype=torch.promote_types(logits.dtype, torch.float32))
+    loss = -log_q.gather(1, y[:, None])[:, 0]
+    pred = logits.argmax(-1)
+    if not want_grad:
+        return loss, pred, None
+    hit = torch.arange(logits.shape[1], device=logits.device)[None, :] == y[:, None]
+    return loss, pred, (log_q.exp() - hit.to(log_q.dtype)).to(logits.dtype)
 
 
 class _HeadLoss(torch.autograd.Function):
@@ -144,23 +202,29 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, w, labels, soft, rows, chunk, want_grad):
         losses, preds, grads = [], [], []
+        fused = _fn("ce", _ce_rows, hidden) if soft is None and _compiling(hidden) else None
         for i in range(0, hidden.shape[0], chunk):
             logits = F.linear(hidden[i: i + chunk], w)  # the matmul dtype (bf16 under autocast)
-            preds.append(logits.argmax(-1))
-            f32 = torch.promote_types(logits.dtype, torch.float32)  # float64 stays float64 (tests)
-            log_q = F.log_softmax(logits, -1, dtype=f32)
-            if soft is None:  # cross-entropy against labels; d/dlogits = softmax - one-hot
-                y = labels[i: i + chunk, None]
-                losses.append(-log_q.gather(1, y)[:, 0])
-                if want_grad:
-                    g = torch.exp(log_q, out=logits)
-                    g.scatter_add_(1, y, torch.full_like(y, -1, dtype=g.dtype))
-            else:  # KL(p || q), p the target's softmax at these rows; d/dlogits = q - p
-                log_p = F.log_softmax(soft[rows[i: i + chunk]], -1, dtype=f32)
-                p = log_p.exp()
-                losses.append((p * (log_p - log_q)).sum(-1))
-                if want_grad:
-                    g = torch.exp(log_q, out=logits).sub_(p.to(logits.dtype))
+            if fused is not None:  # the cross-entropy branch below in a few fused kernels
+                loss, pred, g = fused(logits, labels[i: i + chunk], want_grad)
+                losses.append(loss)
+                preds.append(pred)
+            else:
+                preds.append(logits.argmax(-1))
+                f32 = torch.promote_types(logits.dtype, torch.float32)  # float64 stays float64 (tests)
+                log_q = F.log_softmax(logits, -1, dtype=f32)
+                if soft is None:  # cross-entropy against labels; d/dlogits = softmax - one-hot
+                    y = labels[i: i + chunk, None]
+                    losses.append(-log_q.gather(1, y)[:, 0])
+                    if want_grad:
+                        g = torch.exp(log_q, out=logits)
+                        g.scatter_add_(1, y, torch.full_like(y, -1, dtype=g.dtype))
+                else:  # KL(p || q), p the target's softmax at these rows; d/dlogits = q - p
+                    log_p = F.log_softmax(soft[rows[i: i + chunk]], -1, dtype=f32)
+                    p = log_p.exp()
+                    losses.append((p * (log_p - log_q)).sum(-1))
+                    if want_grad:
+                        g = torch.exp(log_q, out=logits).sub_(p.to(logits.dtype))
             if want_grad:
                 grads.append((g @ w.to(g.dtype)).to(hidden.dtype))
         ctx.save_for_backward(torch.cat(grads) if want_grad else None)
