@@ -68,6 +68,14 @@ class Embedding(nn.Embedding):
         return super().forward(ids)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / RMS(x), the statistics in float32 at least, normalised x cast back to x's dtype
+    before the weight multiply (the result takes the promoted dtype of the two)."""
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -75,9 +83,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.to(torch.promote_types(x.dtype, torch.float32))  # statistics in float32 at least
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 # Few-row GEMMs (decode batches, verify and draft blocks: <= 32 rows) on the Triton kernels of

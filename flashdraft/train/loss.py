@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.rope import apply_rope
+from flashdraft.models.transformer import rms_norm
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 LABELS = ("data", "argmax", "kl")
@@ -87,18 +88,14 @@ COMPILE = os.environ.get("FLASHDRAFT_TRAIN_COMPILE", "auto")
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as the model computes it (float32 statistics, the weight's dtype out), returned in
-    x's dtype: the dtype autocast would cast it to for the next matmul."""
-    h = x.to(torch.promote_types(x.dtype, torch.float32))
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (w * h.to(x.dtype)).to(x.dtype)
+    """RMSNorm as the model computes it, returned in x's dtype: the dtype autocast would cast it to
+    for the next matmul."""
+    return rms_norm(x, w, eps).to(x.dtype)
 
 
 def _norm_rope(x: torch.Tensor, w: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """q/k norm then RoPE (x [T, heads, D]; cos/sin [T, D]), in float32, returned in x's dtype."""
-    h = x.to(torch.promote_types(x.dtype, torch.float32))
-    h = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return apply_rope(h, cos, sin).to(x.dtype)
+    return apply_rope(rms_norm(x, w, eps), cos, sin).to(x.dtype)
 
 
 _compiled: dict = {}
