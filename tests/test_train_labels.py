@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from flashdraft.train.loss import dflash_loss, head_cross_entropy, sample_anchors
 from flashdraft.train.trainer import LOG_EVERY, TrainConfig, drafter_spec, init_drafter, train
@@ -119,3 +120,11 @@ def test_train_with_kl_labels_stops_and_resumes(tiny_llama, tmp_path):
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
     log = [json.loads(x) for x in (tmp_path / "d" / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == list(range(1, 31))
+    # resuming a run that has finished trains nothing and leaves the saved drafter as it was
+    before = load_file(tmp_path / "d" / "model.safetensors")
+    again = TrainConfig(resume=True, **common)
+    train(again)
+    assert again.log == []
+    after = load_file(tmp_path / "d" / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert len((tmp_path / "d" / "train_log.jsonl").read_text().splitlines()) == 30

@@ -158,7 +158,11 @@ def main() -> None:
     drafter = train(cfg)  # data parallel over the GPUs when started by torchrun
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    last = cfg.log[-1]
+    if cfg.log:
+        last = cfg.log[-1]
+    else:  # a --resume of a run that had already finished trains nothing: its last record is on disk
+        lines = (work / "drafter" / "train_log.jsonl").read_text().splitlines()
+        last = json.loads(lines[-1])
     log(f"training: {last['step']} of {last['total_steps']} steps, {last['epoch'] + 1} epochs, "
         f"{time.time() - t0:.0f}s, final loss {last['loss']:.3f}, train tau {last['tau']:.2f}")
     if last["step"] < last["total_steps"]:
