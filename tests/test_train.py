@@ -163,6 +163,41 @@ def test_generate_responses_several_seeded_samples_per_prompt(tiny_llama, tmp_pa
         generate_responses(llm, convs, out, 12, 512, samples_per_prompt=2)
 
 
+def test_generate_responses_under_a_time_budget_answers_a_seeded_random_part(tiny_llama, tmp_path, monkeypatch):
+    """A budget that cannot answer the whole list: runs with different seeds answer different
+    conversations (in list order each would answer the same head), and each answer equals the one
+    the same seed gives without a budget (the draw's seed follows its conversation)."""
+    import flashdraft.train.data as data
+    from flashdraft.train.data import generate_responses, read_samples
+
+    class Clock:  # one tick per look at the clock: the budget counts engine steps, not seconds
+        t = 0.0
+
+        def monotonic(self) -> float:
+            self.t += 1.0
+            return self.t
+
+    llm = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32", max_num_seqs=1)
+    convs = [[{"role": "user", "content": f"question number {k}"}] for k in range(12)]
+    ids = [tuple(llm.engine.apply_chat_template(c)) for c in convs]
+    full = {}
+    for seed in (3, 4):
+        generate_responses(llm, convs, tmp_path / f"full{seed}.jsonl", 6, 512, temperature=1.0, seed=seed)
+        full[seed] = {tuple(s[:p]): tuple(s[p:]) for s, p in read_samples(tmp_path / f"full{seed}.jsonl")}
+        assert len(full[seed]) == 12
+    answered = {}
+    for seed in (3, 4):
+        monkeypatch.setattr(data, "time", Clock())
+        n = generate_responses(llm, convs, tmp_path / f"part{seed}.jsonl", 6, 512, time_budget_s=30,
+                               temperature=1.0, seed=seed)
+        got = {tuple(s[:p]): tuple(s[p:]) for s, p in read_samples(tmp_path / f"part{seed}.jsonl")}
+        assert 0 < n == len(got) < 12
+        assert all(full[seed][k] == v for k, v in got.items())
+        answered[seed] = {ids.index(k) for k in got}
+    assert answered[3] != answered[4]
+    assert any(a != set(range(len(a))) for a in answered.values())  # not the list's head
+
+
 def test_read_prompt_file_plain_and_gzipped_and_bad_lines(tmp_path):
     import gzip
 

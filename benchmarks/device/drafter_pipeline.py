@@ -50,7 +50,8 @@ def gen_data(args, out: Path) -> Path:
                                seed=args.seed + k * args.samples_per_prompt, seed_stride=n)
     dt = time.time() - t0
     n_tok = sum(len(json.loads(x)["response_ids"]) for x in data.read_text().splitlines())
-    log(f"self-distillation: {n_seq} of {len(convs)} prompts, {n_tok} response tokens in {dt:.0f}s "
+    log(f"self-distillation: {n_seq} samples ({args.samples_per_prompt} per prompt) for {len(convs)} prompts, "
+        f"{n_tok} response tokens in {dt:.0f}s "
         f"({n_tok / dt:.0f} tok/s), max_num_seqs {args.gen_batch}")
     del llm
     torch.cuda.empty_cache()

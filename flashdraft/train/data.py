@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import gzip
 import json
+import random
 import sysconfig
 import time
 from pathlib import Path
@@ -161,7 +162,10 @@ def generate_responses(llm, conversations: list[list[dict]], out_path: Path, max
     a shard of every n-th conversation passes seed_stride n) and write {"prompt_ids",
     "response_ids"} lines to out_path as requests finish. Every request is queued at once so
     continuous batching keeps the engine full to the end; when time_budget_s runs out the
-    unfinished requests are dropped.
+    unfinished requests are dropped. Under a time budget the requests are queued in an order
+    shuffled by `seed`, so runs with different seeds answer different parts of a list they cannot
+    finish (in list order every run would answer its head); a draw's seed follows its conversation,
+    not its place in the queue, so the order changes which samples are made, never their tokens.
     Returns the number of samples written."""
     if samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt must be at least 1, got {samples_per_prompt}")
@@ -170,9 +174,12 @@ def generate_responses(llm, conversations: list[list[dict]], out_path: Path, max
     eng = llm.engine
     prompts = list(enumerate(map(eng.apply_chat_template, conversations)))  # long ones skipped, not renumbered
     step = seed_stride * samples_per_prompt
+    draws = [(i, j, ids) for i, ids in prompts if len(ids) <= max_prompt_tokens for j in range(samples_per_prompt)]
+    if time_budget_s:
+        random.Random(seed).shuffle(draws)
     seqs = [eng.add_request(None, SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
                                                  seed=seed + i * step + j), prompt_token_ids=ids)
-            for i, ids in prompts if len(ids) <= max_prompt_tokens for j in range(samples_per_prompt)]
+            for i, j, ids in draws]
     pending, written = set(seqs), 0
     deadline = time.monotonic() + time_budget_s if time_budget_s else float("inf")
     with open(out_path, "w") as f, tqdm(total=len(seqs), desc="self-distillation", unit="seq") as bar:
