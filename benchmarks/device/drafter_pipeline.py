@@ -37,7 +37,8 @@ def gen_data(args, out: Path) -> Path:
     data = out / "data.jsonl"
     convs = read_prompt_file(Path(args.data_dir) / args.prompt_file)[: args.num_prompts]
     llm = LLM(args.gguf, draft=None, device="cuda", dtype="bfloat16", max_num_seqs=args.gen_batch,
-              max_num_batched_tokens=16384, kv_cache_memory_gb=args.gen_kv_gb, max_model_len=1024)
+              max_num_batched_tokens=16384, kv_cache_memory_gb=args.gen_kv_gb,
+              max_model_len=args.max_prompt_tokens + args.max_new_tokens)
     if args.skip_data:  # only the prompts an earlier data file lacks
         done = {tuple(ids) for ids, p in ((s[: p], p) for s, p in read_samples(args.skip_data))}
         convs = [c for c in convs if tuple(llm.engine.apply_chat_template(c)) not in done]
@@ -45,7 +46,8 @@ def gen_data(args, out: Path) -> Path:
     k, n = map(int, args.shard.split("/"))  # this process answers conversations k, k + n, ...
     convs = convs[k::n]
     t0 = time.time()
-    n_seq = generate_responses(llm, convs, data, args.max_new_tokens, 512, time_budget_s=args.gen_seconds,
+    n_seq = generate_responses(llm, convs, data, args.max_new_tokens, args.max_prompt_tokens,
+                               time_budget_s=args.gen_seconds,
                                samples_per_prompt=args.samples_per_prompt, temperature=args.gen_temperature,
                                seed=args.seed + k * args.samples_per_prompt, seed_stride=n)
     dt = time.time() - t0
@@ -100,6 +102,7 @@ def main() -> None:
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "flashdraft-drafter-work"))
     ap.add_argument("--num-prompts", type=int, default=100000)
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-prompt-tokens", type=int, default=512, help="gen: longer prompts are skipped")
     ap.add_argument("--gen-batch", type=int, default=1024)
     ap.add_argument("--gen-seconds", type=float, default=180)
     ap.add_argument("--gen-kv-gb", type=float, default=40, help="gen: KV cache size (several processes share a GPU)")

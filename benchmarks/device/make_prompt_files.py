@@ -1,6 +1,7 @@
 """Write the prompt files the GPU pipeline reads (the prompt packages are not installed there):
 train_prompts.jsonl (ShareGPT training split, first turns of at most 1,500 characters),
 train_conversations.jsonl.gz (every human turn with its history, at most 3,000 characters in all),
+train_conversations_long.jsonl.gz (the same, 3,001-8,000 characters: long contexts),
 python_functions.jsonl.gz (code problems from this Python's standard library, `python_function_prompts`),
 humaneval.jsonl, mt_bench.jsonl (first turns) and sharegpt_heldout.jsonl (first 200 held-out).
 
@@ -27,10 +28,12 @@ def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "prompt-files")
     out.mkdir(parents=True, exist_ok=True)
     write(out / "train_prompts.jsonl", [p for p in sharegpt_prompts("train") if len(p) <= 1500])
-    convs = [c for c in sharegpt_conversations("all") if sum(len(m["content"]) for m in c) <= 3000]
-    lines = "".join(json.dumps({"messages": c}) + "\n" for c in convs)
-    (out / "train_conversations.jsonl.gz").write_bytes(gzip.compress(lines.encode()))  # 23 MB -> 5.5 MB
-    print(f"{out / 'train_conversations.jsonl.gz'}: {len(convs)} conversations")
+    every = sharegpt_conversations("all")
+    for name, lo, hi in (("train_conversations", 0, 3000), ("train_conversations_long", 3001, 8000)):
+        convs = [c for c in every if lo <= sum(len(m["content"]) for m in c) <= hi]
+        lines = "".join(json.dumps({"messages": c}) + "\n" for c in convs)
+        (out / f"{name}.jsonl.gz").write_bytes(gzip.compress(lines.encode()))  # 23 MB -> 5.5 MB for the first
+        print(f"{out / name}.jsonl.gz: {len(convs)} conversations")
     code = python_function_prompts()
     lines = "".join(json.dumps({"prompt": p}) + "\n" for p in code)
     (out / "python_functions.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
