@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", default=None, help="write every prompt's tau and metrics here")
     args = ap.parse_args()
+    if args.num_prompts < 2:
+        ap.error(f"--num-prompts must be at least 2 for quartiles, got {args.num_prompts}")
     convs = [p.messages for p in load_prompts(args.dataset, args.num_prompts)]
     kw = {"model": args.model, "device": args.device, "dtype": args.dtype}
     llm = LLM(draft=args.draft, **kw)
@@ -39,6 +41,8 @@ def main() -> None:
     rows = sorted(((o.metrics["acceptance_length"], i, o) for i, o in enumerate(outs) if o.metrics.get("num_drafts")),
                   key=lambda r: r[0])
     taus = [t for t, _, _ in rows]
+    if len(taus) < 2:
+        raise SystemExit(f"only {len(taus)} of {len(outs)} requests ran a verify step: no per-prompt tau to compare")
     drafts = sum(o.metrics["num_drafts"] for _, _, o in rows)
     accepted = sum(o.metrics["num_accepted_tokens"] for _, _, o in rows)
     q = statistics.quantiles(taus, n=4)

@@ -40,7 +40,7 @@ def gen_data(args, out: Path) -> Path:
               max_num_batched_tokens=16384, kv_cache_memory_gb=args.gen_kv_gb,
               max_model_len=args.max_prompt_tokens + args.max_new_tokens)
     if args.skip_data:  # only the prompts an earlier data file lacks
-        done = {tuple(ids) for ids, p in ((s[: p], p) for s, p in read_samples(args.skip_data))}
+        done = {tuple(s[:p]) for s, p in read_samples(args.skip_data)}
         convs = [c for c in convs if tuple(llm.engine.apply_chat_template(c)) not in done]
         log(f"{len(done)} prompts already in {args.skip_data}; generating {len(convs)}")
     k, n = map(int, args.shard.split("/"))  # this process answers conversations k, k + n, ...
