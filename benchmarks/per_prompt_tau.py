@@ -1,9 +1,12 @@
 """Per-prompt acceptance of a drafter: one greedy batch over a prompt set on the embedded SmolLM2
 (or --model), each request's tau, the pooled tau, quartiles, and the prompts with the lowest tau,
-each checked against plain decoding (same tokens) so a low tau is never a silent logic error.
+each checked against plain decoding (same tokens) so a low tau is never a silent logic error; and
+the pooled tau by prompt length (chat-template tokens: under 128, 128-511, 512 or more).
 
     python benchmarks/per_prompt_tau.py [--dataset sharegpt] [--num-prompts 120] [--max-tokens 128]
-        [--draft DIR] [--lowest 5] [--device cpu] [--json out.json]
+        [--min-prompt-tokens 0] [--draft DIR] [--lowest 5] [--device cpu] [--json out.json]
+
+--min-prompt-tokens N keeps, of the first --num-prompts prompts, those of N tokens or more.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ def main() -> None:
     ap.add_argument("--lowest", type=int, default=5)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--min-prompt-tokens", type=int, default=0,
+                    help="keep only the prompts of at least this many chat-template tokens")
     ap.add_argument("--json", default=None, help="write every prompt's tau and metrics here")
     args = ap.parse_args()
     if args.num_prompts < 2:
@@ -34,6 +39,11 @@ def main() -> None:
     convs = [p.messages for p in load_prompts(args.dataset, args.num_prompts)]
     kw = {"model": args.model, "device": args.device, "dtype": args.dtype}
     llm = LLM(draft=args.draft, **kw)
+    if args.min_prompt_tokens > 0:
+        convs = [c for c in convs if len(llm.engine.apply_chat_template(c)) >= args.min_prompt_tokens]
+        if len(convs) < 2:
+            raise SystemExit(f"{len(convs)} of the first {args.num_prompts} prompts have "
+                             f"{args.min_prompt_tokens} tokens or more: too few for quartiles")
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     t0 = time.time()
     outs = llm.chat(convs, [params] * len(convs))
@@ -50,6 +60,13 @@ def main() -> None:
           f"pooled tau {(accepted + drafts) / drafts:.2f} over {drafts} verify steps; "
           f"per prompt: quartiles {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f}, "
           f"below 2: {sum(t < 2 for t in taus)}, 3.5 or more: {sum(t >= 3.5 for t in taus)}")
+    by_len = []
+    for name, lo, hi in (("under 128", 0, 128), ("128-511", 128, 512), ("512+", 512, None)):
+        part = [o.metrics for _, _, o in rows if lo <= o.metrics["num_prompt_tokens"] < (hi or float("inf"))]
+        if part:
+            d = sum(m["num_drafts"] for m in part)
+            by_len.append(f"{name}: {(sum(m['num_accepted_tokens'] for m in part) + d) / d:.2f} ({len(part)})")
+    print("pooled tau by prompt tokens: " + ", ".join(by_len))
     plain = LLM(draft=None, **kw)
     low = rows[: args.lowest]
     ref = plain.chat([convs[i] for _, i, _ in low], [params] * len(low))
