@@ -60,6 +60,10 @@ def gen_data(args, out: Path) -> Path:
     return data
 
 
+# the columns of eval.json's per_prompt rows
+PER_PROMPT = ("num_prompt_tokens", "num_output_tokens", "num_drafts", "num_accepted_tokens")
+
+
 def evaluate(args, drafter: Path, summary: dict, out: Path) -> dict:
     llm = LLM(args.gguf, draft=str(drafter), device="cuda", dtype="bfloat16", max_num_seqs=256,
               kv_cache_memory_gb=12, max_model_len=4096)
@@ -78,10 +82,17 @@ def evaluate(args, drafter: Path, summary: dict, out: Path) -> dict:
             acc = after["num_accepted_tokens"] - before["num_accepted_tokens"]
             per_pos = [(a - b) / drafts
                        for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])]
+            # each distinct prompt once (ShareGPT's held-out set repeats some), and every prompt's counts
+            first = {json.dumps(c): o.metrics for c, o in reversed(list(zip(convs, outs)))}.values()
+            d1 = sum(m["num_drafts"] for m in first)
+            tau1 = (sum(m["num_accepted_tokens"] for m in first) + d1) / d1
             res[f"{name}@T{temp:g}"] = {"prompts": len(convs), "tau": (acc + drafts) / drafts, "drafts": drafts,
                                         "output_tokens": sum(len(o.token_ids) for o in outs),
-                                        "accept_rate_per_position": per_pos, "wall_s": time.time() - t0}
-            log(f"{name} T={temp:g}: tau {(acc + drafts) / drafts:.2f} over {drafts} verify steps")
+                                        "accept_rate_per_position": per_pos, "wall_s": time.time() - t0,
+                                        "distinct_prompts": len(first), "tau_distinct_prompts": tau1,
+                                        "per_prompt": [[o.metrics[k] for k in PER_PROMPT] for o in outs]}
+            log(f"{name} T={temp:g}: tau {(acc + drafts) / drafts:.2f} over {drafts} verify steps "
+                f"({len(first)} distinct prompts: {tau1:.2f})")
             summary["eval"] = res
             (out / "eval.json").write_text(json.dumps(summary, indent=1))
     return res
