@@ -61,8 +61,8 @@ def main() -> None:
           f"per prompt: quartiles {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f}, "
           f"below 2: {sum(t < 2 for t in taus)}, 3.5 or more: {sum(t >= 3.5 for t in taus)}")
     by_len = []
-    for name, lo, hi in (("under 128", 0, 128), ("128-511", 128, 512), ("512+", 512, None)):
-        part = [o.metrics for _, _, o in rows if lo <= o.metrics["num_prompt_tokens"] < (hi or float("inf"))]
+    for name, lo, hi in (("under 128", 0, 128), ("128-511", 128, 512), ("512+", 512, float("inf"))):
+        part = [o.metrics for _, _, o in rows if lo <= o.metrics["num_prompt_tokens"] < hi]
         if part:
             d = sum(m["num_drafts"] for m in part)
             by_len.append(f"{name}: {(sum(m['num_accepted_tokens'] for m in part) + d) / d:.2f} ({len(part)})")

@@ -83,7 +83,10 @@ def evaluate(args, drafter: Path, summary: dict, out: Path) -> dict:
             per_pos = [(a - b) / drafts
                        for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])]
             # each distinct prompt once (ShareGPT's held-out set repeats some), and every prompt's counts
-            first = {json.dumps(c): o.metrics for c, o in reversed(list(zip(convs, outs)))}.values()
+            first = {}
+            for c, o in zip(convs, outs):
+                first.setdefault(json.dumps(c), o.metrics)
+            first = list(first.values())
             d1 = sum(m["num_drafts"] for m in first)
             tau1 = (sum(m["num_accepted_tokens"] for m in first) + d1) / d1
             res[f"{name}@T{temp:g}"] = {"prompts": len(convs), "tau": (acc + drafts) / drafts, "drafts": drafts,
