@@ -1,0 +1,52 @@
+"""The drafter pipeline's evaluation (benchmarks/device/drafter_pipeline.py, a GPU script) run on this
+CPU with the embedded SmolLM2 + shipped drafter: its per-prompt rows must add up to the engine's own
+totals, and the distinct-prompt tau must count a repeated prompt once."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pipeline():
+    spec = importlib.util.spec_from_file_location("drafter_pipeline", ROOT / "benchmarks/device/drafter_pipeline.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_eval_per_prompt_rows_and_distinct_tau(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from flashdraft import LLM, SamplingParams
+
+    dp = _pipeline()
+    # the embedded pair on the CPU instead of a GGUF on CUDA; 24 tokens per answer instead of 256
+    monkeypatch.setattr(dp, "LLM", lambda gguf, draft=None, **kw: LLM(draft=draft, device="cpu", dtype="float32"))
+    monkeypatch.setattr(dp, "SamplingParams", lambda **kw: SamplingParams(**{**kw, "max_tokens": 24}))
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    files = {"humaneval": ["def add(a, b):\n    \"\"\"Return a + b.\"\"\""], "mt_bench": ["Name three colors."],
+             "sharegpt_heldout": ["Say hi.", "Explain rain in one sentence.", "Say hi."]}
+    for name, texts in files.items():
+        (prompts / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    drafter = ROOT / "flashdraft/drafters/smollm2-135m-dflash"
+    res = dp.evaluate(SimpleNamespace(gguf=None, data_dir=str(prompts)), drafter, {}, tmp_path)
+
+    def pooled(rows):  # rows: PER_PROMPT columns
+        drafts = sum(r[dp.PER_PROMPT.index("num_drafts")] for r in rows)
+        return (sum(r[dp.PER_PROMPT.index("num_accepted_tokens")] for r in rows) + drafts) / drafts
+
+    for key, r in res.items():
+        n = len(files[key.split("@")[0]])
+        assert r["prompts"] == n and len(r["per_prompt"]) == n
+        assert abs(pooled(r["per_prompt"]) - r["tau"]) < 1e-9, key  # against the engine's totals
+        assert sum(row[dp.PER_PROMPT.index("num_output_tokens")] for row in r["per_prompt"]) == r["output_tokens"]
+    for temp in ("0", "1"):
+        r = res[f"sharegpt_heldout@T{temp}"]
+        assert r["distinct_prompts"] == 2
+        assert abs(r["tau_distinct_prompts"] - pooled(r["per_prompt"][:2])) < 1e-9
+    assert json.loads((tmp_path / "eval.json").read_text())["eval"].keys() == res.keys()
