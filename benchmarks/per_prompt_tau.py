@@ -20,6 +20,12 @@ from flashdraft import LLM, SamplingParams
 from flashdraft.bench.datasets import load_prompts
 
 
+def pooled(metrics: list[dict]) -> float:
+    """Tokens committed per verify step over several requests (accepted drafts plus one per step)."""
+    drafts = sum(m["num_drafts"] for m in metrics)
+    return (sum(m["num_accepted_tokens"] for m in metrics) + drafts) / drafts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -54,18 +60,16 @@ def main() -> None:
     if len(taus) < 2:
         raise SystemExit(f"only {len(taus)} of {len(outs)} requests ran a verify step: no per-prompt tau to compare")
     drafts = sum(o.metrics["num_drafts"] for _, _, o in rows)
-    accepted = sum(o.metrics["num_accepted_tokens"] for _, _, o in rows)
     q = statistics.quantiles(taus, n=4)
     print(f"{len(taus)} prompts x {args.max_tokens} tokens in {wall:.0f}s: "
-          f"pooled tau {(accepted + drafts) / drafts:.2f} over {drafts} verify steps; "
+          f"pooled tau {pooled([o.metrics for _, _, o in rows]):.2f} over {drafts} verify steps; "
           f"per prompt: quartiles {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f}, "
           f"below 2: {sum(t < 2 for t in taus)}, 3.5 or more: {sum(t >= 3.5 for t in taus)}")
     by_len = []
     for name, lo, hi in (("under 128", 0, 128), ("128-511", 128, 512), ("512+", 512, float("inf"))):
         part = [o.metrics for _, _, o in rows if lo <= o.metrics["num_prompt_tokens"] < hi]
         if part:
-            d = sum(m["num_drafts"] for m in part)
-            by_len.append(f"{name}: {(sum(m['num_accepted_tokens'] for m in part) + d) / d:.2f} ({len(part)})")
+            by_len.append(f"{name}: {pooled(part):.2f} ({len(part)})")
     print("pooled tau by prompt tokens: " + ", ".join(by_len))
     plain = LLM(draft=None, **kw)
     low = rows[: args.lowest]
