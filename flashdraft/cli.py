@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="what slot k is scored against: the data's token (the published recipe), the target's "
                         "greedy choice there, or KL to the target's whole distribution")
     t.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
-                   help="save the trainer state and stop after this many seconds; --resume goes on")
+                   help="save the trainer state and stop once the command has run this many seconds "
+                        "(setup and data generation count); --resume goes on")
     t.set_defaults(func=cmd_train_drafter)
 
     args = parser.parse_args(argv)

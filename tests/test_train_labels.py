@@ -128,3 +128,37 @@ def test_train_with_kl_labels_stops_and_resumes(tiny_llama, tmp_path):
     after = load_file(tmp_path / "d" / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert len((tmp_path / "d" / "train_log.jsonl").read_text().splitlines()) == 30
+
+
+def test_stop_after_counts_the_setup_and_a_fresh_start_begins_a_new_log(tiny_llama, tmp_path, monkeypatch):
+    """--stop-after bounds the whole command: a job whose setup (reading the data, loading the target)
+    already used its seconds saves at its first look at the clock, before a time limit can kill it
+    unsaved. A start with no trainer state (also under --resume) writes a new log, not after a lost
+    attempt's records."""
+    import time
+
+    import flashdraft.train.data as data_mod
+
+    g = torch.Generator().manual_seed(0)
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt_ids": torch.randint(3, 300, (8,), generator=g).tolist(),
+                                          "response_ids": torch.randint(3, 300, (40,), generator=g).tolist()})
+                              for _ in range(5)))
+    out = tmp_path / "d"
+    out.mkdir()
+    (out / "train_log.jsonl").write_text(json.dumps({"step": 999, "loss": 9.9}) + "\n")  # an attempt that left no state
+    read = data_mod.read_samples
+
+    def slow_read(path):  # setup that takes longer than the run may last
+        time.sleep(2.5)
+        return read(path)
+
+    monkeypatch.setattr(data_mod, "read_samples", slow_read)
+    cfg = TrainConfig(model=str(tiny_llama), out=str(out), data=str(data), num_layers=1, block_size=4,
+                      target_layer_ids=[0, 2], mask_token_id=3, max_steps=400, batch_size=5, num_anchors=16,
+                      device="cpu", dtype="float32", stop_after_s=2.0, resume=True)
+    train(cfg)
+    assert [r["step"] for r in cfg.log] == list(range(1, LOG_EVERY + 1))
+    assert torch.load(out / "trainer_state.pt", weights_only=False)["step"] == LOG_EVERY
+    log = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, LOG_EVERY + 1))

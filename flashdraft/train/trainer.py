@@ -64,7 +64,8 @@ class TrainConfig:
     local_context: int | None = None  # curriculum: blocks see only this many context positions ...
     local_context_frac: float = 0.1  # ... for this fraction of the steps
     labels: str = "data"  # slot targets: "data" tokens, the target's "argmax", or "kl" to its distribution
-    stop_after_s: float | None = None  # save and return after this many seconds, at a log step (--resume goes on)
+    stop_after_s: float | None = None  # save and return once this many seconds have passed since train() began
+    # (setup and data generation count), at a log step; --resume goes on
     log: list = field(default_factory=list, repr=False)
 
 
@@ -270,6 +271,7 @@ def train(cfg: TrainConfig) -> Path:
 
     from flashdraft.train.data import read_samples
 
+    t_called = time.time()  # --stop-after bounds the whole command, setup included
     if cfg.labels not in LABELS:
         raise ValueError(f"unknown labels {cfg.labels!r}; use one of {', '.join(LABELS)}")
     out = Path(cfg.out)
@@ -337,7 +339,8 @@ def train(cfg: TrainConfig) -> Path:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     step, start_epoch, done_s = 0, 0, 0.0
     ckpt = out / "trainer_state.pt"
-    if cfg.resume and ckpt.exists():
+    resumed = cfg.resume and ckpt.exists()
+    if resumed:
         st = torch.load(ckpt, map_location=device, weights_only=False)
         drafter.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
@@ -348,7 +351,7 @@ def train(cfg: TrainConfig) -> Path:
     gen = torch.Generator().manual_seed(cfg.seed + step + 1_000_003 * rank)  # ranks draw their own anchors
     gamma = gamma_for(cfg.block_size)
     tap_idx = [i + 1 for i in spec.target_layer_ids]
-    if cfg.resume and ckpt.exists():
+    if resumed:
         scale = st.get("tap_scale")
     else:
         scale = None
@@ -360,7 +363,8 @@ def train(cfg: TrainConfig) -> Path:
         if cfg.init_drafter and scale is not None:  # the saved fc takes raw taps; training feeds taps * scale
             with torch.no_grad():
                 drafter.fc.weight.div_(scale.to(drafter.fc.weight.dtype)[None, :])
-    log_f = open(out / "train_log.jsonl", "a") if main else None
+    # a run that starts without saved state starts its log too (an attempt stopped before its first save left none)
+    log_f = open(out / "train_log.jsonl", "a" if resumed else "w") if main else None
     t_start = time.time()
     t0 = t_start - done_s  # the time budget counts the runs before a resume too
     t_mark = (step, t_start)  # the rate marks at steps 10 and 100 replace it (a resumed run may start past them)
@@ -421,7 +425,7 @@ def train(cfg: TrainConfig) -> Path:
                     plan["total"] = total
                     plan["warm"] = max(1, int(cfg.warmup_ratio * plan["total"]))
                     bar.total = plan["total"]
-            stop = cfg.stop_after_s is not None and time.time() - t_start >= cfg.stop_after_s
+            stop = cfg.stop_after_s is not None and time.time() - t_called >= cfg.stop_after_s
             if world > 1 and cfg.stop_after_s is not None:  # rank 0's clock decides for everyone
                 flag = torch.tensor([float(stop)], device=device)
                 dist.broadcast(flag, 0)
