@@ -108,7 +108,7 @@ def main() -> None:
     ap.add_argument("--drafter", default=None, help="eval: the drafter folder to evaluate")
     ap.add_argument("--labels", default="data", choices=LABELS)
     ap.add_argument("--stop-after", type=float, default=None,
-                    help="train: save the state and stop once training has run S seconds, its setup "
+                    help="train: save the state and stop S seconds after training began, its setup "
                          "included (no eval); --resume goes on")
     ap.add_argument("--resume", action="store_true", help="train: go on from the state in --work")
     ap.add_argument("--gguf", required=True)

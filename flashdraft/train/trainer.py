@@ -267,11 +267,11 @@ def target_features(target, ids: torch.Tensor, lengths: torch.Tensor, tap_idx: l
 
 
 def train(cfg: TrainConfig) -> Path:
+    t_called = time.time()  # --stop-after bounds the whole command, setup (imports too) included
     from transformers import AutoModelForCausalLM
 
     from flashdraft.train.data import read_samples
 
-    t_called = time.time()  # --stop-after bounds the whole command, setup included
     if cfg.labels not in LABELS:
         raise ValueError(f"unknown labels {cfg.labels!r}; use one of {', '.join(LABELS)}")
     out = Path(cfg.out)
