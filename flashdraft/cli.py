@@ -171,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--batch-size", type=int, default=8)
     t.add_argument("--num-anchors", type=int, default=512)
     t.add_argument("--lr", type=float, default=6e-4)
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0,
+                   help="response sampling, batch order and anchors; a run continuing another (--init-drafter) "
+                        "on the same data with the same seed sees the same batches first")
     t.add_argument("--device", default=None)
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     t.add_argument("--save-every", type=int, default=200)

@@ -1,6 +1,7 @@
 """The drafter pipeline's evaluation (benchmarks/device/drafter_pipeline.py, a GPU script) run on this
 CPU with the embedded SmolLM2 + shipped drafter: its per-prompt rows must add up to the engine's own
-totals, and the distinct-prompt tau must count a repeated prompt once."""
+totals, and the distinct-prompt tau must count a repeated prompt once. Its train phase must hand --seed to
+the trainer."""
 
 from __future__ import annotations
 
@@ -50,3 +51,33 @@ def test_eval_per_prompt_rows_and_distinct_tau(tmp_path, monkeypatch):
         assert r["distinct_prompts"] == 2
         assert abs(r["tau_distinct_prompts"] - pooled(r["per_prompt"][:2])) < 1e-9
     assert json.loads((tmp_path / "eval.json").read_text())["eval"].keys() == res.keys()
+
+
+def test_train_phase_hands_its_seed_to_the_trainer(tmp_path, monkeypatch):
+    """--seed orders the training batches too: a run continuing another on the same data with a new seed
+    must not start over the batches the run before saw first (the pipeline once kept the trainer at 0)."""
+    import sys
+
+    import pytest
+
+    dp = _pipeline()
+    seeds = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_train(cfg):
+        seeds.append(cfg.seed)
+        raise Stop
+
+    monkeypatch.setattr(dp, "train", fake_train)
+    monkeypatch.setattr(dp.torch.cuda, "get_device_name", lambda *a: "no GPU")
+    data = tmp_path / "data.jsonl"
+    data.write_text("")
+    base = ["drafter_pipeline.py", "--phase", "train", "--gguf", "target.gguf", "--data-dir", str(tmp_path),
+            "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--data", str(data)]
+    for extra in ([], ["--seed", "13"]):
+        monkeypatch.setattr(sys, "argv", base + extra)
+        with pytest.raises(Stop):
+            dp.main()
+    assert seeds == [0, 13]

@@ -143,7 +143,9 @@ def main() -> None:
     ap.add_argument("--skip-data", default=None, help="gen: leave out the prompts this data file already has")
     ap.add_argument("--shard", default="0/1", help="gen: K/N answers every N-th conversation from the K-th "
                                                    "(one process per GPU)")
-    ap.add_argument("--seed", type=int, default=0, help="gen: sampling seeds start here")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="gen: sampling seeds start here; train: the batch order and anchors (a run that "
+                         "continues another on the same data needs a new one, or it starts over its batches)")
     args = ap.parse_args()
     if args.phase == "eval" and not args.drafter:
         ap.error("--phase eval needs --drafter DIR")
@@ -172,7 +174,7 @@ def main() -> None:
                       init_layers_from=args.init_layers_from, init_drafter=args.init_drafter,
                       local_context=args.local_context,
                       local_context_frac=args.local_context_frac, labels=args.labels,
-                      stop_after_s=args.stop_after, resume=args.resume)
+                      stop_after_s=args.stop_after, resume=args.resume, seed=args.seed)
     t0 = time.time()
     drafter = train(cfg)  # data parallel over the GPUs when started by torchrun
     if int(os.environ.get("RANK", "0")) != 0:
