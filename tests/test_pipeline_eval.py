@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,10 +59,6 @@ def test_eval_per_prompt_rows_and_distinct_tau(tmp_path, monkeypatch):
 def test_train_phase_hands_its_seed_to_the_trainer(tmp_path, monkeypatch):
     """--seed orders the training batches too: a run continuing another on the same data with a new seed
     must not start over the batches the run before saw first (the pipeline once kept the trainer at 0)."""
-    import sys
-
-    import pytest
-
     dp = _pipeline()
     seeds = []
 
