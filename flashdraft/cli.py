@@ -164,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--num-layers", type=int, default=3)
     t.add_argument("--intermediate-size", type=int, default=None)
     t.add_argument("--block-size", type=int, default=16)
-    t.add_argument("--target-layer-ids", default=None, help="comma-separated 0-based target layers to tap")
+    t.add_argument("--target-layer-ids", default=None,
+                   help="comma-separated 0-based target layers to tap (default: spread over the target); with "
+                        "--init-drafter a list that keeps the saved drafter's taps and adds more (fc widens, the "
+                        "added taps start at zero)")
     t.add_argument("--mask-token-id", type=int, default=None)
     t.add_argument("--epochs", type=int, default=6)
     t.add_argument("--max-steps", type=int, default=None)

@@ -346,6 +346,44 @@ def test_init_drafter_continues_a_saved_checkpoint(tiny_llama, tmp_path):
     assert not torch.allclose(moved["fc.weight"], want["fc.weight"])
 
 
+def test_init_drafter_with_more_taps_keeps_the_saved_function(tiny_llama, tmp_path):
+    """--init-drafter with --target-layer-ids that add taps: fc widens, each saved tap's columns move to
+    its place in the new order and the added ones start at zero, so the context features equal the saved
+    drafter's on the same taps; a list that drops a saved tap is refused by name."""
+    from flashdraft.models.loader import load_config
+    from flashdraft.spec.dflash import load_drafter
+    from flashdraft.train.trainer import drafter_spec, init_drafter, save_checkpoint
+
+    cfg = load_config(tiny_llama)
+    saved = init_drafter(drafter_spec(cfg, TrainConfig(num_layers=1, block_size=4, target_layer_ids=[2, 0]), 3),
+                         "cpu", 5)
+    save_checkpoint(saved, cfg, tmp_path / "start")  # bf16, as the trainer writes
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["the quick brown fox", "def add(a, b):"]))
+    common = dict(model=str(tiny_llama), prompts=str(prompts), max_new_tokens=24, batch_size=2, num_anchors=8,
+                  device="cpu", dtype="float32", gen_batch=4, init_drafter=str(tmp_path / "start"), epochs=0)
+    wide = TrainConfig(out=str(tmp_path / "wide"), target_layer_ids=[0, 1, 2], **common)
+    train(wide)
+    new_cfg = json.loads((tmp_path / "wide" / "config.json").read_text())
+    assert new_cfg["dflash_config"]["target_layer_ids"] == [0, 1, 2]
+    old = load_drafter(tmp_path / "start", cfg, torch.device("cpu"), torch.float32)
+    new = load_drafter(tmp_path / "wide", cfg, torch.device("cpu"), torch.float32)
+    h = cfg.hidden_size
+    assert new.fc.weight.shape == (h, 3 * h)
+    assert torch.count_nonzero(new.fc.weight[:, h:2 * h]) == 0  # layer 1 is the added tap
+    # fc went through the tap preconditioner's unfold and fold: one bf16 rounding at most
+    torch.testing.assert_close(new.fc.weight[:, :h], old.fc.weight[:, h:], rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(new.fc.weight[:, 2 * h:], old.fc.weight[:, :h], rtol=2 ** -7, atol=0)
+    layer = {i: torch.randn(2, 5, h, generator=torch.Generator().manual_seed(i)) * 10 for i in range(3)}
+    with torch.no_grad():
+        want = old.hidden_norm(old.fc(torch.cat([layer[2], layer[0]], -1)))  # the saved order: 2, then 0
+        got = new.hidden_norm(new.fc(torch.cat([layer[0], layer[1], layer[2]], -1)))
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert (got - want).abs().max() < 0.1 * (want - want.flip(0)).abs().max()  # far closer than unrelated rows
+    with pytest.raises(ValueError, match=r"drop tap\(s\) \[2\]"):
+        train(TrainConfig(out=str(tmp_path / "narrow"), target_layer_ids=[0, 1], **common))
+
+
 def test_python_function_prompts_and_prompt_sources(tmp_path):
     from flashdraft.bench.datasets import load_prompts
     from flashdraft.train.data import python_function_prompts, training_conversations

@@ -130,6 +130,9 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--init-layers-from", type=int, default=None)
     ap.add_argument("--init-drafter", default=None, help="continue from a saved drafter, e.g. the shipped one")
+    ap.add_argument("--target-layer-ids", default=None,
+                    help="comma-separated target layers to tap (default 1,14,27; with --init-drafter the saved "
+                         "drafter's, or a list that adds taps to them: fc widens, the new taps start at zero)")
     ap.add_argument("--local-context", type=int, default=None)
     ap.add_argument("--local-context-frac", type=float, default=0.1)
     ap.add_argument("--save-every", type=int, default=100000,
@@ -167,8 +170,10 @@ def main() -> None:
             os.remove(out / "data.jsonl.gz")
     if args.phase == "gen":
         return
+    taps = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else \
+        (None if args.init_drafter else [1, 14, 27])
     cfg = TrainConfig(model=args.gguf, out=str(work / "drafter"), data=str(data), num_layers=args.num_layers,
-                      block_size=args.block_size, target_layer_ids=[1, 14, 27], mask_token_id=16,
+                      block_size=args.block_size, target_layer_ids=taps, mask_token_id=16,
                       epochs=args.epochs, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr,
                       device="cuda", dtype="bfloat16", save_every=args.save_every, time_budget_s=args.train_seconds,
                       init_layers_from=args.init_layers_from, init_drafter=args.init_drafter,

@@ -9,7 +9,7 @@ import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -89,6 +89,33 @@ def drafter_spec(target_cfg, cfg: TrainConfig, mask_token_id: int) -> DraftSpec:
         rope_scaling=None, rope_parameters=None, max_position_embeddings=target_cfg.max_position_embeddings,
         vocab_size=target_cfg.vocab_size, model_type="qwen3")
     return DraftSpec(layer, cfg.block_size, mask_token_id, list(ids), None, "z-lab")
+
+
+def _wider_taps(saved: list[int], wanted: list[int], n_target: int) -> list[int]:
+    """The tap list a continued drafter may take: every saved tap kept, new ones added (any order)."""
+    wanted = [int(i) for i in wanted]
+    if len(set(wanted)) != len(wanted):
+        raise ValueError(f"target_layer_ids {wanted} repeats a layer")
+    if not set(saved) <= set(wanted):
+        raise ValueError(f"target_layer_ids {wanted} drop tap(s) {sorted(set(saved) - set(wanted))} of the saved "
+                         f"drafter (taps {saved}); a continued drafter can add taps, not lose them")
+    bad = [i for i in wanted if not 0 <= i < n_target]
+    if bad:
+        raise ValueError(f"target_layer_ids {bad} outside the target's {n_target} layers")
+    return wanted
+
+
+def widen_fc(w: torch.Tensor, saved: list[int], wanted: list[int]) -> torch.Tensor:
+    """fc.weight [H, len(saved) * H] as fc over the taps `wanted` (a superset): each saved tap's columns
+    move to its place in the new order, the added taps' columns are zero, so fc(taps) is unchanged."""
+    if list(saved) == list(wanted):
+        return w
+    h = w.shape[1] // len(saved)
+    out = w.new_zeros(w.shape[0], h * len(wanted))
+    for j, layer in enumerate(saved):
+        k = wanted.index(layer)
+        out[:, k * h:(k + 1) * h] = w[:, j * h:(j + 1) * h]
+    return out
 
 
 def _rope_theta(cfg) -> float:
@@ -298,6 +325,10 @@ def train(cfg: TrainConfig) -> Path:
             raise ValueError("pass either init_drafter or init_layers_from, not both")
         start = load_drafter(cfg.init_drafter, target_cfg, device, torch.float32)
         spec = start.spec
+        saved_taps = list(spec.target_layer_ids)
+        if cfg.target_layer_ids and list(cfg.target_layer_ids) != saved_taps:  # more taps: fc widens (new ones at 0)
+            spec = replace(spec, target_layer_ids=_wider_taps(saved_taps, cfg.target_layer_ids,
+                                                              target_cfg.num_hidden_layers))
         cfg.block_size, cfg.num_layers = spec.block_size, spec.layer_config.num_hidden_layers
         cfg.target_layer_ids, cfg.mask_token_id = list(spec.target_layer_ids), spec.mask_token_id
         mask_id = spec.mask_token_id
@@ -318,8 +349,10 @@ def train(cfg: TrainConfig) -> Path:
                              f"{target_cfg.num_hidden_layers}")
         init_from_target(drafter, weights, cfg.init_layers_from)
     if start is not None:
-        drafter.load_state_dict(start.state_dict())
-        del start
+        state = start.state_dict()
+        state["fc.weight"] = widen_fc(state["fc.weight"], saved_taps, spec.target_layer_ids)
+        drafter.load_state_dict(state)
+        del start, state
     max_len = max(len(s[0]) for s in samples) + cfg.block_size + 1
     drafter.setup(max_len)
     drafter.rope.cos, drafter.rope.sin = drafter.rope.cos.float(), drafter.rope.sin.float()
