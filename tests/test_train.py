@@ -311,21 +311,27 @@ def test_data_parallel_refuses_too_little_data(tiny_llama, tmp_path):
 
 
 
-def test_init_drafter_continues_a_saved_checkpoint(tiny_llama, tmp_path):
-    """--init-drafter starts from a saved drafter (its fc takes raw taps; training unfolds the tap
-    preconditioner): zero steps write the same weights back, and training goes on from it."""
+def _saved_drafter_run(tiny_llama, tmp_path, taps: list[int]) -> dict:
+    """A random 1-layer drafter with these taps saved to tmp_path/start (bf16, as the trainer writes),
+    and the TrainConfig options that continue it on two prompts."""
     from flashdraft.models.loader import load_config
     from flashdraft.train.trainer import drafter_spec, init_drafter, save_checkpoint
 
     cfg = load_config(tiny_llama)
-    saved = init_drafter(drafter_spec(cfg, TrainConfig(num_layers=1, block_size=4, target_layer_ids=[0, 2]), 3),
+    saved = init_drafter(drafter_spec(cfg, TrainConfig(num_layers=1, block_size=4, target_layer_ids=taps), 3),
                          "cpu", 5)
-    save_checkpoint(saved, cfg, tmp_path / "start")  # bf16, as the trainer writes
+    save_checkpoint(saved, cfg, tmp_path / "start")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["the quick brown fox", "def add(a, b):"]))
-    common = dict(model=str(tiny_llama), prompts=str(prompts), max_new_tokens=24, batch_size=2, num_anchors=8,
-                  device="cpu", dtype="float32", gen_batch=4, init_drafter=str(tmp_path / "start"),
-                  block_size=16, num_layers=3)  # shape options are taken from the saved drafter instead
+    return dict(model=str(tiny_llama), prompts=str(prompts), max_new_tokens=24, batch_size=2, num_anchors=8,
+                device="cpu", dtype="float32", gen_batch=4, init_drafter=str(tmp_path / "start"))
+
+
+def test_init_drafter_continues_a_saved_checkpoint(tiny_llama, tmp_path):
+    """--init-drafter starts from a saved drafter (its fc takes raw taps; training unfolds the tap
+    preconditioner): zero steps write the same weights back, and training goes on from it."""
+    common = _saved_drafter_run(tiny_llama, tmp_path, [0, 2]) | dict(
+        block_size=16, num_layers=3)  # shape options are taken from the saved drafter instead
     again = TrainConfig(out=str(tmp_path / "zero"), epochs=0, **common)
     train(again)
     assert (again.block_size, again.num_layers, again.target_layer_ids) == (4, 1, [0, 2])
@@ -352,16 +358,9 @@ def test_init_drafter_with_more_taps_keeps_the_saved_function(tiny_llama, tmp_pa
     drafter's on the same taps; a list that drops a saved tap is refused by name."""
     from flashdraft.models.loader import load_config
     from flashdraft.spec.dflash import load_drafter
-    from flashdraft.train.trainer import drafter_spec, init_drafter, save_checkpoint
 
     cfg = load_config(tiny_llama)
-    saved = init_drafter(drafter_spec(cfg, TrainConfig(num_layers=1, block_size=4, target_layer_ids=[2, 0]), 3),
-                         "cpu", 5)
-    save_checkpoint(saved, cfg, tmp_path / "start")  # bf16, as the trainer writes
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["the quick brown fox", "def add(a, b):"]))
-    common = dict(model=str(tiny_llama), prompts=str(prompts), max_new_tokens=24, batch_size=2, num_anchors=8,
-                  device="cpu", dtype="float32", gen_batch=4, init_drafter=str(tmp_path / "start"), epochs=0)
+    common = _saved_drafter_run(tiny_llama, tmp_path, [2, 0]) | dict(epochs=0)
     wide = TrainConfig(out=str(tmp_path / "wide"), target_layer_ids=[0, 1, 2], **common)
     train(wide)
     new_cfg = json.loads((tmp_path / "wide" / "config.json").read_text())
