@@ -56,17 +56,18 @@ def test_eval_per_prompt_rows_and_distinct_tau(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "eval.json").read_text())["eval"].keys() == res.keys()
 
 
-def test_train_phase_hands_its_seed_to_the_trainer(tmp_path, monkeypatch):
+def test_train_phase_hands_its_seed_and_taps_to_the_trainer(tmp_path, monkeypatch):
     """--seed orders the training batches too: a run continuing another on the same data with a new seed
-    must not start over the batches the run before saw first (the pipeline once kept the trainer at 0)."""
+    must not start over the batches the run before saw first (the pipeline once kept the trainer at 0).
+    The taps: 1,14,27 for a new drafter, the saved drafter's with --init-drafter, --target-layer-ids if given."""
     dp = _pipeline()
-    seeds = []
+    seen = []
 
     class Stop(Exception):
         pass
 
     def fake_train(cfg):
-        seeds.append(cfg.seed)
+        seen.append((cfg.seed, cfg.target_layer_ids))
         raise Stop
 
     monkeypatch.setattr(dp, "train", fake_train)
@@ -75,8 +76,9 @@ def test_train_phase_hands_its_seed_to_the_trainer(tmp_path, monkeypatch):
     data.write_text("")
     base = ["drafter_pipeline.py", "--phase", "train", "--gguf", "target.gguf", "--data-dir", str(tmp_path),
             "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--data", str(data)]
-    for extra in ([], ["--seed", "13"]):
+    init = ["--init-drafter", "saved"]
+    for extra in ([], ["--seed", "13"], init, init + ["--target-layer-ids", "1,8,14,20,27"]):
         monkeypatch.setattr(sys, "argv", base + extra)
         with pytest.raises(Stop):
             dp.main()
-    assert seeds == [0, 13]
+    assert seen == [(0, [1, 14, 27]), (13, [1, 14, 27]), (0, None), (0, [1, 8, 14, 20, 27])]
