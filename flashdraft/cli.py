@@ -101,7 +101,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                       device=args.device, dtype=args.dtype, save_every=args.save_every, resume=args.resume,
                       gen_batch=args.gen_batch, precondition_taps=not args.no_precondition_taps,
                       init_layers_from=args.init_layers_from, init_drafter=args.init_drafter,
-                      time_budget_s=args.time_budget,
+                      add_layers=args.add_layers, time_budget_s=args.time_budget,
                       local_context=args.local_context, local_context_frac=args.local_context_frac,
                       labels=args.labels, stop_after_s=args.stop_after)
     out = train(cfg)
@@ -162,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--max-new-tokens", type=int, default=256)
     t.add_argument("--max-prompt-tokens", type=int, default=512)
     t.add_argument("--num-layers", type=int, default=3)
-    t.add_argument("--intermediate-size", type=int, default=None)
+    t.add_argument("--intermediate-size", type=int, default=None,
+                   help="MLP width of the drafter layers (default: the target's); with --init-drafter a smaller "
+                        "width narrows the saved MLPs to their strongest channels")
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--target-layer-ids", default=None,
                    help="comma-separated 0-based target layers to tap (default: spread over the target); with "
@@ -186,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="feed raw taps to fc while training (default: per-dimension 1/RMS, folded into fc on save)")
     t.add_argument("--init-drafter", default=None, metavar="DIR",
                    help="continue training a saved drafter (its block size, layers and taps) with a new schedule")
+    t.add_argument("--add-layers", type=int, default=0,
+                   help="with --init-drafter: layers appended after the saved ones, copies of the last whose "
+                        "output projections start at zero (same drafts until trained)")
     t.add_argument("--init-layers-from", type=int, default=None,
                    help="start the drafter layers from target layers N, N+1, ... (default: random)")
     t.add_argument("--time-budget", type=float, default=None,

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from flashdraft import LLM, SamplingParams
 from flashdraft.train.loss import block_attention_mask, head_cross_entropy
@@ -381,6 +381,51 @@ def test_init_drafter_with_more_taps_keeps_the_saved_function(tiny_llama, tmp_pa
     assert (got - want).abs().max() < 0.1 * (want - want.flip(0)).abs().max()  # far closer than unrelated rows
     with pytest.raises(ValueError, match=r"drop tap\(s\) \[2\]"):
         train(TrainConfig(out=str(tmp_path / "narrow"), target_layer_ids=[0, 1], **common))
+
+
+def test_init_drafter_adds_layers_and_narrows_mlps(tiny_llama, tmp_path):
+    """--init-drafter with --add-layers and a smaller --intermediate-size: each saved MLP keeps its
+    strongest channels and the added layers start with zero output projections. With the dropped
+    channels carrying nothing (their down_proj columns zeroed here), the grown drafter drafts as the
+    saved one; a wider MLP, or --add-layers without --init-drafter, is refused."""
+    from flashdraft.models.loader import load_config
+    from flashdraft.spec.dflash import load_drafter
+    from flashdraft.train.loss import draft_hidden
+
+    cfg = load_config(tiny_llama)
+    common = _saved_drafter_run(tiny_llama, tmp_path, [0, 2]) | dict(epochs=0)
+    path = tmp_path / "start" / "model.safetensors"
+    w = load_file(str(path))
+    inter = w["layers.0.mlp.down_proj.weight"].shape[1]
+    live = [j for j in range(inter) if j % 3]  # every third channel is made dead
+    w["layers.0.mlp.down_proj.weight"][:, [j for j in range(inter) if j % 3 == 0]] = 0
+    save_file(w, str(path))
+    train(TrainConfig(out=str(tmp_path / "grown"), add_layers=2, intermediate_size=len(live), **common))
+    new_cfg = json.loads((tmp_path / "grown" / "config.json").read_text())
+    assert (new_cfg["num_hidden_layers"], new_cfg["intermediate_size"]) == (3, len(live))
+    old = load_drafter(tmp_path / "start", cfg, torch.device("cpu"), torch.float32)
+    new = load_drafter(tmp_path / "grown", cfg, torch.device("cpu"), torch.float32)
+    assert torch.equal(new.layers[0].mlp.down_proj.weight, old.layers[0].mlp.down_proj.weight[:, live])
+    gate, up = old.layers[0].mlp.gate_up_proj.weight.chunk(2)
+    assert torch.equal(new.layers[0].mlp.gate_up_proj.weight, torch.cat([gate[live], up[live]]))
+    for layer in new.layers[1:]:
+        assert not layer.self_attn.o_proj.weight.any() and not layer.mlp.down_proj.weight.any()
+        assert torch.equal(layer.self_attn.qkv_proj.weight, new.layers[0].self_attn.qkv_proj.weight)
+    h = cfg.hidden_size
+    taps, embed = torch.randn(2, 12, 2 * h) * 3, torch.randn(2, 8, h)
+    anchors = torch.tensor([[3, 7], [2, 5]])
+    mask = block_attention_mask(anchors, torch.ones(2, 2, dtype=torch.bool), 12, 4)
+    for m in (old, new):
+        m.setup(64)
+    with torch.no_grad():
+        want, got = draft_hidden(old, taps, embed, anchors, mask), draft_hidden(new, taps, embed, anchors, mask)
+    # fc went through the tap preconditioner's unfold and fold: one bf16 rounding at most
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert (got - want).abs().max() < 0.1 * (want - want.flip(0)).abs().max()  # far closer than unrelated rows
+    with pytest.raises(ValueError, match=f"narrow its MLPs \\(the saved drafter's is {inter}\\)"):
+        train(TrainConfig(out=str(tmp_path / "wider"), intermediate_size=inter + 1, **common))
+    with pytest.raises(ValueError, match="add_layers grows a saved drafter"):
+        train(TrainConfig(model=str(tiny_llama), out=str(tmp_path / "new"), add_layers=1, device="cpu"))
 
 
 def test_python_function_prompts_and_prompt_sources(tmp_path):

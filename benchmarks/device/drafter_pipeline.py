@@ -129,6 +129,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--init-layers-from", type=int, default=None)
+    ap.add_argument("--add-layers", type=int, default=0, help="train: with --init-drafter, layers appended "
+                    "(outputs start at zero)")
+    ap.add_argument("--intermediate-size", type=int, default=None, help="train: MLP width (with --init-drafter: "
+                    "narrow the saved MLPs to this many channels)")
     ap.add_argument("--init-drafter", default=None, help="continue from a saved drafter, e.g. the shipped one")
     ap.add_argument("--target-layer-ids", default=None,
                     help="comma-separated target layers to tap (default 1,14,27; with --init-drafter the saved "
@@ -173,6 +177,7 @@ def main() -> None:
     taps = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else \
         (None if args.init_drafter else [1, 14, 27])
     cfg = TrainConfig(model=args.gguf, out=str(work / "drafter"), data=str(data), num_layers=args.num_layers,
+                      intermediate_size=args.intermediate_size, add_layers=args.add_layers,
                       block_size=args.block_size, target_layer_ids=taps, mask_token_id=16,
                       epochs=args.epochs, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr,
                       device="cuda", dtype="bfloat16", save_every=args.save_every, time_budget_s=args.train_seconds,

@@ -61,6 +61,7 @@ class TrainConfig:
     precondition_taps: bool = True  # train on taps / RMS, fold the scale into the saved fc
     init_layers_from: int | None = None  # start the drafter layers from target layers N, N+1, ...
     init_drafter: str | None = None  # continue from a saved drafter folder (its shape and taps; a new schedule)
+    add_layers: int = 0  # with init_drafter: layers appended after the saved ones (their outputs start at zero)
     local_context: int | None = None  # curriculum: blocks see only this many context positions ...
     local_context_frac: float = 0.1  # ... for this fraction of the steps
     labels: str = "data"  # slot targets: "data" tokens, the target's "argmax", or "kl" to its distribution
@@ -116,6 +117,50 @@ def widen_fc(w: torch.Tensor, saved: list[int], wanted: list[int]) -> torch.Tens
         k = wanted.index(layer)
         out[:, k * h:(k + 1) * h] = w[:, j * h:(j + 1) * h]
     return out
+
+
+def _grown_spec(spec: DraftSpec, add_layers: int, inter: int | None) -> DraftSpec:
+    """The spec of a saved drafter given `add_layers` more layers and MLPs narrowed to `inter` channels."""
+    c = spec.layer_config
+    if add_layers < 0:
+        raise ValueError(f"add_layers must be 0 or more, not {add_layers}")
+    if inter is not None and not 0 < inter <= c.intermediate_size:
+        raise ValueError(f"intermediate_size {inter}: a continued drafter can narrow its MLPs (the saved "
+                         f"drafter's is {c.intermediate_size}), not widen them")
+    if not add_layers and inter in (None, c.intermediate_size):
+        return spec
+    layer = SimpleNamespace(**vars(c))
+    layer.num_hidden_layers = c.num_hidden_layers + add_layers
+    layer.intermediate_size = inter or c.intermediate_size
+    return replace(spec, layer_config=layer)
+
+
+def grow_layers(state: dict[str, torch.Tensor], n_saved: int, add_layers: int, inter: int | None
+                ) -> dict[str, torch.Tensor]:
+    """A saved drafter's weights (DFlashDraftModel names) for a deeper and/or narrower drafter.
+    inter: each layer's MLP keeps the `inter` channels with the largest |gate_j| * |up_j| * |down_j|
+    (row / column norms); the others are dropped, which changes the drafts, and training has to win
+    that back. add_layers: copies of the last layer appended with o_proj and down_proj at zero, so each
+    adds nothing to the residual stream (same drafts) until training moves them."""
+    state = dict(state)
+    for i in range(n_saved):
+        key = f"layers.{i}.mlp."
+        gate, up = state[key + "gate_up_proj.weight"].chunk(2)
+        down = state[key + "down_proj.weight"]
+        if inter is None or inter == gate.shape[0]:
+            continue
+        score = gate.float().norm(dim=1) * up.float().norm(dim=1) * down.float().norm(dim=0)
+        keep = score.topk(inter).indices.sort().values
+        state[key + "gate_up_proj.weight"] = torch.cat([gate[keep], up[keep]])
+        state[key + "down_proj.weight"] = down[:, keep].contiguous()
+    last = f"layers.{n_saved - 1}."
+    for j in range(n_saved, n_saved + add_layers):
+        for name in [k for k in state if k.startswith(last)]:
+            t = state[name].clone()
+            if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+                t.zero_()
+            state[f"layers.{j}." + name[len(last):]] = t
+    return state
 
 
 def _rope_theta(cfg) -> float:
@@ -301,6 +346,8 @@ def train(cfg: TrainConfig) -> Path:
 
     if cfg.labels not in LABELS:
         raise ValueError(f"unknown labels {cfg.labels!r}; use one of {', '.join(LABELS)}")
+    if cfg.add_layers and not cfg.init_drafter:
+        raise ValueError("add_layers grows a saved drafter: pass init_drafter too (a new drafter takes num_layers)")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     rank, world, device = _init_distributed(cfg)
@@ -318,7 +365,8 @@ def train(cfg: TrainConfig) -> Path:
     from flashdraft.models.loader import load_tokenizer
 
     start = None
-    if cfg.init_drafter:  # the saved drafter decides the shape: block size, layers, taps, mask token
+    if cfg.init_drafter:  # the saved drafter decides the shape (block size, layers, taps, mask token); taps,
+        # add_layers and intermediate_size can grow it
         from flashdraft.spec.dflash import load_drafter
 
         if cfg.init_layers_from is not None:
@@ -329,8 +377,11 @@ def train(cfg: TrainConfig) -> Path:
         if cfg.target_layer_ids and list(cfg.target_layer_ids) != saved_taps:  # more taps: fc widens (new ones at 0)
             spec = replace(spec, target_layer_ids=_wider_taps(saved_taps, cfg.target_layer_ids,
                                                               target_cfg.num_hidden_layers))
+        n_saved = spec.layer_config.num_hidden_layers
+        spec = _grown_spec(spec, cfg.add_layers, cfg.intermediate_size)  # deeper / narrower
         cfg.block_size, cfg.num_layers = spec.block_size, spec.layer_config.num_hidden_layers
         cfg.target_layer_ids, cfg.mask_token_id = list(spec.target_layer_ids), spec.mask_token_id
+        cfg.intermediate_size = spec.layer_config.intermediate_size
         mask_id = spec.mask_token_id
     else:
         mask_id = _mask_token(load_tokenizer(folder), cfg.mask_token_id)
@@ -351,6 +402,7 @@ def train(cfg: TrainConfig) -> Path:
     if start is not None:
         state = start.state_dict()
         state["fc.weight"] = widen_fc(state["fc.weight"], saved_taps, spec.target_layer_ids)
+        state = grow_layers(state, n_saved, cfg.add_layers, cfg.intermediate_size)
         drafter.load_state_dict(state)
         del start, state
     max_len = max(len(s[0]) for s in samples) + cfg.block_size + 1
