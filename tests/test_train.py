@@ -424,6 +424,7 @@ def test_init_drafter_adds_layers_and_narrows_mlps(tiny_llama, tmp_path):
     assert (got - want).abs().max() < 0.1 * (want - want.flip(0)).abs().max()  # far closer than unrelated rows
     with pytest.raises(ValueError, match=f"narrow its MLPs \\(the saved drafter's is {inter}\\)"):
         train(TrainConfig(out=str(tmp_path / "wider"), intermediate_size=inter + 1, **common))
+    assert not (tmp_path / "wider" / "data.jsonl").exists()  # refused before any answers were generated
     with pytest.raises(ValueError, match="add_layers grows a saved drafter"):
         train(TrainConfig(model=str(tiny_llama), out=str(tmp_path / "new"), add_layers=1, device="cpu"))
 

@@ -355,13 +355,6 @@ def train(cfg: TrainConfig) -> Path:
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
     folder = resolve_model_dir(cfg.model)
     target_cfg = load_config(folder)
-    data_path = Path(cfg.data) if cfg.data else out / "data.jsonl"
-    if not data_path.exists():
-        make_data(cfg, data_path, device, rank, world)
-    samples = read_samples(data_path)
-    if math.ceil(len(samples) / cfg.batch_size) < world:
-        raise ValueError(f"{len(samples)} samples make {math.ceil(len(samples) / cfg.batch_size)} batches of "
-                         f"{cfg.batch_size}; {world} data-parallel processes need at least one batch each")
     from flashdraft.models.loader import load_tokenizer
 
     start = None
@@ -386,6 +379,14 @@ def train(cfg: TrainConfig) -> Path:
     else:
         mask_id = _mask_token(load_tokenizer(folder), cfg.mask_token_id)
         spec = drafter_spec(target_cfg, cfg, mask_id)
+    # the shape is settled (and a bad option refused) above, before any data is generated
+    data_path = Path(cfg.data) if cfg.data else out / "data.jsonl"
+    if not data_path.exists():
+        make_data(cfg, data_path, device, rank, world)
+    samples = read_samples(data_path)
+    if math.ceil(len(samples) / cfg.batch_size) < world:
+        raise ValueError(f"{len(samples)} samples make {math.ceil(len(samples) / cfg.batch_size)} batches of "
+                         f"{cfg.batch_size}; {world} data-parallel processes need at least one batch each")
     # the frozen target: HF transformers, taps = hidden_states[l + 1]
     target = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval().requires_grad_(False)
     weights = load_weights(folder)
