@@ -93,6 +93,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     cfg = TrainConfig(model=args.model, out=args.out, data=args.data, prompts=args.prompts,
                       num_prompts=args.num_prompts, prompt_turns=args.prompt_turns,
                       samples_per_prompt=args.samples_per_prompt, gen_temperature=args.gen_temperature,
+                      sampled_prefix=args.sampled_prefix,
                       max_new_tokens=args.max_new_tokens,
                       max_prompt_tokens=args.max_prompt_tokens, num_layers=args.num_layers,
                       intermediate_size=args.intermediate_size, block_size=args.block_size, target_layer_ids=ids,
@@ -159,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="responses generated per prompt (more than 1 needs --gen-temperature above 0)")
     t.add_argument("--gen-temperature", type=float, default=0.0,
                    help="sampling temperature of the self-distillation responses (default greedy)")
+    t.add_argument("--sampled-prefix", type=int, default=0, metavar="N",
+                   help="sample only the first 0..N tokens of each response at --gen-temperature, then continue "
+                        "greedily; the prefix joins the prompt, so training sees greedy text only (what a T=0 "
+                        "verify meets), many distinct continuations per prompt")
     t.add_argument("--max-new-tokens", type=int, default=256)
     t.add_argument("--max-prompt-tokens", type=int, default=512)
     t.add_argument("--num-layers", type=int, default=3)

@@ -163,6 +163,50 @@ def test_generate_responses_several_seeded_samples_per_prompt(tiny_llama, tmp_pa
         generate_responses(llm, convs, out, 12, 512, samples_per_prompt=2)
 
 
+def test_generate_responses_sampled_prefix_then_greedy(tiny_llama, tmp_path):
+    """sampled_prefix: each sample's prompt is the chat prompt plus the first L tokens its seeded
+    draw samples (L <= N), and its response is the greedy continuation of that, checked against
+    plain sampled and greedy generation of each piece on its own."""
+    from flashdraft.train.data import generate_responses, read_samples
+
+    llm = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+    convs = [[{"role": "user", "content": "the quick brown fox"}], [{"role": "user", "content": "1 + 1 ="}]]
+    ids = [llm.engine.apply_chat_template(c) for c in convs]
+    out = tmp_path / "data.jsonl"
+    n = generate_responses(llm, convs, out, 10, 512, samples_per_prompt=8, temperature=1.0, seed=11,
+                           sampled_prefix=4)
+    got = read_samples(out)
+    assert n == len(got) > 8
+    sampled = {(i, j): llm.generate([ids[i]], SamplingParams(temperature=1.0, max_tokens=10, seed=11 + 8 * i + j))[0]
+               for i in range(2) for j in range(8)}
+    lengths = set()
+    for seq, p in got:
+        i = next(k for k in range(2) if seq[:len(ids[k])] == ids[k])
+        prefix = seq[len(ids[i]):p]
+        assert len(prefix) <= 4
+        # the prefix is how one of the prompt's draws begins
+        assert any(list(o.token_ids[:len(prefix)]) == prefix and len(o.token_ids) > len(prefix)
+                   for (k, _), o in sampled.items() if k == i)
+        greedy = llm.generate([seq[:p]], SamplingParams(temperature=0.0, max_tokens=10 - len(prefix)))[0]
+        assert seq[p:] == list(greedy.token_ids)
+        lengths.add(len(prefix))
+    assert 0 in lengths and len(lengths) > 2
+    for bad, msg in (({"sampled_prefix": 3}, "temperature above 0"),
+                     ({"sampled_prefix": -1, "temperature": 1.0}, "0 or more")):
+        with pytest.raises(ValueError, match=msg):
+            generate_responses(llm, convs, out, 10, 512, **bad)
+
+
+def test_train_drafter_refuses_a_sampled_prefix_without_temperature(tiny_llama, tmp_path, capsys):
+    from flashdraft.cli import main
+
+    out = tmp_path / "d"
+    assert main(["train-drafter", "--model", str(tiny_llama), "--out", str(out), "--device", "cpu",
+                 "--sampled-prefix", "8"]) == 2
+    assert "sampled_prefix 8: needs 0, or N > 0 with gen_temperature above 0" in capsys.readouterr().err
+    assert not (out / "data.jsonl").exists()  # refused before any answers were generated
+
+
 def test_generate_responses_under_a_time_budget_answers_a_seeded_random_part(tiny_llama, tmp_path, monkeypatch):
     """A budget that cannot answer the whole list: runs with different seeds answer different
     conversations (in list order each would answer the same head), and each answer equals the one

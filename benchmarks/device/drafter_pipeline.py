@@ -49,7 +49,8 @@ def gen_data(args, out: Path) -> Path:
     n_seq = generate_responses(llm, convs, data, args.max_new_tokens, args.max_prompt_tokens,
                                time_budget_s=args.gen_seconds,
                                samples_per_prompt=args.samples_per_prompt, temperature=args.gen_temperature,
-                               seed=args.seed + k * args.samples_per_prompt, seed_stride=n)
+                               seed=args.seed + k * args.samples_per_prompt, seed_stride=n,
+                               sampled_prefix=args.sampled_prefix)
     dt = time.time() - t0
     n_tok = sum(len(json.loads(x)["response_ids"]) for x in data.read_text().splitlines())
     log(f"self-distillation: {n_seq} samples ({args.samples_per_prompt} per prompt) for {len(convs)} prompts, "
@@ -147,6 +148,8 @@ def main() -> None:
                     help="in --data-dir; train_conversations.jsonl.gz has every human turn with its history")
     ap.add_argument("--samples-per-prompt", type=int, default=1)
     ap.add_argument("--gen-temperature", type=float, default=0.0)
+    ap.add_argument("--sampled-prefix", type=int, default=0,
+                    help="gen: sample the first 0..N tokens at --gen-temperature, then continue greedily")
     ap.add_argument("--skip-data", default=None, help="gen: leave out the prompts this data file already has")
     ap.add_argument("--shard", default="0/1", help="gen: K/N answers every N-th conversation from the K-th "
                                                    "(one process per GPU)")

@@ -156,7 +156,8 @@ def read_prompt_file(path: str | Path) -> list[list[dict]]:
 
 def generate_responses(llm, conversations: list[list[dict]], out_path: Path, max_new_tokens: int,
                        max_prompt_tokens: int, time_budget_s: float | None = None, samples_per_prompt: int = 1,
-                       temperature: float = 0.0, seed: int = 0, seed_stride: int = 1) -> int:
+                       temperature: float = 0.0, seed: int = 0, seed_stride: int = 1,
+                       sampled_prefix: int = 0) -> int:
     """Regenerate responses with the target (chat template; greedy, or samples_per_prompt draws at
     `temperature`, draw j of conversation i seeded seed + i * seed_stride * samples_per_prompt + j;
     a shard of every n-th conversation passes seed_stride n) and write {"prompt_ids",
@@ -166,34 +167,70 @@ def generate_responses(llm, conversations: list[list[dict]], out_path: Path, max
     shuffled by `seed`, so runs with different seeds answer different parts of a list they cannot
     finish (in list order every run would answer its head); a draw's seed follows its conversation,
     not its place in the queue, so the order changes which samples are made, never their tokens.
-    Returns the number of samples written."""
+
+    sampled_prefix N > 0 (with a temperature above 0): each draw samples only its first L tokens
+    at `temperature` (L uniform in 0..N, drawn from the draw's seed; the same tokens the draw
+    would start with without this option) and continues greedily from there, and the sample is
+    written with those L tokens as part of its prompt, so a trainer's anchors fall on greedy tokens
+    only. A draw whose answer ends inside its prefix is dropped. This gives many distinct greedy
+    continuations per prompt: the text a greedy (T=0) verify meets, which plain greedy answers give
+    only once per prompt. Returns the number of samples written."""
     if samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt must be at least 1, got {samples_per_prompt}")
     if samples_per_prompt > 1 and temperature == 0:
         raise ValueError("samples_per_prompt > 1 needs a temperature above 0 (greedy draws are identical)")
+    if sampled_prefix < 0:
+        raise ValueError(f"sampled_prefix must be 0 or more, got {sampled_prefix}")
+    if sampled_prefix and temperature == 0:
+        raise ValueError("sampled_prefix needs a temperature above 0 to sample the prefix with")
     eng = llm.engine
     prompts = list(enumerate(map(eng.apply_chat_template, conversations)))  # long ones skipped, not renumbered
     step = seed_stride * samples_per_prompt
     draws = [(i, j, ids) for i, ids in prompts if len(ids) <= max_prompt_tokens for j in range(samples_per_prompt)]
     if time_budget_s:
         random.Random(seed).shuffle(draws)
-    seqs = [eng.add_request(None, SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
-                                                 seed=seed + i * step + j), prompt_token_ids=ids)
-            for i, j, ids in draws]
-    pending, written = set(seqs), 0
+
+    def request(ids: list[int], draw_seed: int):
+        if not sampled_prefix:
+            return eng.add_request(None, SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
+                                                        seed=draw_seed), prompt_token_ids=ids)
+        n = random.Random(draw_seed).randint(0, min(sampled_prefix, max_new_tokens - 1))
+        if n == 0:
+            return greedy(ids, max_new_tokens)
+        prefix = eng.add_request(None, SamplingParams(temperature=temperature, max_tokens=n, seed=draw_seed),
+                                 prompt_token_ids=ids)
+        prefixes.add(prefix)
+        return prefix
+
+    def greedy(ids: list[int], max_tokens: int):
+        return eng.add_request(None, SamplingParams(temperature=0.0, max_tokens=max_tokens), prompt_token_ids=ids)
+
+    prefixes = set()  # sampled-prefix requests whose greedy continuation is still to come
+    pending = {request(ids, seed + i * step + j) for i, j, ids in draws}
+    written = 0
     deadline = time.monotonic() + time_budget_s if time_budget_s else float("inf")
-    with open(out_path, "w") as f, tqdm(total=len(seqs), desc="self-distillation", unit="seq") as bar:
+    with open(out_path, "w") as f, tqdm(total=len(draws), desc="self-distillation", unit="seq") as bar:
         try:
             while pending and time.monotonic() < deadline:
                 for seq in eng.step():
-                    if seq.is_finished and seq in pending:
-                        pending.discard(seq)
-                        bar.update(1)
-                        out = eng.output(seq)
-                        if out.token_ids:
-                            f.write(json.dumps({"prompt_ids": out.prompt_token_ids, "response_ids": out.token_ids})
-                                    + "\n")
-                            written += 1
+                    if not (seq.is_finished and seq in pending):
+                        continue
+                    pending.discard(seq)
+                    out = eng.output(seq)
+                    if seq in prefixes:
+                        prefixes.discard(seq)
+                        if out.finish_reason == "length" and len(out.token_ids) == seq.params.max_tokens:
+                            # the prefix is whole (no stop token, no context limit): go on greedily
+                            pending.add(greedy(out.prompt_token_ids + out.token_ids,
+                                               max_new_tokens - len(out.token_ids)))
+                            continue
+                        bar.update(1)  # the answer ended inside its prefix: no greedy tokens to keep
+                        continue
+                    bar.update(1)
+                    if out.token_ids:
+                        f.write(json.dumps({"prompt_ids": out.prompt_token_ids, "response_ids": out.token_ids})
+                                + "\n")
+                        written += 1
         finally:
             for seq in pending:
                 eng.abort(seq)

@@ -36,6 +36,7 @@ class TrainConfig:
     prompt_turns: str = "first"  # ShareGPT prompts: "first" human turns, or "all" human turns with history
     samples_per_prompt: int = 1  # responses per prompt; more than 1 needs gen_temperature > 0
     gen_temperature: float = 0.0
+    sampled_prefix: int = 0  # > 0: sample the first 0..N tokens at gen_temperature, then greedy (see data.py)
     max_new_tokens: int = 256
     max_prompt_tokens: int = 512
     num_layers: int = 3
@@ -348,6 +349,9 @@ def train(cfg: TrainConfig) -> Path:
         raise ValueError(f"unknown labels {cfg.labels!r}; use one of {', '.join(LABELS)}")
     if cfg.add_layers and not cfg.init_drafter:
         raise ValueError("add_layers grows a saved drafter: pass init_drafter too (a new drafter takes num_layers)")
+    if cfg.sampled_prefix < 0 or (cfg.sampled_prefix and not cfg.gen_temperature):
+        raise ValueError(f"sampled_prefix {cfg.sampled_prefix}: needs 0, or N > 0 with gen_temperature above 0 "
+                         "to sample the prefix with")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     rank, world, device = _init_distributed(cfg)
@@ -554,7 +558,8 @@ def make_data(cfg: TrainConfig, data_path: Path, device: torch.device, rank: int
     # seeds follow the global prompt index, so the data does not depend on the number of ranks
     generate_responses(llm, convs[rank::world], part, cfg.max_new_tokens, cfg.max_prompt_tokens,
                        samples_per_prompt=cfg.samples_per_prompt, temperature=cfg.gen_temperature,
-                       seed=cfg.seed + rank * cfg.samples_per_prompt, seed_stride=world)
+                       seed=cfg.seed + rank * cfg.samples_per_prompt, seed_stride=world,
+                       sampled_prefix=cfg.sampled_prefix)
     del llm
     if world > 1:
         dist.barrier()
