@@ -82,3 +82,41 @@ def test_train_phase_hands_its_seed_and_taps_to_the_trainer(tmp_path, monkeypatc
         with pytest.raises(Stop):
             dp.main()
     assert seen == [(0, [1, 14, 27]), (13, [1, 14, 27]), (0, None), (0, [1, 8, 14, 20, 27])]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"benchmarks/{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_eval_compare_pooled_tau_and_paired_intervals():
+    """Pooled tau is committed tokens over verify steps across prompts; a drafter against itself gives
+    a zero-width interval, and one that accepts one more token on every prompt an interval above zero
+    that contains the exact pooled difference."""
+    import numpy as np
+
+    ec = _script("eval_compare")
+    rows = [[50 + i, 256, 60 + 7 * i, 120 + 11 * i] for i in range(30)]  # prompt tokens, out, drafts, accepted
+    more = [[p, o, d, a + d // 10] for p, o, d, a in rows]
+    base = {"s@T0": {"per_prompt": rows}}
+    arr = np.asarray(rows, float)
+    assert ec.pooled_tau(arr) == (arr[:, 3].sum() + arr[:, 2].sum()) / arr[:, 2].sum()
+    same = ec.compare([base, base], draws=200)["s@T0"]
+    assert same["diff"] == [[0.0, 0.0]]
+    res = ec.compare([base, {"s@T0": {"per_prompt": more}}], draws=500)["s@T0"]
+    exact = res["tau"][1] - res["tau"][0]
+    lo, hi = res["diff"][0]
+    assert 0 < lo <= exact <= hi
+    with pytest.raises(ValueError, match="different prompt counts"):
+        ec.compare([base, {"s@T0": {"per_prompt": rows[:-1]}}])
+
+
+def test_mtbench_categories_pool_by_category():
+    mc = _script("mtbench_categories")
+    cats = {"a": "writing", "b": "writing", "c": "math"}
+    rows = [{"prompt": p, "metrics": {"num_drafts": d, "num_accepted_tokens": a}}
+            for p, d, a in (("a", 10, 20), ("b", 30, 10), ("c", 5, 15))]
+    got = mc.by_category(rows, cats)
+    assert got == {"writing": (30 + 40) / 40, "math": 20 / 5, "pooled": (30 + 40 + 20) / 45}
