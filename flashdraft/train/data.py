@@ -190,6 +190,9 @@ def generate_responses(llm, conversations: list[list[dict]], out_path: Path, max
     if time_budget_s:
         random.Random(seed).shuffle(draws)
 
+    def greedy(ids: list[int], max_tokens: int):
+        return eng.add_request(None, SamplingParams(temperature=0.0, max_tokens=max_tokens), prompt_token_ids=ids)
+
     def request(ids: list[int], draw_seed: int):
         if not sampled_prefix:
             return eng.add_request(None, SamplingParams(temperature=temperature, max_tokens=max_new_tokens,
@@ -201,9 +204,6 @@ def generate_responses(llm, conversations: list[list[dict]], out_path: Path, max
                                  prompt_token_ids=ids)
         prefixes.add(prefix)
         return prefix
-
-    def greedy(ids: list[int], max_tokens: int):
-        return eng.add_request(None, SamplingParams(temperature=0.0, max_tokens=max_tokens), prompt_token_ids=ids)
 
     prefixes = set()  # sampled-prefix requests whose greedy continuation is still to come
     pending = {request(ids, seed + i * step + j) for i, j, ids in draws}
