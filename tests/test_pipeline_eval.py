@@ -120,3 +120,15 @@ def test_mtbench_categories_pool_by_category():
             for p, d, a in (("a", 10, 20), ("b", 30, 10), ("c", 5, 15))]
     got = mc.by_category(rows, cats)
     assert got == {"writing": (30 + 40) / 40, "math": 20 / 5, "pooled": (30 + 40 + 20) / 45}
+
+
+def test_repeat_fraction_counts_ngrams_seen_earlier_in_the_answer():
+    rf = _script("repeat_fraction")
+    loop = [1, 2, 3, 4] * 5  # from position 6 on (after the wrap-around 3-grams) every 3-gram repeats
+    assert rf.repeated_tokens(loop, n=3) == 20 - 6
+    assert rf.repeated_tokens(list(range(30)), n=3) == 0
+    import random
+
+    ids = [random.Random(0).randrange(3) for _ in range(200)]
+    brute = sum(tuple(ids[i - 2: i + 1]) in {tuple(ids[j - 2: j + 1]) for j in range(2, i)} for i in range(2, 200))
+    assert rf.repeated_tokens(ids, n=3) == brute
