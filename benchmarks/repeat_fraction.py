@@ -15,15 +15,12 @@ import json
 import lzma
 from pathlib import Path
 
+from flashdraft.train.data import repeat_flags
+
 
 def repeated_tokens(ids: list[int], n: int = 9) -> int:
-    """Tokens at position >= n-1 whose n-gram ending there occurred earlier in `ids`."""
-    seen, count = set(), 0
-    for i in range(n - 1, len(ids)):
-        gram = tuple(ids[i - n + 1: i + 1])
-        count += gram in seen
-        seen.add(gram)
-    return count
+    """Tokens whose n-gram ending there occurred earlier in `ids`."""
+    return sum(repeat_flags(ids, n))
 
 
 def read_answers(path: Path) -> list[list[int]]:

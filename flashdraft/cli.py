@@ -93,7 +93,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     cfg = TrainConfig(model=args.model, out=args.out, data=args.data, prompts=args.prompts,
                       num_prompts=args.num_prompts, prompt_turns=args.prompt_turns,
                       samples_per_prompt=args.samples_per_prompt, gen_temperature=args.gen_temperature,
-                      sampled_prefix=args.sampled_prefix,
+                      sampled_prefix=args.sampled_prefix, trim_loops=args.trim_loops,
                       max_new_tokens=args.max_new_tokens,
                       max_prompt_tokens=args.max_prompt_tokens, num_layers=args.num_layers,
                       intermediate_size=args.intermediate_size, block_size=args.block_size, target_layer_ids=ids,
@@ -166,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                         "verify meets), many distinct continuations per prompt")
     t.add_argument("--max-new-tokens", type=int, default=256)
     t.add_argument("--max-prompt-tokens", type=int, default=512)
+    t.add_argument("--trim-loops", type=int, default=None, metavar="K",
+                   help="train on each response only up to K tokens into the loop it ends in (the run of tokens "
+                        "at its end that each repeat an earlier 9-gram of the response); small targets' greedy "
+                        "answers often circle to the length limit, and the loops would take most of the anchors")
     t.add_argument("--num-layers", type=int, default=3)
     t.add_argument("--intermediate-size", type=int, default=None,
                    help="MLP width of the drafter layers (default: the target's); with --init-drafter a smaller "

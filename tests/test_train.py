@@ -207,6 +207,51 @@ def test_train_drafter_refuses_a_sampled_prefix_without_temperature(tiny_llama, 
     assert not (out / "data.jsonl").exists()  # refused before any answers were generated
 
 
+def test_trim_loop_cuts_answers_k_tokens_into_their_closing_loop(tmp_path):
+    import lzma
+    import random
+
+    from flashdraft.train.data import read_samples, trim_loop
+
+    def brute(ids, keep, n):  # the first position from which every token repeats an earlier n-gram
+        grams = [tuple(ids[i - n + 1: i + 1]) for i in range(len(ids))]
+        rep = [i >= n - 1 and grams[i] in grams[n - 1: i] for i in range(len(ids))]
+        start = min([s for s in range(len(ids) + 1) if all(rep[s:])])
+        return ids[:start + keep]
+
+    head, loop = list(range(100, 120)), [7, 8, 9, 10, 11]
+    looping = head + loop * 12  # every 3-gram repeats from index 20 + 5 + (3 - 1) on
+    assert trim_loop(looping, 0, n=3) == looping[:27]
+    assert trim_loop(looping, 4, n=3) == looping[:31]
+    assert trim_loop(looping, 1000, n=3) == looping
+    ends_fresh = looping + [500, 501, 502]  # a loop in the middle, then new text: nothing to cut
+    assert trim_loop(ends_fresh, 0, n=3) == ends_fresh
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(3) for _ in range(rng.randrange(1, 40))] + [rng.randrange(4)] * rng.randrange(12)
+        for keep in (0, 3):
+            assert trim_loop(ids, keep, n=3) == brute(ids, keep, 3), ids
+    path = tmp_path / "d.jsonl.xz"  # read_samples: prompts kept whole, .xz read, whole answers without K
+    path.write_bytes(lzma.compress("\n".join(json.dumps({"prompt_ids": p, "response_ids": r}) for p, r in
+                                              [([1, 2], looping), ([3], ends_fresh)]).encode()))
+    assert read_samples(path) == [([1, 2] + looping, 2), ([3] + ends_fresh, 1)]
+    short = trim_loop(looping, 2)  # default 9-grams: recognised 9 - 1 tokens into the second period
+    assert short == looping[:20 + 5 + 8 + 2]
+    assert read_samples(path, trim_loops=2) == [([1, 2] + short, 2), ([3] + ends_fresh, 1)]
+    with pytest.raises(ValueError, match="trim_loops must be 0 or more"):
+        read_samples(path, trim_loops=-1)
+
+
+def test_train_drafter_refuses_a_negative_trim_before_generating(tiny_llama, tmp_path, capsys):
+    from flashdraft.cli import main
+
+    out = tmp_path / "d"
+    assert main(["train-drafter", "--model", str(tiny_llama), "--out", str(out), "--device", "cpu",
+                 "--trim-loops", "-3"]) == 2
+    assert "trim_loops must be 0 or more tokens, not -3" in capsys.readouterr().err
+    assert not (out / "data.jsonl").exists()
+
+
 def test_generate_responses_under_a_time_budget_answers_a_seeded_random_part(tiny_llama, tmp_path, monkeypatch):
     """A budget that cannot answer the whole list: runs with different seeds answer different
     conversations (in list order each would answer the same head), and each answer equals the one

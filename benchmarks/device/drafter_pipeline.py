@@ -148,6 +148,7 @@ def main() -> None:
                     help="in --data-dir; train_conversations.jsonl.gz has every human turn with its history")
     ap.add_argument("--samples-per-prompt", type=int, default=1)
     ap.add_argument("--gen-temperature", type=float, default=0.0)
+    ap.add_argument("--trim-loops", type=int, default=None, help="see flashdraft train-drafter --trim-loops")
     ap.add_argument("--sampled-prefix", type=int, default=0,
                     help="gen: sample the first 0..N tokens at --gen-temperature, then continue greedily")
     ap.add_argument("--skip-data", default=None, help="gen: leave out the prompts this data file already has")
@@ -179,7 +180,8 @@ def main() -> None:
         return
     taps = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else \
         (None if args.init_drafter else [1, 14, 27])
-    cfg = TrainConfig(model=args.gguf, out=str(work / "drafter"), data=str(data), num_layers=args.num_layers,
+    cfg = TrainConfig(model=args.gguf, out=str(work / "drafter"), data=str(data), trim_loops=args.trim_loops,
+                      num_layers=args.num_layers,
                       intermediate_size=args.intermediate_size, add_layers=args.add_layers,
                       block_size=args.block_size, target_layer_ids=taps, mask_token_id=16,
                       epochs=args.epochs, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr,

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # One drafter run on one GPU with sampled-prefix + greedy answers (--sampled-prefix): fresh answers
-# from five generators at once (ShareGPT conversations at two temperatures, long conversations at
-# two, Python problems x3), joined with answers brought along (OLD_DATA, optional), then training
+# (greedy_gen.sh: five generators at once), joined with answers brought along (OLD_DATA, optional), then training
 # from START, then START and the new drafter evaluated at once, then `flashdraft bench` of the new
 # drafter against plain decoding. The trained drafter is written every 1,000 steps, so a run cut
 # short still leaves one. Everything lands in OUT.
 #
-#   GEN_SECONDS=240 TRAIN_SECONDS=660 OLD_DATA=old.jsonl \
+#   GEN_SECONDS=240 TRAIN_SECONDS=660 OLD_DATA=old.jsonl [TRIM=32] \
 #     bash benchmarks/device/prefix_run.sh GGUF DATA_DIR START WORK OUT
 set -euo pipefail
 gguf=$1 data_dir=$2 start=$3 work=$4 out=$5
@@ -16,26 +15,11 @@ pipe="python $here/drafter_pipeline.py --gguf $gguf --data-dir $data_dir"
 mkdir -p "$work" "$out"
 log() { echo "[$(date +%H:%M:%S)] $*"; }
 
-log "generation: ${gen_s}s, five processes (none when 0)"
-k=0
-[ "$gen_s" = 0 ] || for set in "S1 train_conversations.jsonl.gz 0.7 1 512" "S2 train_conversations.jsonl.gz 0.9 1 512" \
-           "L1 train_conversations_long.jsonl.gz 0.8 1 2048" "L2 train_conversations_long.jsonl.gz 0.6 1 2048" \
-           "P python_functions.jsonl.gz 0.7 3 512"; do
-  read -r name file temp n maxp <<< "$set"
-  $pipe --phase gen --prompt-file "$file" --max-prompt-tokens "$maxp" --samples-per-prompt "$n" \
-    --gen-temperature "$temp" --sampled-prefix "$prefix" --max-new-tokens 512 --gen-batch 768 --gen-kv-gb 16 \
-    --gen-seconds "$gen_s" --seed $((seed + 1000 * k)) --work "$work/gen-$name" --out "$work/gen-$name" \
-    > "$out/gen-$name.txt" 2>&1 &
-  k=$((k + 1))
-done
-wait
-grep -h "self-distillation:" "$out"/gen-*.txt | grep samples || true
-cat $(ls "$work"/gen-*/data.jsonl 2>/dev/null) ${OLD_DATA:-} > "$work/data.jsonl"
-log "data: $(wc -l < "$work/data.jsonl") samples"
+GEN_SECONDS=$gen_s PREFIX=$prefix SEED=$seed bash "$here/greedy_gen.sh" "$gguf" "$data_dir" "$work" "$out"
 
 log "training: ${train_s}s"
 $pipe --phase train --data "$work/data.jsonl" --init-drafter "$start" --labels data --lr "$lr" \
-  --batch-size 16 --num-anchors 512 --seed 17 --train-seconds "$train_s" --save-every 1000 --no-eval \
+  --batch-size 16 --num-anchors 512 --seed 17 --train-seconds "$train_s" --save-every 1000 --no-eval ${TRIM:+--trim-loops $TRIM} \
   --work "$work/train" --out "$work/train-out" > "$out/train.txt" 2>&1 || true
 tail -n 2 "$out/train.txt"
 cp "$work/train/drafter/train_log.jsonl" "$out/train_log.jsonl"

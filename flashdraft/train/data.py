@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import gzip
 import json
+import lzma
 import random
 import sysconfig
 import time
@@ -237,15 +238,43 @@ def generate_responses(llm, conversations: list[list[dict]], out_path: Path, max
     return written
 
 
-def read_samples(path: str | Path) -> list[tuple[list[int], int]]:
-    """jsonl (or .jsonl.gz) of {prompt_ids, response_ids} -> [(prompt + response ids, prompt length)]"""
+def repeat_flags(ids: list[int], n: int = 9) -> list[bool]:
+    """Per token: does the n-gram ending there (the token and the n-1 before it) occur earlier in `ids`?"""
+    seen, flags = set(), [False] * len(ids)
+    for i in range(n - 1, len(ids)):
+        gram = tuple(ids[i - n + 1: i + 1])
+        flags[i] = gram in seen
+        seen.add(gram)
+    return flags
+
+
+def trim_loop(ids: list[int], keep: int, n: int = 9) -> list[int]:
+    """`ids` cut `keep` tokens into the loop it ends in: the longest run of tokens at its end that each
+    repeat an earlier n-gram of `ids` (a small target's greedy answer often circles to its length
+    limit). Answers that do not end in a loop come back whole."""
+    flags = repeat_flags(ids, n)
+    start = len(ids)
+    while start and flags[start - 1]:
+        start -= 1
+    return ids[:start + keep]
+
+
+def read_samples(path: str | Path, trim_loops: int | None = None) -> list[tuple[list[int], int]]:
+    """jsonl (.gz, .xz) of {prompt_ids, response_ids} -> [(prompt + response ids, prompt length)].
+    trim_loops=K: each response is cut K tokens into the loop it ends in (`trim_loop`), so training
+    spends its anchors on text the loops would otherwise crowd out."""
     path = Path(path)
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    if trim_loops is not None and trim_loops < 0:
+        raise ValueError(f"trim_loops must be 0 or more tokens, not {trim_loops}")
+    raw = path.read_bytes()
+    text = (gzip.decompress(raw) if path.suffix == ".gz" else lzma.decompress(raw) if path.suffix == ".xz"
+            else raw).decode()
     out = []
     for line in text.splitlines():
         if line.strip():
             r = json.loads(line)
-            out.append((r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"])))
+            resp = r["response_ids"] if trim_loops is None else trim_loop(r["response_ids"], trim_loops)
+            out.append((r["prompt_ids"] + resp, len(r["prompt_ids"])))
     if not out:
         raise ValueError(f"no training samples in {path}")
     return out

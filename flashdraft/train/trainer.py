@@ -39,6 +39,7 @@ class TrainConfig:
     sampled_prefix: int = 0  # > 0: sample the first 0..N tokens at gen_temperature, then greedy (see data.py)
     max_new_tokens: int = 256
     max_prompt_tokens: int = 512
+    trim_loops: int | None = None  # cut each response this many tokens into the loop it ends in (data.trim_loop)
     num_layers: int = 3
     intermediate_size: int | None = None
     block_size: int = 16
@@ -352,6 +353,8 @@ def train(cfg: TrainConfig) -> Path:
     if cfg.sampled_prefix < 0 or (cfg.sampled_prefix and not cfg.gen_temperature):
         raise ValueError(f"sampled_prefix {cfg.sampled_prefix}: needs 0, or N > 0 with gen_temperature above 0 "
                          "to sample the prefix with")
+    if cfg.trim_loops is not None and cfg.trim_loops < 0:
+        raise ValueError(f"trim_loops must be 0 or more tokens, not {cfg.trim_loops}")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     rank, world, device = _init_distributed(cfg)
@@ -387,7 +390,7 @@ def train(cfg: TrainConfig) -> Path:
     data_path = Path(cfg.data) if cfg.data else out / "data.jsonl"
     if not data_path.exists():
         make_data(cfg, data_path, device, rank, world)
-    samples = read_samples(data_path)
+    samples = read_samples(data_path, cfg.trim_loops)
     if math.ceil(len(samples) / cfg.batch_size) < world:
         raise ValueError(f"{len(samples)} samples make {math.ceil(len(samples) / cfg.batch_size)} batches of "
                          f"{cfg.batch_size}; {world} data-parallel processes need at least one batch each")

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Fresh sampled-prefix + greedy answers on one GPU (--sampled-prefix): five generators at once
+# (ShareGPT conversations at two temperatures, long conversations at two, Python problems x3), their
+# data joined with answers brought along (OLD_DATA, optional) into WORK/data.jsonl. GEN_SECONDS=0
+# makes nothing new. Logs land in OUT.
+#
+#   GEN_SECONDS=240 SEED=60000 OLD_DATA=old.jsonl bash benchmarks/device/greedy_gen.sh GGUF DATA_DIR WORK OUT
+set -euo pipefail
+gguf=$1 data_dir=$2 work=$3 out=$4
+gen_s=${GEN_SECONDS:-240} prefix=${PREFIX:-32} seed=${SEED:-60000}
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$work" "$out"
+echo "[$(date +%H:%M:%S)] generation: ${gen_s}s, five processes (none when 0)"
+k=0
+[ "$gen_s" = 0 ] || for set in "S1 train_conversations.jsonl.gz 0.7 1 512" "S2 train_conversations.jsonl.gz 0.9 1 512" \
+           "L1 train_conversations_long.jsonl.gz 0.8 1 2048" "L2 train_conversations_long.jsonl.gz 0.6 1 2048" \
+           "P python_functions.jsonl.gz 0.7 3 512"; do
+  read -r name file temp n maxp <<< "$set"
+  python "$here/drafter_pipeline.py" --gguf "$gguf" --data-dir "$data_dir" --phase gen --prompt-file "$file" \
+    --max-prompt-tokens "$maxp" --samples-per-prompt "$n" \
+    --gen-temperature "$temp" --sampled-prefix "$prefix" --max-new-tokens 512 --gen-batch 768 --gen-kv-gb 16 \
+    --gen-seconds "$gen_s" --seed $((seed + 1000 * k)) --work "$work/gen-$name" --out "$work/gen-$name" \
+    > "$out/gen-$name.txt" 2>&1 &
+  k=$((k + 1))
+done
+wait
+grep -h "self-distillation:" "$out"/gen-*.txt | grep samples || true
+cat $(ls "$work"/gen-*/data.jsonl 2>/dev/null) ${OLD_DATA:-} > "$work/data.jsonl"
+echo "[$(date +%H:%M:%S)] data: $(wc -l < "$work/data.jsonl") samples"
