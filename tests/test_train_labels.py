@@ -149,9 +149,9 @@ def test_stop_after_counts_the_setup_and_a_fresh_start_begins_a_new_log(tiny_lla
     (out / "train_log.jsonl").write_text(json.dumps({"step": 999, "loss": 9.9}) + "\n")  # an attempt that left no state
     read = data_mod.read_samples
 
-    def slow_read(path):  # setup that takes longer than the run may last
+    def slow_read(path, *args):  # setup that takes longer than the run may last
         time.sleep(2.5)
-        return read(path)
+        return read(path, *args)
 
     monkeypatch.setattr(data_mod, "read_samples", slow_read)
     cfg = TrainConfig(model=str(tiny_llama), out=str(out), data=str(data), num_layers=1, block_size=4,
