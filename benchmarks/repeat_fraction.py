@@ -10,12 +10,10 @@ tokenizer).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import lzma
 from pathlib import Path
 
-from flashdraft.train.data import repeat_flags
+from flashdraft.train.data import read_text, repeat_flags
 
 
 def repeated_tokens(ids: list[int], n: int = 9) -> int:
@@ -24,9 +22,7 @@ def repeated_tokens(ids: list[int], n: int = 9) -> int:
 
 
 def read_answers(path: Path) -> list[list[int]]:
-    raw = path.read_bytes()
-    text = (gzip.decompress(raw) if path.suffix == ".gz" else lzma.decompress(raw) if path.suffix == ".xz"
-            else raw).decode()
+    text = read_text(path)
     if text.lstrip().startswith("["):  # per_prompt_tau.py --json
         from flashdraft import LLM
 

@@ -129,13 +129,21 @@ def training_conversations(sources: str | None, turns: str = "first") -> list[li
     return out
 
 
+def read_text(path: str | Path) -> str:
+    """A text file, gunzipped (.gz) or unxz-ed (.xz) by its suffix."""
+    path = Path(path)
+    raw = path.read_bytes()
+    return (gzip.decompress(raw) if path.suffix == ".gz" else lzma.decompress(raw) if path.suffix == ".xz"
+            else raw).decode()
+
+
 def read_prompt_file(path: str | Path) -> list[list[dict]]:
-    """jsonl (or .jsonl.gz) lines of {"prompt": str} or {"messages": [{"role", "content"}, ...]}
+    """jsonl (.gz, .xz) lines of {"prompt": str} or {"messages": [{"role", "content"}, ...]}
     -> conversations."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    text = read_text(path)
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -266,9 +274,7 @@ def read_samples(path: str | Path, trim_loops: int | None = None) -> list[tuple[
     path = Path(path)
     if trim_loops is not None and trim_loops < 0:
         raise ValueError(f"trim_loops must be 0 or more tokens, not {trim_loops}")
-    raw = path.read_bytes()
-    text = (gzip.decompress(raw) if path.suffix == ".gz" else lzma.decompress(raw) if path.suffix == ".xz"
-            else raw).decode()
+    text = read_text(path)
     out = []
     for line in text.splitlines():
         if line.strip():
