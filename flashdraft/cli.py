@@ -174,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--intermediate-size", type=int, default=None,
                    help="MLP width of the drafter layers (default: the target's); with --init-drafter a smaller "
                         "width narrows the saved MLPs to their strongest channels")
-    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--block-size", type=int, default=None,
+                   help="positions per draft block: the last token and block-size - 1 drafts (default 16; with "
+                        "--init-drafter the saved drafter's, and a number trains it on another block size: the "
+                        "weights do not depend on it)")
     t.add_argument("--target-layer-ids", default=None,
                    help="comma-separated 0-based target layers to tap (default: spread over the target); with "
                         "--init-drafter a list that keeps the saved drafter's taps and adds more (fc widens, the "
@@ -196,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--no-precondition-taps", action="store_true",
                    help="feed raw taps to fc while training (default: per-dimension 1/RMS, folded into fc on save)")
     t.add_argument("--init-drafter", default=None, metavar="DIR",
-                   help="continue training a saved drafter (its block size, layers and taps) with a new schedule")
+                   help="continue training a saved drafter (its block size, layers and taps unless told otherwise) "
+                        "with a new schedule")
     t.add_argument("--add-layers", type=int, default=0,
                    help="with --init-drafter: layers appended after the saved ones, copies of the last whose "
                         "output projections start at zero (same drafts until trained)")

@@ -420,7 +420,7 @@ def test_init_drafter_continues_a_saved_checkpoint(tiny_llama, tmp_path):
     """--init-drafter starts from a saved drafter (its fc takes raw taps; training unfolds the tap
     preconditioner): zero steps write the same weights back, and training goes on from it."""
     common = _saved_drafter_run(tiny_llama, tmp_path, [0, 2]) | dict(
-        block_size=16, num_layers=3)  # shape options are taken from the saved drafter instead
+        num_layers=3)  # shape options are taken from the saved drafter instead
     again = TrainConfig(out=str(tmp_path / "zero"), epochs=0, **common)
     train(again)
     assert (again.block_size, again.num_layers, again.target_layer_ids) == (4, 1, [0, 2])
@@ -567,3 +567,23 @@ def test_target_features_taps_without_the_head_equal_the_full_forward(arch, requ
     want = torch.cat([ref.hidden_states[1], ref.hidden_states[3]], -1)
     torch.testing.assert_close(taps, want, rtol=0, atol=0)
     torch.testing.assert_close(taps2, want, rtol=0, atol=0)
+
+
+def test_init_drafter_with_another_block_size(tiny_llama, tmp_path):
+    """--init-drafter with --block-size: the saved weights unchanged under the new block size, a few
+    steps train at it (the loss scores its slots), and a block of fewer than 2 is refused before any
+    answers are generated."""
+    common = _saved_drafter_run(tiny_llama, tmp_path, [0, 2])
+    same = TrainConfig(out=str(tmp_path / "b8"), epochs=0, block_size=8, **common)
+    train(same)
+    assert json.loads((tmp_path / "b8" / "config.json").read_text())["dflash_config"]["block_size"] == 8
+    want, got = load_file(str(tmp_path / "start" / "model.safetensors")), load_file(
+        str(tmp_path / "b8" / "model.safetensors"))
+    for k in want:  # fc through the tap preconditioner's unfold and fold: one bf16 rounding at most
+        torch.testing.assert_close(got[k].float(), want[k].float(), rtol=2 ** -7, atol=0)
+    more = TrainConfig(out=str(tmp_path / "b8more"), max_steps=3, block_size=8, **common)
+    train(more)
+    assert more.block_size == 8 and len(more.log) == 3 and all(math.isfinite(r["loss"]) for r in more.log)
+    with pytest.raises(ValueError, match="block_size 1"):
+        train(TrainConfig(out=str(tmp_path / "b1"), block_size=1, **common))
+    assert not (tmp_path / "b1" / "data.jsonl").exists()

@@ -124,7 +124,8 @@ def main() -> None:
     ap.add_argument("--gen-kv-gb", type=float, default=40, help="gen: KV cache size (several processes share a GPU)")
     ap.add_argument("--train-seconds", type=float, default=240)
     ap.add_argument("--num-layers", type=int, default=3)
-    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="default 8; with --init-drafter the saved drafter's unless given")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--num-anchors", type=int, default=512)
     ap.add_argument("--lr", type=float, default=6e-4)
@@ -183,7 +184,8 @@ def main() -> None:
     cfg = TrainConfig(model=args.gguf, out=str(work / "drafter"), data=str(data), trim_loops=args.trim_loops,
                       num_layers=args.num_layers,
                       intermediate_size=args.intermediate_size, add_layers=args.add_layers,
-                      block_size=args.block_size, target_layer_ids=taps, mask_token_id=16,
+                      block_size=args.block_size or (None if args.init_drafter else 8),
+                      target_layer_ids=taps, mask_token_id=16,
                       epochs=args.epochs, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr,
                       device="cuda", dtype="bfloat16", save_every=args.save_every, time_budget_s=args.train_seconds,
                       init_layers_from=args.init_layers_from, init_drafter=args.init_drafter,

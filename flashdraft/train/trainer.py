@@ -42,7 +42,8 @@ class TrainConfig:
     trim_loops: int | None = None  # cut each response this many tokens into the loop it ends in (data.trim_loop)
     num_layers: int = 3
     intermediate_size: int | None = None
-    block_size: int = 16
+    block_size: int | None = None  # None: 16 for a new drafter, the saved one's with init_drafter (a number
+    # there changes it: the weights do not depend on the block size)
     target_layer_ids: list[int] | None = None
     mask_token_id: int | None = None
     epochs: int = 6
@@ -91,7 +92,7 @@ def drafter_spec(target_cfg, cfg: TrainConfig, mask_token_id: int) -> DraftSpec:
         rms_norm_eps=target_cfg.rms_norm_eps, attention_bias=False, rope_theta=_rope_theta(target_cfg),
         rope_scaling=None, rope_parameters=None, max_position_embeddings=target_cfg.max_position_embeddings,
         vocab_size=target_cfg.vocab_size, model_type="qwen3")
-    return DraftSpec(layer, cfg.block_size, mask_token_id, list(ids), None, "z-lab")
+    return DraftSpec(layer, cfg.block_size or 16, mask_token_id, list(ids), None, "z-lab")
 
 
 def _wider_taps(saved: list[int], wanted: list[int], n_target: int) -> list[int]:
@@ -355,6 +356,9 @@ def train(cfg: TrainConfig) -> Path:
                          "to sample the prefix with")
     if cfg.trim_loops is not None and cfg.trim_loops < 0:
         raise ValueError(f"trim_loops must be 0 or more tokens, not {cfg.trim_loops}")
+    if cfg.block_size is not None and cfg.block_size < 2:
+        raise ValueError(f"block_size {cfg.block_size}: a block holds the last token and at least one draft "
+                         "(2 or more)")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     rank, world, device = _init_distributed(cfg)
@@ -379,12 +383,15 @@ def train(cfg: TrainConfig) -> Path:
                                                               target_cfg.num_hidden_layers))
         n_saved = spec.layer_config.num_hidden_layers
         spec = _grown_spec(spec, cfg.add_layers, cfg.intermediate_size)  # deeper / narrower
+        if cfg.block_size is not None:  # a longer (or shorter) block: same weights, more mask slots
+            spec = replace(spec, block_size=cfg.block_size)
         cfg.block_size, cfg.num_layers = spec.block_size, spec.layer_config.num_hidden_layers
         cfg.target_layer_ids, cfg.mask_token_id = list(spec.target_layer_ids), spec.mask_token_id
         cfg.intermediate_size = spec.layer_config.intermediate_size
         mask_id = spec.mask_token_id
     else:
         mask_id = _mask_token(load_tokenizer(folder), cfg.mask_token_id)
+        cfg.block_size = cfg.block_size or 16
         spec = drafter_spec(target_cfg, cfg, mask_id)
     # the shape is settled (and a bad option refused) above, before any data is generated
     data_path = Path(cfg.data) if cfg.data else out / "data.jsonl"
