@@ -104,7 +104,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                       init_layers_from=args.init_layers_from, init_drafter=args.init_drafter,
                       add_layers=args.add_layers, time_budget_s=args.time_budget,
                       local_context=args.local_context, local_context_frac=args.local_context_frac,
-                      labels=args.labels, stop_after_s=args.stop_after)
+                      labels=args.labels, walk_floor=args.anchor_walk, stop_after_s=args.stop_after)
     out = train(cfg)
     print(f"drafter written to {out}")
     return 0
@@ -212,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="curriculum: for the first --local-context-frac of the steps, blocks see only the last "
                         "N context positions")
     t.add_argument("--local-context-frac", type=float, default=0.1)
+    t.add_argument("--anchor-walk", type=float, default=None, metavar="W",
+                   help="weight 1 for the blocks a greedy verify would meet in each sequence with the current "
+                        "drafts (from the first answer token, each block anchored where the last one's accepted "
+                        "run ends: right after a missed draft) and W (0 to 1) for the others; default: all alike")
     t.add_argument("--labels", choices=["data", "argmax", "kl"], default="data",
                    help="what slot k is scored against: the data's token (the published recipe), the target's "
                         "greedy choice there, or KL to the target's whole distribution")

@@ -587,3 +587,15 @@ def test_init_drafter_with_another_block_size(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="block_size 1"):
         train(TrainConfig(out=str(tmp_path / "b1"), block_size=1, **common))
     assert not (tmp_path / "b1" / "data.jsonl").exists()
+
+
+def test_anchor_walk_trains_and_logs_the_walk_tau(tiny_llama, tmp_path):
+    """--anchor-walk W reaches the trainer: each logged step has the walk's tau; W outside [0, 1] is
+    refused before any answers are generated."""
+    common = _saved_drafter_run(tiny_llama, tmp_path, [0, 2])
+    cfg = TrainConfig(out=str(tmp_path / "walk"), max_steps=3, walk_floor=0.5, **common)
+    train(cfg)
+    assert len(cfg.log) == 3 and all(math.isfinite(r["loss"]) and r["walk_tau"] >= 1 for r in cfg.log)
+    with pytest.raises(ValueError, match="walk_floor must lie in"):
+        train(TrainConfig(out=str(tmp_path / "bad"), walk_floor=2.0, **common))
+    assert not (tmp_path / "bad" / "data.jsonl").exists()

@@ -108,6 +108,7 @@ def main() -> None:
                     help="gen: data only; train: train (+ eval) on --data; all: both; eval: --drafter only")
     ap.add_argument("--drafter", default=None, help="eval: the drafter folder to evaluate")
     ap.add_argument("--labels", default="data", choices=LABELS)
+    ap.add_argument("--anchor-walk", type=float, default=None, help="see flashdraft train-drafter --anchor-walk")
     ap.add_argument("--stop-after", type=float, default=None,
                     help="train: save the state and stop S seconds after training began, its setup "
                          "included (no eval); --resume goes on")
@@ -190,7 +191,7 @@ def main() -> None:
                       device="cuda", dtype="bfloat16", save_every=args.save_every, time_budget_s=args.train_seconds,
                       init_layers_from=args.init_layers_from, init_drafter=args.init_drafter,
                       local_context=args.local_context,
-                      local_context_frac=args.local_context_frac, labels=args.labels,
+                      local_context_frac=args.local_context_frac, labels=args.labels, walk_floor=args.anchor_walk,
                       stop_after_s=args.stop_after, resume=args.resume, seed=args.seed)
     t0 = time.time()
     drafter = train(cfg)  # data parallel over the GPUs when started by torchrun

@@ -13,6 +13,7 @@ What slot k is scored against (`labels`):
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -176,6 +177,25 @@ def draft_hidden(drafter: DFlashDraftModel, taps: torch.Tensor, embed: torch.Ten
     return drafter.norm(h)
 
 
+def walk_anchors(anchors: torch.Tensor, valid: torch.Tensor, run: torch.Tensor) -> torch.Tensor:
+    """The anchors a greedy verify meets, [b, N] bool: from each row's first anchor, a block anchored at
+    p commits run(p) tokens and the next block is anchored at p + run(p) (at the first sampled anchor
+    from there when anchors are a subset of the positions). anchors sorted per row (sample_anchors),
+    valid ones first; run [b, N] >= 1. On the device without a wait for it: the chain is followed by
+    pointer doubling (after r rounds the set holds the first 2^r anchors of the walk)."""
+    b, n = anchors.shape
+    big = torch.iinfo(anchors.dtype).max
+    keys = torch.where(valid, anchors, big)
+    nxt = torch.searchsorted(keys, torch.where(valid, anchors + run, big)).clamp_max(n)  # n: past the end
+    jump = torch.cat([nxt, nxt.new_full((b, 1), n)], 1)  # [b, n + 1], the end maps to itself
+    seen = torch.zeros(b, n + 1, dtype=torch.int32, device=anchors.device)
+    seen[:, 0] = valid[:, 0].to(torch.int32)
+    for _ in range(max(1, math.ceil(math.log2(n + 1)))):
+        seen = seen.scatter_reduce(1, jump, seen, reduce="amax")
+        jump = jump.gather(1, jump)
+    return seen[:, :n].bool() & valid
+
+
 def _ce_rows(logits: torch.Tensor, y: torch.Tensor, want_grad: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Cross-entropy (float32) and argmax of logits [n, V] against y [n], and the gradient with
@@ -250,17 +270,24 @@ def head_cross_entropy(hidden: torch.Tensor, lm_head: torch.Tensor, labels: torc
 def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: torch.Tensor, taps: torch.Tensor,
                 ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
                 mask_token_id: int, gamma: float, window: int | None = None, labels: str = "data",
-                target_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                target_logits: torch.Tensor | None = None, walk_floor: float | None = None
+                ) -> tuple[torch.Tensor, dict]:
     """Weighted same-position loss (cross-entropy, or KL for labels="kl"); also per-slot accuracy
     and the acceptance length a greedy verify would see on these blocks (leading correct slots + 1),
     against the sequence's tokens for labels="data" and the target's greedy choices otherwise.
     target_logits [b, S, vocab]: the frozen target's logits over ids, needed unless labels="data".
     anchors may be on the CPU (as make_batch leaves them) and the statistics stay on ids' device:
-    nothing here waits for the GPU."""
+    nothing here waits for the GPU.
+
+    walk_floor w (0 <= w <= 1): each block's loss is weighted 1 when its anchor lies on the walk a greedy
+    verify would take through the sequence with this step's drafts (`walk_anchors`: the anchors serving
+    meets, which start right after a missed draft) and w elsewhere; None weights every anchor alike."""
     if labels not in LABELS:
         raise ValueError(f"unknown labels {labels!r}; use one of {', '.join(LABELS)}")
     if labels != "data" and target_logits is None:
         raise ValueError(f"labels={labels!r} needs the target's logits")
+    if walk_floor is not None and not 0 <= walk_floor <= 1:
+        raise ValueError(f"walk_floor must lie in [0, 1], not {walk_floor}")
     b, s = ids.shape
     block = drafter.spec.block_size
     dev = ids.device
@@ -286,13 +313,18 @@ def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: t
         seq0 = torch.arange(b, device=dev)[:, None, None] * s
         rows = torch.where(weight > 0, seq0 + label_pos - 1, seq0)[:, :, 1:].flatten()  # unscored: a real row
     ce, pred = head_cross_entropy(hidden, lm_head, targets[:, :, 1:].flatten(), soft=soft, rows=rows)
-    wt = weight[:, :, 1:].flatten()
-    loss = (ce * wt).sum() / wt.sum().clamp_min(1e-6)
     with torch.no_grad():
         correct = (pred.view_as(targets[:, :, 1:]) == targets[:, :, 1:]) & (weight[:, :, 1:] > 0)
         scored = weight[:, :, 1:] > 0
         acc = correct.float().sum((0, 1)) / scored.float().sum((0, 1)).clamp_min(1)
         full = valid & in_seq[:, :, -1]  # blocks whose every slot lies inside the sequence
-        run = (correct.long().cumprod(-1).sum(-1) + 1).float()
-        tau = (run * full).sum() / full.sum()  # NaN when no block is whole
-    return loss, {"acc_per_slot": acc, "tau": tau}
+        run = correct.long().cumprod(-1).sum(-1) + 1
+        tau = (run.float() * full).sum() / full.sum()  # NaN when no block is whole
+        stats = {"acc_per_slot": acc, "tau": tau}
+        if walk_floor is not None:
+            on_walk = walk_anchors(anchors, valid, run)
+            weight = weight * torch.where(on_walk, 1.0, walk_floor)[:, :, None]
+            stats["walk_tau"] = (run * on_walk).sum() / on_walk.sum().clamp_min(1)
+    wt = weight[:, :, 1:].flatten()
+    loss = (ce * wt).sum() / wt.sum().clamp_min(1e-6)
+    return loss, stats

@@ -68,6 +68,7 @@ class TrainConfig:
     local_context: int | None = None  # curriculum: blocks see only this many context positions ...
     local_context_frac: float = 0.1  # ... for this fraction of the steps
     labels: str = "data"  # slot targets: "data" tokens, the target's "argmax", or "kl" to its distribution
+    walk_floor: float | None = None  # weight of the blocks off the walk a greedy verify takes (loss.walk_anchors)
     stop_after_s: float | None = None  # save and return once this many seconds have passed since train() began
     # (setup and data generation count), at a log step; --resume goes on
     log: list = field(default_factory=list, repr=False)
@@ -356,6 +357,8 @@ def train(cfg: TrainConfig) -> Path:
                          "to sample the prefix with")
     if cfg.trim_loops is not None and cfg.trim_loops < 0:
         raise ValueError(f"trim_loops must be 0 or more tokens, not {cfg.trim_loops}")
+    if cfg.walk_floor is not None and not 0 <= cfg.walk_floor <= 1:
+        raise ValueError(f"walk_floor must lie in [0, 1], not {cfg.walk_floor}")
     if cfg.block_size is not None and cfg.block_size < 2:
         raise ValueError(f"block_size {cfg.block_size}: a block holds the last token and at least one draft "
                          "(2 or more)")
@@ -475,8 +478,10 @@ def train(cfg: TrainConfig) -> Path:
         if not pending:
             return
         values = torch.stack([v for _, v in pending]).tolist()
-        for (rec, _), (loss_v, tau_v, acc1_v, gnorm_v) in zip(pending, values):
+        for (rec, _), (loss_v, tau_v, acc1_v, walk_v, gnorm_v) in zip(pending, values):
             rec |= {"loss": loss_v, "grad_norm": gnorm_v, "tau": tau_v, "acc_slot1": acc1_v}
+            if cfg.walk_floor is not None:
+                rec["walk_tau"] = walk_v
             if main:
                 log_f.write(json.dumps(rec) + "\n")
             cfg.log.append(rec)
@@ -493,10 +498,11 @@ def train(cfg: TrainConfig) -> Path:
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 window = cfg.local_context if step < cfg.local_context_frac * plan["total"] else None
                 loss, stats = dflash_loss(drafter, lm_head, embed, taps, ids, lengths, anchors, valid, mask_id, gamma,
-                                          window, cfg.labels, t_logits)
+                                          window, cfg.labels, t_logits, cfg.walk_floor)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            logged = torch.stack([loss.detach().float(), stats["tau"].float(), stats["acc_per_slot"][0].float()])
+            logged = torch.stack([loss.detach().float(), stats["tau"].float(), stats["acc_per_slot"][0].float(),
+                                  stats.get("walk_tau", stats["tau"]).float()])
             _average([p.grad for p in params] + [logged], world)  # the all-ranks batch's gradient
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
