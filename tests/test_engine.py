@@ -161,6 +161,28 @@ def test_gumbel_sampling_matches_softmax():
     assert torch.isfinite(g).all() and torch.equal(g, gumbel_noise(torch.tensor([5]), torch.tensor([3]), 1000))
 
 
+def test_sampling_noise_in_row_chunks_draws_the_same_tokens(monkeypatch):
+    """sample() makes its noise a few rows at a time (a bound on its memory): the tokens equal
+    filtered logits + the whole batch's noise at once, greedy rows included."""
+    from flashdraft.engine import sampler
+
+    g = torch.Generator().manual_seed(0)
+    n, vocab = 37, 50
+    logits = torch.randn(n, vocab, generator=g) * 3
+    temp = torch.rand(n, generator=g) + 0.2
+    temp[::5] = 0.0
+    sb = SamplingBatch(temperature=temp, top_k=torch.randint(1, vocab + 1, (n,), generator=g),
+                       top_p=torch.rand(n, generator=g) * 0.5 + 0.5, seeds=torch.randint(0, 2 ** 40, (n,), generator=g),
+                       positions=torch.randint(0, 4000, (n,), generator=g), all_greedy=False)
+    whole = (filter_logits(logits, sb.temperature, sb.top_k, sb.top_p)
+             + gumbel_noise(sb.seeds, sb.positions, vocab)).argmax(-1)
+    want = torch.where(temp > 0, whole, logits.argmax(-1))
+    monkeypatch.setattr(sampler, "NOISE_CHUNK", 4 * vocab)  # ten chunks, the last of one row
+    got = sample(logits, sb)
+    assert torch.equal(got, want)
+    assert (got != logits.argmax(-1)).sum() > 5  # rows that sampled something else than the argmax
+
+
 def test_greedy_tie_breaks_to_lowest_id():
     logits = torch.tensor([[0.0, 5.0, 1.0, 5.0]])
     sb = SamplingBatch(torch.zeros(1), torch.tensor([4]), torch.ones(1), torch.zeros(1, dtype=torch.long),
