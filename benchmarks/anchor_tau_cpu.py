@@ -24,18 +24,20 @@ import json
 
 import torch
 import torch.nn.functional as F
+from per_prompt_tau import pooled  # benchmarks/ is on the path when this script runs
 
 from flashdraft.models.loader import load_config, load_weights, resolve_model_dir
 from flashdraft.spec.dflash import load_drafter
 from flashdraft.train.loss import block_attention_mask, draft_hidden
+from flashdraft.train.trainer import target_features
 
 
 def runs(drafter, target, lm_head, embed, ids: list[int], start: int, block: int) -> list[int]:
     """run(p) for every anchor p in [start, len(ids) - 1): leading correct drafts + 1, capped at the answer's end."""
     x = torch.tensor([ids])
+    taps, _ = target_features(target, x, torch.tensor([len(ids)]), [i + 1 for i in drafter.spec.target_layer_ids],
+                              None, False)
     with torch.no_grad():
-        hs = target.base_model(x, output_hidden_states=True).hidden_states
-        taps = torch.cat([hs[i + 1] for i in drafter.spec.target_layer_ids], -1)
         anchors = torch.arange(start, len(ids) - 1)[None]
         valid = torch.ones_like(anchors, dtype=torch.bool)
         blocks = torch.full((1, anchors.shape[1], block), drafter.spec.mask_token_id)
@@ -80,9 +82,7 @@ def main() -> None:
         convs = [p.messages for p in load_prompts(args.dataset, args.num_prompts)]
         llm = LLM(draft=args.draft, device="cpu", dtype="float32")
         outs = llm.chat(convs, [SamplingParams(temperature=0.0, max_tokens=args.max_tokens)] * len(convs))
-        m = [o.metrics for o in outs if o.metrics.get("num_drafts")]
-        engine_tau = (sum(x["num_accepted_tokens"] for x in m) + sum(x["num_drafts"] for x in m)) / sum(
-            x["num_drafts"] for x in m)
+        engine_tau = pooled([o.metrics for o in outs if o.metrics.get("num_drafts")])
         seqs = [(o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids)) for o in outs]
         draft_dir = args.draft
         del llm

@@ -394,8 +394,8 @@ def train(cfg: TrainConfig) -> Path:
         mask_id = spec.mask_token_id
     else:
         mask_id = _mask_token(load_tokenizer(folder), cfg.mask_token_id)
-        cfg.block_size = cfg.block_size or 16
         spec = drafter_spec(target_cfg, cfg, mask_id)
+        cfg.block_size = spec.block_size
     # the shape is settled (and a bad option refused) above, before any data is generated
     data_path = Path(cfg.data) if cfg.data else out / "data.jsonl"
     if not data_path.exists():
