@@ -12,6 +12,9 @@
 #
 #   GEN_SECONDS=300 TRAIN_SECONDS=840 bash benchmarks/device/data_ablation.sh GGUF DATA_DIR START WORK OUT
 set -euo pipefail
+# several processes share the GPU: without expandable segments each one's allocator keeps the freed blocks
+# of its ragged steps (a generator reserved 79 GB for 17 GB in use) and a neighbour runs out of memory
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 gguf=$1 data_dir=$2 start=$3 work=$4 out=$5
 gen_s=${GEN_SECONDS:-300} train_s=${TRAIN_SECONDS:-840} prefix=${PREFIX:-32} lr=${LR:-1e-3} seed=${SEED:-40000}
 here=$(cd "$(dirname "$0")" && pwd)

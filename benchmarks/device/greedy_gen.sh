@@ -6,6 +6,9 @@
 #
 #   GEN_SECONDS=240 SEED=60000 OLD_DATA=old.jsonl bash benchmarks/device/greedy_gen.sh GGUF DATA_DIR WORK OUT
 set -euo pipefail
+# several processes share the GPU: without expandable segments each one's allocator keeps the freed blocks
+# of its ragged steps (a generator reserved 79 GB for 17 GB in use) and a neighbour runs out of memory
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 gguf=$1 data_dir=$2 work=$3 out=$4
 gen_s=${GEN_SECONDS:-240} prefix=${PREFIX:-32} seed=${SEED:-60000}
 here=$(cd "$(dirname "$0")" && pwd)

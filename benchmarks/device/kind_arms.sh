@@ -9,6 +9,9 @@
 #   GEN_SECONDS=240 TRAIN_SECONDS=720 SEED=23 OLD_DATA=data.jsonl \
 #     bash benchmarks/device/kind_arms.sh GGUF DATA_DIR START WORK OUT
 set -euo pipefail
+# several processes share the GPU: without expandable segments each one's allocator keeps the freed blocks
+# of its ragged steps (a generator reserved 79 GB for 17 GB in use) and a neighbour runs out of memory
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 gguf=$1 data_dir=$2 start=$3 work=$4 out=$5
 gen_s=${GEN_SECONDS:-240} old=${OLD_DATA:?OLD_DATA: the answers both arms train on}
 here=$(cd "$(dirname "$0")" && pwd)

@@ -9,6 +9,9 @@
 # WORK keeps each arm's trainer state and drafter (WORK/<labels>/drafter); OUT gets the logs,
 # eval.json files and a summary.
 set -euo pipefail
+# several processes share the GPU: without expandable segments each one's allocator keeps the freed blocks
+# of its ragged steps (a generator reserved 79 GB for 17 GB in use) and a neighbour runs out of memory
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 phase=$1 gguf=$2 data_dir=$3
 here=$(cd "$(dirname "$0")" && pwd)
 arms="data argmax kl"

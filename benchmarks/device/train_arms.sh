@@ -7,6 +7,9 @@
 #   TRAIN_SECONDS=780 LR=6e-4 SEED=18 bash benchmarks/device/train_arms.sh GGUF DATA_DIR DATA BASE WORK OUT \
 #     trim=run17,--trim-loops,32 deep=run17,--trim-loops,32,--add-layers,1,--intermediate-size,1024
 set -euo pipefail
+# several processes share the GPU: without expandable segments each one's allocator keeps the freed blocks
+# of its ragged steps (a generator reserved 79 GB for 17 GB in use) and a neighbour runs out of memory
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 gguf=$1 data_dir=$2 data=$3 base=$4 work=$5 out=$6
 shift 6
 train_s=${TRAIN_SECONDS:-780} lr=${LR:-6e-4} seed=${SEED:-18}
