@@ -132,3 +132,30 @@ def test_repeat_fraction_counts_ngrams_seen_earlier_in_the_answer():
     ids = [random.Random(0).randrange(3) for _ in range(200)]
     brute = sum(tuple(ids[i - 2: i + 1]) in {tuple(ids[j - 2: j + 1]) for j in range(2, i)} for i in range(2, 200))
     assert rf.repeated_tokens(ids, n=3) == brute
+
+
+def test_kind_prompts_picks_weak_kinds_by_last_turn_and_leaves_code_out(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("kind_prompts", ROOT / "benchmarks/device/kind_prompts.py")
+    kp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kp)
+    assert kp.kind_of("Solve the equation 3x + 2 = 11.") == "math"
+    assert kp.kind_of("Compose a short poem about autumn.") == "writing"
+    assert kp.kind_of("Explain how vaccines train the immune system.") == "explain"
+    assert kp.kind_of("Write a Python function that reverses a list.") is None  # code: left out
+    assert kp.kind_of("Translate 'good morning' into French.") is None  # none of the kinds
+    convs = [[{"role": "user", "content": "Write a poem."}],
+             [{"role": "user", "content": "Explain gravity."}, {"role": "assistant", "content": "..."},
+              {"role": "user", "content": "Now show it in code."}],  # judged by its last turn
+             [{"role": "user", "content": "List three colours."}]]
+    src = tmp_path / "convs.jsonl"
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    out = tmp_path / "kinds.jsonl.gz"
+    monkeypatch.setattr(sys, "argv", ["kind_prompts.py", str(out), str(src)])
+    kp.main()
+    from flashdraft.train.data import read_prompt_file
+
+    assert read_prompt_file(out) == convs[:1]
+    missing = tmp_path / "missing.jsonl"
+    monkeypatch.setattr(sys, "argv", ["kind_prompts.py", str(tmp_path / "none.jsonl.gz"), str(missing)])
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        kp.main()
