@@ -99,7 +99,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                       intermediate_size=args.intermediate_size, block_size=args.block_size, target_layer_ids=ids,
                       mask_token_id=args.mask_token_id, epochs=args.epochs, max_steps=args.max_steps,
                       batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr, seed=args.seed,
-                      device=args.device, dtype=args.dtype, save_every=args.save_every, resume=args.resume,
+                      device=args.device, dtype=args.dtype, save_every=args.save_every, keep_every=args.keep_every,
+                      resume=args.resume,
                       gen_batch=args.gen_batch, precondition_taps=not args.no_precondition_taps,
                       init_layers_from=args.init_layers_from, init_drafter=args.init_drafter,
                       add_layers=args.add_layers, time_budget_s=args.time_budget,
@@ -194,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--device", default=None)
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     t.add_argument("--save-every", type=int, default=200)
+    t.add_argument("--keep-every", type=int, default=None, metavar="N",
+                   help="also keep the drafter of every N-th step in OUT/steps/<step> (a loadable checkpoint each: "
+                        "the learning curve, or an earlier drafter if a later one does worse)")
     t.add_argument("--gen-batch", type=int, default=256)
     t.add_argument("--resume", action="store_true")
     t.add_argument("--no-precondition-taps", action="store_true",

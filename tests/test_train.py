@@ -599,3 +599,27 @@ def test_anchor_walk_trains_and_logs_the_walk_tau(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="walk_floor must lie in"):
         train(TrainConfig(out=str(tmp_path / "bad"), walk_floor=2.0, **common))
     assert not (tmp_path / "bad" / "data.jsonl").exists()
+
+
+def test_keep_every_keeps_a_loadable_drafter_per_step(tiny_llama, tmp_path):
+    """--keep-every N writes the drafter of steps N, 2N, ... to OUT/steps/<step>: each a z-lab checkpoint
+    the engine loads, the last one the final drafter, the earlier ones different weights; N < 1 is
+    refused before any answers are generated."""
+    from flashdraft.models.loader import load_config
+    from flashdraft.spec.dflash import load_drafter
+
+    common = _saved_drafter_run(tiny_llama, tmp_path, [0, 2])
+    out = tmp_path / "kept"
+    train(TrainConfig(out=str(out), max_steps=4, keep_every=2, lr=1e-2, **common))
+    assert sorted(p.name for p in (out / "steps").iterdir()) == ["000002", "000004"]
+    final = load_file(str(out / "model.safetensors"))
+    mid = load_file(str(out / "steps" / "000002" / "model.safetensors"))
+    last = load_file(str(out / "steps" / "000004" / "model.safetensors"))
+    assert all(torch.equal(last[k], final[k]) for k in final)
+    assert any(not torch.equal(mid[k], final[k]) for k in final)
+    assert (out / "steps" / "000002" / "config.json").read_text() == (out / "config.json").read_text()
+    drafter = load_drafter(str(out / "steps" / "000002"), load_config(tiny_llama), torch.device("cpu"), torch.float32)
+    assert drafter.spec.block_size == 4
+    with pytest.raises(ValueError, match="keep_every must be a positive number of steps, not 0"):
+        train(TrainConfig(out=str(tmp_path / "bad"), keep_every=0, **common))
+    assert not (tmp_path / "bad" / "data.jsonl").exists()

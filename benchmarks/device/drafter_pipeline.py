@@ -70,7 +70,7 @@ def evaluate(args, drafter: Path, summary: dict, out: Path) -> dict:
               kv_cache_memory_gb=12, max_model_len=4096)
     eng = llm.engine
     res = {}
-    for temp in (0.0, 1.0):
+    for temp in [float(t) for t in args.eval_temps.split(",")]:
         for name in ("humaneval", "mt_bench", "sharegpt_heldout"):
             convs = read_prompt_file(Path(args.data_dir) / f"{name}.jsonl")
             convs = [c for c in convs if len(eng.apply_chat_template(c)) + 256 <= eng.max_model_len]
@@ -144,6 +144,9 @@ def main() -> None:
     ap.add_argument("--local-context-frac", type=float, default=0.1)
     ap.add_argument("--save-every", type=int, default=100000,
                     help="also write the drafter every N steps (to --work/drafter)")
+    ap.add_argument("--keep-every", type=int, default=None,
+                    help="train: also keep the drafter of every N-th step (in --work/drafter/steps/<step>)")
+    ap.add_argument("--eval-temps", default="0,1", help="eval: comma-separated temperatures")
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--data", default=None, help="reuse an existing data.jsonl[.gz]")
     ap.add_argument("--prompt-file", default="train_prompts.jsonl",
@@ -188,7 +191,8 @@ def main() -> None:
                       block_size=args.block_size or (None if args.init_drafter else 8),
                       target_layer_ids=taps, mask_token_id=16,
                       epochs=args.epochs, batch_size=args.batch_size, num_anchors=args.num_anchors, lr=args.lr,
-                      device="cuda", dtype="bfloat16", save_every=args.save_every, time_budget_s=args.train_seconds,
+                      device="cuda", dtype="bfloat16", save_every=args.save_every, keep_every=args.keep_every,
+                      time_budget_s=args.train_seconds,
                       init_layers_from=args.init_layers_from, init_drafter=args.init_drafter,
                       local_context=args.local_context,
                       local_context_frac=args.local_context_frac, labels=args.labels, walk_floor=args.anchor_walk,

@@ -58,6 +58,7 @@ class TrainConfig:
     device: str | None = None
     dtype: str = "bfloat16"
     save_every: int = 200
+    keep_every: int | None = None  # also keep the drafter of every N-th step in out/steps/<step> (a learning curve)
     time_budget_s: float | None = None  # shorten the schedule to fit (rate measured at steps 10-30, 100-300)
     resume: bool = False
     gen_batch: int = 256
@@ -359,6 +360,8 @@ def train(cfg: TrainConfig) -> Path:
         raise ValueError(f"trim_loops must be 0 or more tokens, not {cfg.trim_loops}")
     if cfg.walk_floor is not None and not 0 <= cfg.walk_floor <= 1:
         raise ValueError(f"walk_floor must lie in [0, 1], not {cfg.walk_floor}")
+    if cfg.keep_every is not None and cfg.keep_every < 1:
+        raise ValueError(f"keep_every must be a positive number of steps, not {cfg.keep_every}")
     if cfg.block_size is not None and cfg.block_size < 2:
         raise ValueError(f"block_size {cfg.block_size}: a block holds the last token and at least one draft "
                          "(2 or more)")
@@ -513,7 +516,8 @@ def train(cfg: TrainConfig) -> Path:
                              "elapsed_s": time.time() - t0, "total_steps": plan["total"]},
                             torch.cat([logged, gnorm.float().reshape(1)])))
             bar.update(1)
-            due = step % LOG_EVERY == 0 or step >= plan["total"] or step % cfg.save_every == 0
+            kept = cfg.keep_every is not None and step % cfg.keep_every == 0
+            due = step % LOG_EVERY == 0 or step >= plan["total"] or step % cfg.save_every == 0 or kept
             if not due:
                 continue
             flush()
@@ -544,6 +548,8 @@ def train(cfg: TrainConfig) -> Path:
                                 "plan": dict(plan), "elapsed_s": time.time() - t0,
                                 "config": asdict(cfg) | {"log": []}, "tap_scale": scale}, ckpt)
                     save_checkpoint(drafter, target_cfg, out, fc_scale=scale)
+            if kept and main:
+                save_checkpoint(drafter, target_cfg, out / "steps" / f"{step:06d}", fc_scale=scale)
             if step >= plan["total"] or stop:
                 break
         if step >= plan["total"] or stop:
