@@ -10,6 +10,10 @@ For each answer, run(p) = 1 + the drafts of the block anchored at p that a greed
   serving see the same drafter);
 - uniform: the mean run over every anchor with a whole block inside the answer (what the
   trainer's logged tau measures).
+- walk_by_target_confidence: the drafts a verify checks on the walk (its accepted ones and its first
+  miss), binned by the target's own top-1 probability at that position: each bin's share of them, its
+  acceptance, and its share of the misses (where the target itself is unsure, a drafter must match a
+  near-tie).
 `--samples F` scores saved {prompt_ids, response_ids} lines (e.g. training data) instead of
 generating; the engine and walk columns then come from the walk alone.
 
@@ -31,12 +35,16 @@ from flashdraft.spec.dflash import load_drafter
 from flashdraft.train.loss import block_attention_mask, draft_hidden
 from flashdraft.train.trainer import target_features
 
+BINS = (0.3, 0.5, 0.7, 0.9, 1.0)  # upper edges of the bins of the target's top-1 probability
 
-def runs(drafter, target, lm_head, embed, ids: list[int], start: int, block: int) -> list[int]:
-    """run(p) for every anchor p in [start, len(ids) - 1): leading correct drafts + 1, capped at the answer's end."""
+
+def runs(drafter, target, lm_head, embed, ids: list[int], start: int, block: int) -> tuple[list[int], list[float]]:
+    """run(p) for every anchor p in [start, len(ids) - 1): leading correct drafts + 1, capped at the answer's end;
+    and conf[q], the target's own probability of its top choice for token q (from its logits at q - 1)."""
     x = torch.tensor([ids])
-    taps, _ = target_features(target, x, torch.tensor([len(ids)]), [i + 1 for i in drafter.spec.target_layer_ids],
-                              None, False)
+    taps, logits = target_features(target, x, torch.tensor([len(ids)]),
+                                   [i + 1 for i in drafter.spec.target_layer_ids], None, True)
+    conf = [0.0] + logits[0, :-1].float().softmax(-1).amax(-1).tolist()
     with torch.no_grad():
         anchors = torch.arange(start, len(ids) - 1)[None]
         valid = torch.ones_like(anchors, dtype=torch.bool)
@@ -53,7 +61,7 @@ def runs(drafter, target, lm_head, embed, ids: list[int], start: int, block: int
                 break
             r += 1
         out.append(r)
-    return out
+    return out, conf
 
 
 def main() -> None:
@@ -100,12 +108,18 @@ def main() -> None:
     block = drafter.spec.block_size
     walk_tok = walk_steps = uni_sum = uni_n = 0
     per_slot_hits = [0] * block
+    tested = [[0, 0] for _ in BINS]  # per bin of the target's confidence: drafts a verify checks, drafts accepted
     for ids, plen in seqs:
-        r = runs(drafter, target, lm_head, embed, ids, plen, block)
+        r, conf = runs(drafter, target, lm_head, embed, ids, plen, block)
         p = 0
         while p < len(r):
             walk_steps += 1
             walk_tok += r[p]
+            # the drafts this verify checks: the accepted ones and the first miss (none past the answer's end)
+            for q in range(plen + p + 1, min(plen + p + r[p] + 1, plen + p + block, len(ids))):
+                b = next(i for i, hi in enumerate(BINS) if conf[q] <= hi)
+                tested[b][0] += 1
+                tested[b][1] += q < plen + p + r[p]
             p += r[p]
         whole = r[: max(0, len(r) - (block - 1))]
         uni_sum += sum(whole)
@@ -115,7 +129,12 @@ def main() -> None:
                 per_slot_hits[k] += 1
     res = {"set": args.samples or args.dataset, "answers": len(seqs), "engine_tau": engine_tau,
            "walk_tau": walk_tok / walk_steps, "walk_steps": walk_steps, "uniform_tau": uni_sum / max(1, uni_n),
-           "uniform_anchors": uni_n, "uniform_accept_per_slot": [h / max(1, uni_n) for h in per_slot_hits[1:]]}
+           "uniform_anchors": uni_n, "uniform_accept_per_slot": [h / max(1, uni_n) for h in per_slot_hits[1:]],
+           # the drafts a verify checks, by the target's own top-1 probability there: share of them, acceptance
+           "walk_by_target_confidence": [
+               {"upto": hi, "share": n / max(1, sum(t[0] for t in tested)), "drafts": n,
+                "accepted": a / max(1, n), "share_of_misses": (n - a) / max(1, sum(t[0] - t[1] for t in tested))}
+               for hi, (n, a) in zip(BINS, tested)]}
     print(json.dumps(res, indent=1))
     if args.json:
         with open(args.json, "w") as f:
