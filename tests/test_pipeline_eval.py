@@ -38,7 +38,7 @@ def test_eval_per_prompt_rows_and_distinct_tau(tmp_path, monkeypatch):
     for name, texts in files.items():
         (prompts / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
     drafter = ROOT / "flashdraft/drafters/smollm2-135m-dflash"
-    res = dp.evaluate(SimpleNamespace(gguf=None, data_dir=str(prompts), eval_temps="0,1"), drafter, {}, tmp_path)
+    res = dp.evaluate(SimpleNamespace(gguf=None, data_dir=str(prompts), eval_temps=[0.0, 1.0]), drafter, {}, tmp_path)
 
     def pooled(rows):  # rows: PER_PROMPT columns
         drafts = sum(r[dp.PER_PROMPT.index("num_drafts")] for r in rows)
@@ -56,12 +56,13 @@ def test_eval_per_prompt_rows_and_distinct_tau(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "eval.json").read_text())["eval"].keys() == res.keys()
     # --eval-temps 0: the same greedy figures, no T=1 pass
     (tmp_path / "t0").mkdir()
-    only = dp.evaluate(SimpleNamespace(gguf=None, data_dir=str(prompts), eval_temps="0"), drafter, {}, tmp_path / "t0")
+    only = dp.evaluate(SimpleNamespace(gguf=None, data_dir=str(prompts), eval_temps=[0.0]), drafter, {},
+                       tmp_path / "t0")
     assert sorted(only) == sorted(k for k in res if k.endswith("@T0"))
     assert all(only[k]["per_prompt"] == res[k]["per_prompt"] for k in only)
 
 
-def test_train_phase_hands_its_seed_and_taps_to_the_trainer(tmp_path, monkeypatch):
+def test_train_phase_hands_its_seed_and_taps_to_the_trainer(tmp_path, monkeypatch, capsys):
     """--seed orders the training batches too: a run continuing another on the same data with a new seed
     must not start over the batches the run before saw first (the pipeline once kept the trainer at 0).
     The taps: 1,14,27 for a new drafter, the saved drafter's with --init-drafter, --target-layer-ids if given."""
@@ -87,6 +88,15 @@ def test_train_phase_hands_its_seed_and_taps_to_the_trainer(tmp_path, monkeypatc
         with pytest.raises(Stop):
             dp.main()
     assert seen == [(0, [1, 14, 27]), (13, [1, 14, 27]), (0, None), (0, [1, 8, 14, 20, 27])]
+    # bad --eval-temps and --keep-every are refused by the parser, before any answers or training
+    for extra, msg in ((["--eval-temps", "0,hot"], "is not a comma-separated list of temperatures"),
+                       (["--eval-temps", "0,-1"], "temperatures must be 0 or more"),
+                       (["--keep-every", "0"], "--keep-every must be a positive number of steps, not 0")):
+        monkeypatch.setattr(sys, "argv", base + extra)
+        with pytest.raises(SystemExit) as e:
+            dp.main()
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert len(seen) == 4  # the trainer was not reached
 
 
 def _script(name: str):

@@ -70,7 +70,7 @@ def evaluate(args, drafter: Path, summary: dict, out: Path) -> dict:
               kv_cache_memory_gb=12, max_model_len=4096)
     eng = llm.engine
     res = {}
-    for temp in [float(t) for t in args.eval_temps.split(",")]:
+    for temp in args.eval_temps:
         for name in ("humaneval", "mt_bench", "sharegpt_heldout"):
             convs = read_prompt_file(Path(args.data_dir) / f"{name}.jsonl")
             convs = [c for c in convs if len(eng.apply_chat_template(c)) + 256 <= eng.max_model_len]
@@ -100,6 +100,17 @@ def evaluate(args, drafter: Path, summary: dict, out: Path) -> dict:
             summary["eval"] = res
             (out / "eval.json").write_text(json.dumps(summary, indent=1))
     return res
+
+
+def _temps(text: str) -> list[float]:
+    """--eval-temps: comma-separated temperatures, each 0 or more."""
+    try:
+        temps = [float(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of temperatures") from None
+    if any(t < 0 for t in temps):
+        raise argparse.ArgumentTypeError(f"temperatures must be 0 or more, not {text!r}")
+    return temps
 
 
 def main() -> None:
@@ -146,7 +157,7 @@ def main() -> None:
                     help="also write the drafter every N steps (to --work/drafter)")
     ap.add_argument("--keep-every", type=int, default=None,
                     help="train: also keep the drafter of every N-th step (in --work/drafter/steps/<step>)")
-    ap.add_argument("--eval-temps", default="0,1", help="eval: comma-separated temperatures")
+    ap.add_argument("--eval-temps", type=_temps, default="0,1", help="eval: comma-separated temperatures")
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--data", default=None, help="reuse an existing data.jsonl[.gz]")
     ap.add_argument("--prompt-file", default="train_prompts.jsonl",
@@ -165,6 +176,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.phase == "eval" and not args.drafter:
         ap.error("--phase eval needs --drafter DIR")
+    if args.keep_every is not None and args.keep_every < 1:  # refused before any answers are generated
+        ap.error(f"--keep-every must be a positive number of steps, not {args.keep_every}")
     out, work = Path(args.out), Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)

@@ -43,10 +43,17 @@ for arm in "$@"; do
     > "$out/$name/train.txt" 2>&1 &
 done
 wait
-for name in "${names[@]}"; do
-  grep -a "training:" "$out/$name/train.txt" | tail -n 1
-  cp "$work/$name/drafter/train_log.jsonl" "$work/$name/drafter/config.json" "$out/$name/"
+trained=()
+for name in "${names[@]}"; do  # an arm that failed is named and left out; the others go on
+  if [ -f "$work/$name/drafter/model.safetensors" ]; then
+    trained+=("$name")
+    grep -a "training:" "$out/$name/train.txt" | tail -n 1 || true
+    cp "$work/$name/drafter/train_log.jsonl" "$work/$name/drafter/config.json" "$out/$name/"
+  else
+    echo "$name: no drafter written; the end of $out/$name/train.txt:"; tail -c 600 "$out/$name/train.txt"; echo
+  fi
 done
+names=("${trained[@]}")
 
 log "evaluation: every kept drafter at T=0, each arm's last at T=0 and T=1, $evals at a time"
 jobs_=()
