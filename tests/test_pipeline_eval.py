@@ -83,20 +83,23 @@ def test_train_phase_hands_its_seed_and_taps_to_the_trainer(tmp_path, monkeypatc
     base = ["drafter_pipeline.py", "--phase", "train", "--gguf", "target.gguf", "--data-dir", str(tmp_path),
             "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--data", str(data)]
     init = ["--init-drafter", "saved"]
-    for extra in ([], ["--seed", "13"], init, init + ["--target-layer-ids", "1,8,14,20,27"]):
+    for extra in ([], ["--seed", "13"], init, init + ["--target-layer-ids", "1,8,14,20,27"],
+                  init + ["--target-layer-ids", "1", "8", "14,20", "27", "29", "--seed", "2"]):
         monkeypatch.setattr(sys, "argv", base + extra)
         with pytest.raises(Stop):
             dp.main()
-    assert seen == [(0, [1, 14, 27]), (13, [1, 14, 27]), (0, None), (0, [1, 8, 14, 20, 27])]
+    assert seen == [(0, [1, 14, 27]), (13, [1, 14, 27]), (0, None), (0, [1, 8, 14, 20, 27]),
+                    (2, [1, 8, 14, 20, 27, 29])]  # spaces too: an arm of train_arms.sh turns its commas into spaces
     # bad --eval-temps and --keep-every are refused by the parser, before any answers or training
     for extra, msg in ((["--eval-temps", "0,hot"], "is not a comma-separated list of temperatures"),
                        (["--eval-temps", "0,-1"], "temperatures must be 0 or more"),
-                       (["--keep-every", "0"], "--keep-every must be a positive number of steps, not 0")):
+                       (["--keep-every", "0"], "--keep-every must be a positive number of steps, not 0"),
+                       (["--target-layer-ids", "1,eight"], "is not a list of target layer numbers")):
         monkeypatch.setattr(sys, "argv", base + extra)
         with pytest.raises(SystemExit) as e:
             dp.main()
         assert e.value.code == 2 and msg in capsys.readouterr().err
-    assert len(seen) == 4  # the trainer was not reached
+    assert len(seen) == 5  # the trainer was not reached
 
 
 def _script(name: str):

@@ -113,6 +113,15 @@ def _temps(text: str) -> list[float]:
     return temps
 
 
+def _layers(text: str) -> list[int]:
+    """--target-layer-ids: target layer numbers, comma- or space-separated (the device scripts turn an arm's
+    commas into spaces)."""
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of target layer numbers") from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", choices=["gen", "train", "all", "eval"], default="all",
@@ -148,8 +157,8 @@ def main() -> None:
     ap.add_argument("--intermediate-size", type=int, default=None, help="train: MLP width (with --init-drafter: "
                     "narrow the saved MLPs to this many channels)")
     ap.add_argument("--init-drafter", default=None, help="continue from a saved drafter, e.g. the shipped one")
-    ap.add_argument("--target-layer-ids", default=None,
-                    help="comma-separated target layers to tap (default 1,14,27; with --init-drafter the saved "
+    ap.add_argument("--target-layer-ids", type=_layers, nargs="+", default=None,
+                    help="target layers to tap, comma- or space-separated (default 1,14,27; with --init-drafter the saved "
                          "drafter's, or a list that adds taps to them: fc widens, the new taps start at zero)")
     ap.add_argument("--local-context", type=int, default=None)
     ap.add_argument("--local-context-frac", type=float, default=0.1)
@@ -196,7 +205,7 @@ def main() -> None:
             os.remove(out / "data.jsonl.gz")
     if args.phase == "gen":
         return
-    taps = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else \
+    taps = [i for part in args.target_layer_ids for i in part] if args.target_layer_ids else \
         (None if args.init_drafter else [1, 14, 27])
     cfg = TrainConfig(model=args.gguf, out=str(work / "drafter"), data=str(data), trim_loops=args.trim_loops,
                       num_layers=args.num_layers,

@@ -5,7 +5,8 @@
 # Each drafter stays in WORK/<name>/drafter; logs and eval.json files land in OUT.
 #
 #   TRAIN_SECONDS=780 LR=6e-4 SEED=18 bash benchmarks/device/train_arms.sh GGUF DATA_DIR DATA BASE WORK OUT \
-#     trim=run17,--trim-loops,32 deep=run17,--trim-loops,32,--add-layers,1,--intermediate-size,1024
+#     trim=run17,--trim-loops,32 deep=run17,--trim-loops,32,--add-layers,1,--intermediate-size,1024 \
+#     taps=run18,--target-layer-ids,1,8,14,20,27,29,--intermediate-size,1472
 set -euo pipefail
 # several processes share the GPU: without expandable segments each one's allocator keeps the freed blocks
 # of its ragged steps (a generator reserved 79 GB for 17 GB in use) and a neighbour runs out of memory
