@@ -158,8 +158,8 @@ def main() -> None:
                     "narrow the saved MLPs to this many channels)")
     ap.add_argument("--init-drafter", default=None, help="continue from a saved drafter, e.g. the shipped one")
     ap.add_argument("--target-layer-ids", type=_layers, nargs="+", default=None,
-                    help="target layers to tap, comma- or space-separated (default 1,14,27; with --init-drafter the saved "
-                         "drafter's, or a list that adds taps to them: fc widens, the new taps start at zero)")
+                    help="target layers to tap, comma- or space-separated (default 1,14,27; with --init-drafter "
+                         "the saved drafter's, or a list that adds taps to them: fc widens, the new taps start at 0)")
     ap.add_argument("--local-context", type=int, default=None)
     ap.add_argument("--local-context-frac", type=float, default=0.1)
     ap.add_argument("--save-every", type=int, default=100000,
