@@ -313,6 +313,18 @@ def test_shipped_drafter_follows_the_embedded_gguf_under_any_name(tmp_path):
     assert shipped_drafter(str(tmp_path)) is None  # an HF folder that is not the default
 
 
+def test_shipped_drafter_is_under_25_mb_in_the_published_files():
+    """The issue's cap on the shipped drafter (decimal megabytes, as the README and RESULTS give sizes):
+    config.json and model.safetensors, nothing else in the package folder."""
+    from pathlib import Path
+
+    from flashdraft.engine.engine import shipped_drafter
+
+    files = {p.name: p.stat().st_size for p in Path(shipped_drafter(None)).iterdir()}
+    assert set(files) == {"config.json", "model.safetensors"}
+    assert sum(files.values()) < 25_000_000
+
+
 def test_speculation_pauses_at_large_batches(tiny_llama, drafter, plain):
     """speculative_disable_batch_size N: steps with N or more running requests decode without
     drafts, the drafter's context stays current, and drafting resumes (losslessly) once fewer run."""
