@@ -518,6 +518,48 @@ def test_init_drafter_adds_layers_and_narrows_mlps(tiny_llama, tmp_path):
         train(TrainConfig(model=str(tiny_llama), out=str(tmp_path / "new"), add_layers=1, device="cpu"))
 
 
+def test_narrowing_keeps_the_channels_the_text_reaches(tiny_llama, tmp_path):
+    """A smaller --intermediate-size keeps the MLP channels that carry the drafter's inputs on the
+    training answers, not those with the heaviest weights: here a third of the channels read only
+    hidden dimensions that the layer's norm zeroes, with ten times the weight; they never fire, they
+    are the ones dropped (weight norms alone would keep them), and the narrowed drafter drafts as the
+    saved one."""
+    from flashdraft.models.loader import load_config
+    from flashdraft.spec.dflash import load_drafter
+    from flashdraft.train.loss import draft_hidden
+    from flashdraft.train.trainer import grow_layers
+
+    cfg = load_config(tiny_llama)
+    common = _saved_drafter_run(tiny_llama, tmp_path, [0, 2]) | dict(epochs=0)
+    path = tmp_path / "start" / "model.safetensors"
+    w = load_file(str(path))
+    h, inter = w["layers.0.mlp.down_proj.weight"].shape
+    silent, live = [j for j in range(inter) if j % 3 == 0], [j for j in range(inter) if j % 3]
+    w["layers.0.post_attention_layernorm.weight"][: h // 2] = 0  # the MLP's input is 0 on dims < h/2
+    for name in ("gate_proj", "up_proj"):
+        t = w[f"layers.0.mlp.{name}.weight"]
+        t[silent, h // 2:] = 0
+        t[silent, : h // 2] *= 10
+        t[live, : h // 2] = 0
+    save_file(w, str(path))
+    old = load_drafter(tmp_path / "start", cfg, torch.device("cpu"), torch.float32)
+    by_weights = grow_layers(old.state_dict(), 1, 0, len(live))["layers.0.mlp.down_proj.weight"]
+    assert not torch.equal(by_weights, old.layers[0].mlp.down_proj.weight[:, live])  # the test can tell
+    train(TrainConfig(out=str(tmp_path / "narrow"), intermediate_size=len(live), **common))
+    new = load_drafter(tmp_path / "narrow", cfg, torch.device("cpu"), torch.float32)
+    assert torch.equal(new.layers[0].mlp.down_proj.weight, old.layers[0].mlp.down_proj.weight[:, live])
+    gate, up = old.layers[0].mlp.gate_up_proj.weight.chunk(2)
+    assert torch.equal(new.layers[0].mlp.gate_up_proj.weight, torch.cat([gate[live], up[live]]))
+    taps, embed = torch.randn(2, 12, 2 * cfg.hidden_size) * 3, torch.randn(2, 8, cfg.hidden_size)
+    anchors = torch.tensor([[3, 7], [2, 5]])
+    mask = block_attention_mask(anchors, torch.ones(2, 2, dtype=torch.bool), 12, 4)
+    for m in (old, new):
+        m.setup(64)
+    with torch.no_grad():
+        want, got = draft_hidden(old, taps, embed, anchors, mask), draft_hidden(new, taps, embed, anchors, mask)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # fc's fold and unfold: a bf16 rounding
+
+
 def test_python_function_prompts_and_prompt_sources(tmp_path):
     from flashdraft.bench.datasets import load_prompts
     from flashdraft.train.data import python_function_prompts, training_conversations

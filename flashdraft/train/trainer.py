@@ -140,13 +140,15 @@ def _grown_spec(spec: DraftSpec, add_layers: int, inter: int | None) -> DraftSpe
     return replace(spec, layer_config=layer)
 
 
-def grow_layers(state: dict[str, torch.Tensor], n_saved: int, add_layers: int, inter: int | None
-                ) -> dict[str, torch.Tensor]:
+def grow_layers(state: dict[str, torch.Tensor], n_saved: int, add_layers: int, inter: int | None,
+                energy: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """A saved drafter's weights (DFlashDraftModel names) for a deeper and/or narrower drafter.
-    inter: each layer's MLP keeps the `inter` channels with the largest |gate_j| * |up_j| * |down_j|
-    (row / column norms); the others are dropped, which changes the drafts, and training has to win
-    that back. add_layers: copies of the last layer appended with o_proj and down_proj at zero, so each
-    adds nothing to the residual stream (same drafts) until training moves them."""
+    inter: each layer's MLP keeps the `inter` channels with the largest sqrt(energy[i, j]) * |down_j|,
+    energy from `mlp_channel_energy` (what each channel puts into the layer's output on real text), or
+    without it |gate_j| * |up_j| * |down_j| (row / column norms, blind to which inputs the layer meets);
+    the others are dropped, which changes the drafts a little, and training has to win that back.
+    add_layers: copies of the last layer appended with o_proj and down_proj at zero, so each adds nothing
+    to the residual stream (same drafts) until training moves them."""
     state = dict(state)
     for i in range(n_saved):
         key = f"layers.{i}.mlp."
@@ -154,7 +156,10 @@ def grow_layers(state: dict[str, torch.Tensor], n_saved: int, add_layers: int, i
         down = state[key + "down_proj.weight"]
         if inter is None or inter == gate.shape[0]:
             continue
-        score = gate.float().norm(dim=1) * up.float().norm(dim=1) * down.float().norm(dim=0)
+        if energy is not None:
+            score = energy[i].to(down.device).sqrt() * down.float().norm(dim=0)
+        else:
+            score = gate.float().norm(dim=1) * up.float().norm(dim=1) * down.float().norm(dim=0)
         keep = score.topk(inter).indices.sort().values
         state[key + "gate_up_proj.weight"] = torch.cat([gate[keep], up[keep]])
         state[key + "down_proj.weight"] = down[:, keep].contiguous()
@@ -199,6 +204,44 @@ def tap_scale(target, samples, tap_idx: list[int], device, max_samples: int = 64
         acc = taps.pow(2).sum(0) if acc is None else acc + taps.pow(2).sum(0)
         count += taps.shape[0]
     return (acc / max(count, 1)).sqrt().clamp_min(1e-3).reciprocal()
+
+
+@torch.no_grad()
+def mlp_channel_energy(drafter: DFlashDraftModel, target, embed: torch.Tensor, samples, device, dtype,
+                       max_samples: int = 16, max_response: int = 256) -> torch.Tensor:
+    """[layers, inter]: each MLP channel's summed squared activation (the input of its down_proj) over
+    the blocks anchored at the first `max_response` response positions of the first `max_samples`
+    training answers, run as training runs the drafter: which channels carry the text a drafter
+    meets. A channel can have large weights and still see no input along them; weight norms alone
+    cannot tell (on SmolLM2, run 18 narrowed from 1,536 to 1,512 channels by weight norms fell from
+    2.22 to 2.11 on 12 MT-Bench prompts on CPU, by this energy to 2.21)."""
+    from flashdraft.train.loss import block_attention_mask, draft_hidden
+
+    spec, block = drafter.spec, drafter.spec.block_size
+    energy = torch.zeros(len(drafter.layers), drafter.layers[0].mlp.down_proj.in_features, device=device)
+
+    def record(i: int):
+        return lambda module, args: energy[i].add_(args[0].float().pow(2).flatten(0, -2).sum(0))
+
+    hooks = [layer.mlp.down_proj.register_forward_pre_hook(record(i)) for i, layer in enumerate(drafter.layers)]
+    try:
+        for full, plen in samples[:max_samples]:
+            ids = torch.tensor([full[: plen + max_response]], device=device)
+            anchors = torch.arange(plen, ids.shape[1] - 1)[None]
+            if not anchors.numel():
+                continue
+            taps, _ = target_features(target, ids, torch.tensor([ids.shape[1]], device=device),
+                                      [i + 1 for i in spec.target_layer_ids], None, False)
+            blocks = torch.full((1, anchors.shape[1], block), spec.mask_token_id, device=device)
+            blocks[:, :, 0] = ids[0, anchors[0].to(device)]
+            mask = block_attention_mask(anchors.to(device), torch.ones(anchors.shape, dtype=torch.bool, device=device),
+                                        ids.shape[1], block)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                draft_hidden(drafter, taps, torch.nn.functional.embedding(blocks.flatten(1), embed), anchors, mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    return energy
 
 
 def init_from_target(drafter: DFlashDraftModel, weights: dict[str, torch.Tensor], first_layer: int) -> None:
@@ -421,9 +464,19 @@ def train(cfg: TrainConfig) -> Path:
                              f"{target_cfg.num_hidden_layers}")
         init_from_target(drafter, weights, cfg.init_layers_from)
     if start is not None:
+        energy = None
+        if cfg.intermediate_size != start.spec.layer_config.intermediate_size:  # narrower: measure what to keep
+            if main:
+                start.setup(max(len(s[0]) for s in samples[:16]) + start.spec.block_size + 1)
+                start.rope.cos, start.rope.sin = start.rope.cos.float(), start.rope.sin.float()
+                energy = mlp_channel_energy(start, target, embed, samples, device, dtype)
+            else:
+                energy = torch.empty(n_saved, start.spec.layer_config.intermediate_size, device=device)
+            if world > 1:  # every rank keeps rank 0's channels
+                dist.broadcast(energy, 0)
         state = start.state_dict()
         state["fc.weight"] = widen_fc(state["fc.weight"], saved_taps, spec.target_layer_ids)
-        state = grow_layers(state, n_saved, cfg.add_layers, cfg.intermediate_size)
+        state = grow_layers(state, n_saved, cfg.add_layers, cfg.intermediate_size, energy)
         drafter.load_state_dict(state)
         del start, state
     max_len = max(len(s[0]) for s in samples) + cfg.block_size + 1
