@@ -591,24 +591,41 @@ def test_python_function_prompts_and_prompt_sources(tmp_path):
 def test_target_features_taps_without_the_head_equal_the_full_forward(arch, request):
     """The trainer's target forward (its own additive causal + padding mask; the head skipped when no
     logits are needed) gives the taps and logits of transformers' forward with a 2-D padding mask,
-    padded positions included."""
+    padded positions included. The last layer is tapped before the final norm, as the engine taps it
+    (transformers' last hidden state is normed): the reference is the same model with one more layer
+    that adds nothing (zero output projections), where that output is an inner hidden state."""
+    import copy
+
     from transformers import AutoModelForCausalLM
 
     from flashdraft.train.trainer import target_features
 
     folder = request.getfixturevalue(arch)
     target = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    n = target.config.num_hidden_layers
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, target.config.vocab_size, (2, 9), generator=g)
     lengths = torch.tensor([9, 6])
-    taps, none = target_features(target, ids, lengths, [1, 3], None, want_logits=False)
-    taps2, logits = target_features(target, ids, lengths, [1, 3], None, want_logits=True)
+    taps, none = target_features(target, ids, lengths, [1, n], None, want_logits=False)
+    taps2, logits = target_features(target, ids, lengths, [1, n], None, want_logits=True)
+    deeper_cfg = copy.deepcopy(target.config)
+    deeper_cfg.num_hidden_layers = n + 1
+    if getattr(deeper_cfg, "layer_types", None):
+        deeper_cfg.layer_types = list(deeper_cfg.layer_types) + [deeper_cfg.layer_types[-1]]
+    deeper = AutoModelForCausalLM.from_config(deeper_cfg, dtype=torch.float32).eval()
+    missing = deeper.load_state_dict(target.state_dict(), strict=False).missing_keys
+    assert missing and all(f"layers.{n}." in k for k in missing)
     with torch.no_grad():
-        ref = target(ids, attention_mask=(torch.arange(9) < lengths[:, None]).long(), output_hidden_states=True)
+        deeper.model.layers[n].self_attn.o_proj.weight.zero_()
+        deeper.model.layers[n].mlp.down_proj.weight.zero_()
+        mask = (torch.arange(9) < lengths[:, None]).long()
+        ref = target(ids, attention_mask=mask, output_hidden_states=True)
+        raw = deeper(ids, attention_mask=mask, output_hidden_states=True).hidden_states[n]
     assert none is None and torch.equal(logits, ref.logits)
-    want = torch.cat([ref.hidden_states[1], ref.hidden_states[3]], -1)
-    torch.testing.assert_close(taps, want, rtol=0, atol=0)
-    torch.testing.assert_close(taps2, want, rtol=0, atol=0)
+    want = torch.cat([ref.hidden_states[1], raw], -1)
+    torch.testing.assert_close(taps, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(taps2, want, rtol=0, atol=1e-5)
+    assert not torch.allclose(raw, ref.hidden_states[n], atol=1e-2)  # what transformers calls the last
 
 
 def test_init_drafter_with_another_block_size(tiny_llama, tmp_path):

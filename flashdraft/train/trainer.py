@@ -191,6 +191,21 @@ def init_drafter(spec: DraftSpec, device, seed: int) -> DFlashDraftModel:
 
 
 @torch.no_grad()
+def hidden_states(model, ids: torch.Tensor, idx: list[int], **kwargs) -> tuple[object, list[torch.Tensor]]:
+    """A transformers forward of `model` (a causal LM or its base model) and its hidden states at HF
+    indices `idx` (l + 1 for the output of layer l), every one taken before the final norm, as the
+    engine taps them: transformers' last hidden state is the final norm's output (SmolLM2: RMS 1.8
+    against 36 before it), so a drafter trained on it would read other features when serving."""
+    raw = {}
+    hook = model.base_model.norm.register_forward_pre_hook(lambda module, args: raw.setdefault("x", args[0]))
+    try:
+        out = model(ids, output_hidden_states=True, **kwargs)
+    finally:
+        hook.remove()
+    last = len(out.hidden_states) - 1
+    return out, [raw["x"] if i == last else out.hidden_states[i] for i in idx]
+
+
 def tap_scale(target, samples, tap_idx: list[int], device, max_samples: int = 64) -> torch.Tensor:
     """1 / RMS of every tap dimension over real tokens (position 0, the attention sink, left out).
     Targets carry a few "massive" dimensions (SmolLM2: RMS ~500 against a median of ~13, and
@@ -199,8 +214,8 @@ def tap_scale(target, samples, tap_idx: list[int], device, max_samples: int = 64
     saved fc is fc * scale, so the checkpoint takes raw taps like every other z-lab drafter."""
     acc, count = None, 0
     for ids, _ in samples[:max_samples]:
-        hs = target(torch.tensor([ids], device=device), output_hidden_states=True).hidden_states
-        taps = torch.cat([hs[j][0, 1:] for j in tap_idx], -1).float()
+        _, hs = hidden_states(target, torch.tensor([ids], device=device), tap_idx)
+        taps = torch.cat([h[0, 1:] for h in hs], -1).float()
         acc = taps.pow(2).sum(0) if acc is None else acc + taps.pow(2).sum(0)
         count += taps.shape[0]
     return (acc / max(count, 1)).sqrt().clamp_min(1e-3).reciprocal()
@@ -369,7 +384,7 @@ def make_batch(seqs: list[tuple[list[int], int]], num_anchors: int, gen: torch.G
 @torch.no_grad()
 def target_features(target, ids: torch.Tensor, lengths: torch.Tensor, tap_idx: list[int],
                     scale: torch.Tensor | None, want_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The frozen target over ids: taps [b, S, n*H] (hidden_states[l + 1], times the preconditioner
+    """The frozen target over ids: taps [b, S, n*H] (`hidden_states`, times the preconditioner
     scale) and, when asked, its logits [b, S, vocab] (otherwise the head is not run). Its attention
     takes the drafter's kernel list: cuDNN would plan a graph on the host for every new length. The
     causal + padding mask is built here, additive [b, 1, S, S]: given a padding mask, transformers
@@ -379,8 +394,8 @@ def target_features(target, ids: torch.Tensor, lengths: torch.Tensor, tap_idx: l
     dtype = target.get_input_embeddings().weight.dtype
     mask = torch.zeros(keep.shape, dtype=dtype, device=ids.device).masked_fill_(~keep, torch.finfo(dtype).min)
     with sdpa_kernel(TRAIN_SDPA):
-        out = (target if want_logits else target.base_model)(ids, attention_mask=mask, output_hidden_states=True)
-    taps = torch.cat([out.hidden_states[i] for i in tap_idx], -1)
+        out, hs = hidden_states(target if want_logits else target.base_model, ids, tap_idx, attention_mask=mask)
+    taps = torch.cat(hs, -1)
     if scale is not None:
         taps = (taps.float() * scale).to(taps.dtype)
     return taps, out.logits if want_logits else None
@@ -450,7 +465,7 @@ def train(cfg: TrainConfig) -> Path:
     if math.ceil(len(samples) / cfg.batch_size) < world:
         raise ValueError(f"{len(samples)} samples make {math.ceil(len(samples) / cfg.batch_size)} batches of "
                          f"{cfg.batch_size}; {world} data-parallel processes need at least one batch each")
-    # the frozen target: HF transformers, taps = hidden_states[l + 1]
+    # the frozen target: HF transformers, taps = the outputs of the tapped layers (`hidden_states`)
     target = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).to(device).eval().requires_grad_(False)
     weights = load_weights(folder)
     embed = weights["model.embed_tokens.weight"].to(device, dtype)
