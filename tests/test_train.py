@@ -472,6 +472,22 @@ def test_init_drafter_with_more_taps_keeps_the_saved_function(tiny_llama, tmp_pa
         train(TrainConfig(out=str(tmp_path / "narrow"), target_layer_ids=[0, 1], **common))
 
 
+def _assert_same_drafts(old, new, hidden: int) -> None:
+    """Two drafters over two taps give the same hidden states for random taps and blocks, up to the one
+    bf16 rounding of fc's unfold and fold through the tap preconditioner."""
+    from flashdraft.train.loss import draft_hidden
+
+    taps, embed = torch.randn(2, 12, 2 * hidden) * 3, torch.randn(2, 8, hidden)
+    anchors = torch.tensor([[3, 7], [2, 5]])
+    mask = block_attention_mask(anchors, torch.ones(2, 2, dtype=torch.bool), 12, 4)
+    for m in (old, new):
+        m.setup(64)
+    with torch.no_grad():
+        want, got = draft_hidden(old, taps, embed, anchors, mask), draft_hidden(new, taps, embed, anchors, mask)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    assert (got - want).abs().max() < 0.1 * (want - want.flip(0)).abs().max()  # far closer than unrelated rows
+
+
 def test_init_drafter_adds_layers_and_narrows_mlps(tiny_llama, tmp_path):
     """--init-drafter with --add-layers and a smaller --intermediate-size: each saved MLP keeps its
     strongest channels and the added layers start with zero output projections. With the dropped
@@ -479,7 +495,6 @@ def test_init_drafter_adds_layers_and_narrows_mlps(tiny_llama, tmp_path):
     saved one; a wider MLP, or --add-layers without --init-drafter, is refused."""
     from flashdraft.models.loader import load_config
     from flashdraft.spec.dflash import load_drafter
-    from flashdraft.train.loss import draft_hidden
 
     cfg = load_config(tiny_llama)
     common = _saved_drafter_run(tiny_llama, tmp_path, [0, 2]) | dict(epochs=0)
@@ -500,17 +515,7 @@ def test_init_drafter_adds_layers_and_narrows_mlps(tiny_llama, tmp_path):
     for layer in new.layers[1:]:
         assert not layer.self_attn.o_proj.weight.any() and not layer.mlp.down_proj.weight.any()
         assert torch.equal(layer.self_attn.qkv_proj.weight, new.layers[0].self_attn.qkv_proj.weight)
-    h = cfg.hidden_size
-    taps, embed = torch.randn(2, 12, 2 * h) * 3, torch.randn(2, 8, h)
-    anchors = torch.tensor([[3, 7], [2, 5]])
-    mask = block_attention_mask(anchors, torch.ones(2, 2, dtype=torch.bool), 12, 4)
-    for m in (old, new):
-        m.setup(64)
-    with torch.no_grad():
-        want, got = draft_hidden(old, taps, embed, anchors, mask), draft_hidden(new, taps, embed, anchors, mask)
-    # fc went through the tap preconditioner's unfold and fold: one bf16 rounding at most
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    assert (got - want).abs().max() < 0.1 * (want - want.flip(0)).abs().max()  # far closer than unrelated rows
+    _assert_same_drafts(old, new, cfg.hidden_size)
     with pytest.raises(ValueError, match=f"narrow its MLPs \\(the saved drafter's is {inter}\\)"):
         train(TrainConfig(out=str(tmp_path / "wider"), intermediate_size=inter + 1, **common))
     assert not (tmp_path / "wider" / "data.jsonl").exists()  # refused before any answers were generated
@@ -526,7 +531,6 @@ def test_narrowing_keeps_the_channels_the_text_reaches(tiny_llama, tmp_path):
     saved one."""
     from flashdraft.models.loader import load_config
     from flashdraft.spec.dflash import load_drafter
-    from flashdraft.train.loss import draft_hidden
     from flashdraft.train.trainer import grow_layers
 
     cfg = load_config(tiny_llama)
@@ -550,14 +554,7 @@ def test_narrowing_keeps_the_channels_the_text_reaches(tiny_llama, tmp_path):
     assert torch.equal(new.layers[0].mlp.down_proj.weight, old.layers[0].mlp.down_proj.weight[:, live])
     gate, up = old.layers[0].mlp.gate_up_proj.weight.chunk(2)
     assert torch.equal(new.layers[0].mlp.gate_up_proj.weight, torch.cat([gate[live], up[live]]))
-    taps, embed = torch.randn(2, 12, 2 * cfg.hidden_size) * 3, torch.randn(2, 8, cfg.hidden_size)
-    anchors = torch.tensor([[3, 7], [2, 5]])
-    mask = block_attention_mask(anchors, torch.ones(2, 2, dtype=torch.bool), 12, 4)
-    for m in (old, new):
-        m.setup(64)
-    with torch.no_grad():
-        want, got = draft_hidden(old, taps, embed, anchors, mask), draft_hidden(new, taps, embed, anchors, mask)
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # fc's fold and unfold: a bf16 rounding
+    _assert_same_drafts(old, new, cfg.hidden_size)
 
 
 def test_python_function_prompts_and_prompt_sources(tmp_path):

@@ -206,6 +206,7 @@ def hidden_states(model, ids: torch.Tensor, idx: list[int], **kwargs) -> tuple[o
     return out, [raw["x"] if i == last else out.hidden_states[i] for i in idx]
 
 
+@torch.no_grad()
 def tap_scale(target, samples, tap_idx: list[int], device, max_samples: int = 64) -> torch.Tensor:
     """1 / RMS of every tap dimension over real tokens (position 0, the attention sink, left out).
     Targets carry a few "massive" dimensions (SmolLM2: RMS ~500 against a median of ~13, and
