@@ -348,6 +348,28 @@ def test_data_parallel_training_with_torchrun(tiny_llama, tmp_path):
     assert [o.token_ids for o in spec.generate(ids, params)] == [o.token_ids for o in llm.generate(ids, params)]
 
 
+def test_data_parallel_narrowing_keeps_the_same_channels_on_every_rank(tiny_llama, tmp_path):
+    """A narrower --intermediate-size under torchrun: rank 0 measures the channels' activation energy and
+    sends it, so every rank keeps the same channels (the trainer checks the ranks' weights agree at
+    every save) and the narrowed drafter loads."""
+    import os
+    import subprocess
+    import sys
+
+    common = _saved_drafter_run(tiny_llama, tmp_path, [0, 2])
+    inter = load_file(str(tmp_path / "start" / "model.safetensors"))["layers.0.mlp.down_proj.weight"].shape[1]
+    out = tmp_path / "narrow"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29534",
+           "-m", "flashdraft", "train-drafter", "--model", str(tiny_llama), "--out", str(out),
+           "--prompts", common["prompts"], "--max-new-tokens", "24", "--init-drafter", common["init_drafter"],
+           "--intermediate-size", str(inter - 8), "--max-steps", "4", "--save-every", "2", "--batch-size", "1",
+           "--num-anchors", "8", "--device", "cpu", "--dtype", "float32", "--gen-batch", "4"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"}, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((out / "config.json").read_text())["intermediate_size"] == inter - 8
+    LLM(str(tiny_llama), draft=str(out), device="cpu", dtype="float32")
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_grouped_draft_attention_equals_dense(tiny_llama, window):
     """Attention per anchor group over only the keys the group can see gives the values and
