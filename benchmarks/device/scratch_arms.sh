@@ -76,4 +76,4 @@ for name in "${names[@]}"; do
   for f in "$out/$name"/eval-*.txt; do echo "$name $(basename "$f" .txt): $(grep -ah "T=0: tau" "$f" | \
     sed 's/.*\] //; s/ over.*//' | tr '\n' ' ')"; done
 done
-log "done"
+log "all arms trained and evaluated"  # the end to wait for: each arm's "] done" is copied in above

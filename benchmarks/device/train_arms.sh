@@ -46,4 +46,4 @@ wait
 cp "$work/eval-base/eval.json" "$out/eval-base.json"
 for name in "${names[@]}"; do cp "$work/eval-$name/eval.json" "$out/$name/eval.json"; done
 grep -h "tau" "$out/eval-base.txt" "$out"/*/eval.txt || true
-log "done"
+log "all arms trained and evaluated"  # the end to wait for: each arm's "] done" is copied in above
