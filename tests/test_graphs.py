@@ -178,7 +178,7 @@ def test_graphed_dflash_step_matches_eager_engine(tiny_llama, tmp_path, monkeypa
         current[:] = [p.seq for p in plans if p.verify]
         return real_forward(self, plans)
 
-    def oracle(self, hidden, num_seqs):
+    def oracle(self, hidden, num_seqs, draw=None):
         rows = []
         for s in current:
             prompt = tuple(s.token_ids[: s.num_prompt_tokens])
@@ -209,10 +209,12 @@ def test_graphed_dflash_step_matches_eager_engine(tiny_llama, tmp_path, monkeypa
             assert sum(h) == o.metrics["num_drafts"] > 0 and h[j] == sum(h), (j, h)
 
 
-@pytest.mark.parametrize("num_spec", [None, 2])
-def test_graphed_dflash_step_drafts_like_eager(tiny_llama, tmp_path, monkeypatch, num_spec):
+@pytest.mark.parametrize("num_spec,temps", [(None, (0, 0, 0)), (2, (0, 0, 0)), (None, (1.0, 0, 0.7))])
+def test_graphed_dflash_step_drafts_like_eager(tiny_llama, tmp_path, monkeypatch, num_spec, temps):
     """With a real (random) drafter the graphed step feeds the verify the drafts of the eager
-    step, step for step: the context K/V the graph writes is the context the eager step writes."""
+    step, step for step: the context K/V the graph writes is the context the eager step writes.
+    With sampled requests among them the drafts come from the sampled draft graph (temperature and
+    seed in its buffers) and still equal the eager drafts; the tokens equal plain decoding's."""
     from fixtures import build_random_drafter, record_fed_drafts
 
     from flashdraft import LLM
@@ -222,13 +224,19 @@ def test_graphed_dflash_step_drafts_like_eager(tiny_llama, tmp_path, monkeypatch
     kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8,
               draft=draft, num_speculative_tokens=num_spec)
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (8, 20, 14)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=40 + i)
+              for i, (n, t) in enumerate(zip((8, 20, 14), temps))]
     want = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(prompts, params)]
     want_fed, fed[:] = list(fed), []
     graphed, replays = _graphed_llm(str(tiny_llama), kw)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
-    assert replays["dflash"] > 0
+    sampled = any(temps)
+    assert replays["draft-sampled" if sampled else "dflash"] > 0, replays
     assert fed == want_fed
+    if sampled:
+        plain = LLM(str(tiny_llama), **{**kw, "draft": None, "num_speculative_tokens": None})
+        assert [o.token_ids for o in plain.generate(prompts, params)] == want
+        return
     # a lone prompt's prefill (one sequence, 12 rows) runs eagerly: graphs exist for the step
     # kinds captured at start only (decode, the DFlash block), never one per prompt length
     graphed.generate([[7] * 12], SamplingParams(max_tokens=3, ignore_eos=True))
