@@ -229,3 +229,9 @@ def test_drawn_drafts_are_the_targets_samples_for_the_same_logits(monkeypatch):
     masked[:, sub] = logits[:, sub]
     got = sub[draw_drafts(logits[:, sub], temp, seeds, positions, token_ids=sub)]
     assert torch.equal(got, sample(masked, sb))
+    # among the drafter's 8 most likely tokens only: the target's sample whenever it is one of them
+    monkeypatch.setattr(sampler, "DRAW_CANDIDATES", 8)
+    few = draw_drafts(logits, temp, seeds, positions)
+    inside = (logits.topk(8).indices == want[:, None]).any(1)
+    assert torch.equal(few[inside], want[inside]) and 5 < inside.sum() < n
+    assert (logits.topk(8).indices == few[:, None]).any(1).all()

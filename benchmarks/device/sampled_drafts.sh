@@ -22,7 +22,7 @@ wait
 grep -h 'tau' "$out/eval_drawn.txt" "$out/eval_argmax.txt" || true
 for set in humaneval mt_bench; do
   log "tok/s: $set"
-  python "$root/benchmarks/sampled_drafts.py" --device cuda --model "$gguf" --dataset "$data_dir/$set.jsonl" \
+  python "$root/benchmarks/sampled_drafts.py" --device cuda --model "$gguf" --draft "$drafter" --dataset "$data_dir/$set.jsonl" \
     --num-prompts 32 --max-tokens 256 --concurrency 1,all --reps 2 --json "$out/speed_$set.json" \
     2>&1 | grep -v Loading | tee "$out/speed_$set.txt"
 done
