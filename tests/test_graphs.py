@@ -231,7 +231,7 @@ def test_graphed_dflash_step_drafts_like_eager(tiny_llama, tmp_path, monkeypatch
     graphed, replays = _graphed_llm(str(tiny_llama), kw)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
     sampled = any(temps)
-    assert replays["draft-sampled" if sampled else "dflash"] > 0, replays
+    assert replays["dflash-sampled" if sampled else "dflash"] > 0, replays
     assert fed == want_fed
     if sampled:
         plain = LLM(str(tiny_llama), **{**kw, "draft": None, "num_speculative_tokens": None})
@@ -243,11 +243,12 @@ def test_graphed_dflash_step_drafts_like_eager(tiny_llama, tmp_path, monkeypatch
     assert {key[2] for key in graphed.engine.runner.graphs} == {1, 4}
 
 
-@pytest.mark.parametrize("with_drafter", [False, True])
+@pytest.mark.parametrize("with_drafter", [False, True, "sampled"])
 def test_ragged_steps_replay_graphs_with_the_eager_tokens(tiny_llama, tmp_path, with_drafter, monkeypatch):
     """Steps that mix prefill chunks with decode (or verify) rows replay a graph of (rows,
     sequences) buckets, padding rows and sequences included, and give the eager engine's tokens;
-    with a drafter, their draft blocks replay the draft-only graph and feed the eager drafts."""
+    with a drafter, their draft blocks replay the draft-only graph (sampled requests: the sampled
+    draft graph) and feed the eager drafts."""
     from fixtures import build_random_drafter, record_fed_drafts
 
     from flashdraft import LLM
@@ -258,7 +259,8 @@ def test_ragged_steps_replay_graphs_with_the_eager_tokens(tiny_llama, tmp_path, 
     kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=2, kv_block_size=8,
               max_num_batched_tokens=40, draft=draft)
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 110)), [9, 8, 7], list(range(3, 33))]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 5, 7, 12, 6)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.9 if with_drafter == "sampled" else 0,
+                             seed=n) for n in (9, 5, 7, 12, 6)]
     fed = record_fed_drafts(monkeypatch)
     want = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(prompts, params)]
     want_fed, fed[:] = list(fed), []
@@ -267,4 +269,5 @@ def test_ragged_steps_replay_graphs_with_the_eager_tokens(tiny_llama, tmp_path, 
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
     assert replays["ragged"] >= 4, replays
     assert fed == want_fed
-    assert (replays["draft"] > 0) == with_drafter, replays
+    assert (replays["draft"] > 0) == (with_drafter is True), replays
+    assert (replays["draft-sampled"] > 0) == (with_drafter == "sampled"), replays

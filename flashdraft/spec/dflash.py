@@ -158,9 +158,11 @@ class DFlashSpeculator:
         runner, n = self.engine.runner, self.engine.config.max_num_seqs
         runner.capture_graphs(("dflash", self.tap_layers), self.block_size, False, self.attn, self._graph_step, n,
                               setup=self._setup_graph)
+        runner.capture_graphs(("dflash-sampled", self.tap_layers), self.block_size, False, self.attn,
+                              self._graph_step, n, setup=self._setup_sampled_graph)
         runner.capture_graphs(("decode", self.tap_layers), 1, True, runner.attn, self._decode_step, n)
         runner.capture_ragged_graphs(("decode", self.tap_layers), self._decode_step, n,
-                                     self.engine.config.max_num_batched_tokens)
+                                     self.engine.config.max_num_batched_tokens, attn=(self.attn,))
         runner.capture_graphs(("draft", self.tap_layers), self.block_size, False, self.attn, self._draft_step, n)
         runner.capture_graphs(("draft-sampled", self.tap_layers), self.block_size, False, self.attn,
                               self._sampled_draft_step, n, setup=self._setup_draw)
@@ -237,12 +239,16 @@ class DFlashSpeculator:
         tokens = [p.seq.token_ids[-1:] + [self.mask_token_id] * (p.n - 1) if p.verify else
                   p.seq.token_ids[p.seq.num_computed_tokens:][:p.n] for p in plans]
         if not self.poison_rejected and len(verifying) in (0, len(plans)):
-            # a whole-step graph drafts by argmax; sampled requests draft in their own graph (propose)
-            if verifying and all(p.n == self.num_draft + 1 and not self._draws(p.seq) for p in plans):
+            if verifying and all(p.n == self.num_draft + 1 for p in plans):
                 blocks = [t + [self.mask_token_id] * (self.block_size - len(t)) for t in tokens]
-                g = runner.filled_graph(("dflash", self.tap_layers), seqs, blocks, eng.block_manager, False,
-                                        self.attn, self._graph_step, setup=self._setup_graph)
+                drawn = any(self._draws(s) for s in seqs)  # the same step with drafts drawn in the graph
+                g = runner.filled_graph(("dflash-sampled" if drawn else "dflash", self.tap_layers), seqs, blocks,
+                                        eng.block_manager, False, self.attn, self._graph_step,
+                                        setup=self._setup_sampled_graph if drawn else self._setup_graph)
                 if g is not None:
+                    if drawn:
+                        g.fill(draft_temp=[float(s.params.temperature) for s in seqs],
+                               draft_seed=[s.seed for s in seqs])
                     return g.replay()[: len(plans) * plans[0].n], g.extra["verify_ids"]
             elif not verifying:
                 out = runner.graphed(("decode", self.tap_layers), seqs, tokens, eng.block_manager, True,
@@ -363,7 +369,7 @@ class DFlashSpeculator:
             vm.slot_mapping.copy_(m.slot_mapping.view(S, B)[:, :k1].flatten())
             vm.seq_lens.copy_((m.seq_lens - (B - k1)).clamp_min(0))
             vm.query_start_loc.copy_(m.query_start_loc // B * k1)
-        drafts = self._draft_step(g)
+        drafts = self._sampled_draft_step(g) if "draft_temp" in g.extra else self._draft_step(g)
         ids.view(S, k1)[:, 0] = g.input_ids.view(S, B)[:, 0]
         ids.view(S, k1)[:, 1:] = drafts[:, : k1 - 1]
         runner = self.engine.runner
@@ -375,6 +381,10 @@ class DFlashSpeculator:
         """The draft blocks alone over a graph's buffers: [S, B-1] drafts."""
         return self._draft_tokens(self.drafter(self.embed(g.input_ids), g.positions, self.kv, self.attn, g.meta),
                                   g.num_seqs)
+
+    def _setup_sampled_graph(self, g: StepGraph) -> None:
+        self._setup_graph(g)
+        self._setup_draw(g)
 
     def _setup_draw(self, g: StepGraph) -> None:
         """The sampled draft graph's per-sequence temperature and seed buffers."""
