@@ -63,7 +63,10 @@ def main() -> None:
     convs = [p.messages for p in load_prompts(args.dataset, args.num_prompts)]
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + i)
               for i in range(len(convs))]
-    spec, plain = LLM(draft=args.draft, **kw), LLM(draft=None, **kw)
+    t0 = time.perf_counter()
+    spec = LLM(draft=args.draft, **kw)
+    print(f"engine with the drafter ready in {time.perf_counter() - t0:.1f} s (graphs captured)", flush=True)
+    plain = LLM(draft=None, **kw)
     if spec.engine.spec is None:
         raise SystemExit("no drafter loaded: pass --draft DIR")
     results = []
