@@ -135,6 +135,11 @@ def _graphed_llm(model: str, kw: dict):
     if sp is not None:
         sp.attn = StaticTorchAttention()
         sp.capture_graphs()
+        # an eager replay (CPU) installs metadata only into the backends a graph lists; the ragged
+        # graphs' context write also stores through the drafter's static backend, whose store plan is
+        # cached per slot tensor: install it too, as a real capture does (set_meta before capturing)
+        for g in runner.ragged_graphs.values():
+            g.attn.append(sp.attn)
     else:
         cfg, step = llm.engine.config, runner.target_step(())
         runner.capture_graphs(("target", ()), 1, True, runner.attn, step, cfg.max_num_seqs)

@@ -217,11 +217,10 @@ class ModelRunner:
         g.fill(ids, pos, slots, seq_lens, tables, query_start_loc=qsl)
         return g
 
-    def capture_ragged_graphs(self, key: tuple, fn, max_seqs: int, max_rows: int, attn: tuple = ()) -> None:
+    def capture_ragged_graphs(self, key: tuple, fn, max_seqs: int, max_rows: int) -> None:
         """Capture, before serving, a graph of step kind `key` (fn as in capture_graphs, causal)
         for every (sequences, rows) bucket a ragged step of up to max_seqs sequences and max_rows
-        rows can use; `attn`: further backends fn uses with the graph's metadata (installed with
-        the target's at an eager replay). An eager ragged step costs 15-40 ms of host time on a 30-layer model (a few
+        rows can use. An eager ragged step costs 15-40 ms of host time on a 30-layer model (a few
         hundred launches); its replay, well under 1 ms."""
         if not self.use_graphs:
             return
@@ -234,7 +233,7 @@ class ModelRunner:
                 if (key, nseq, rows) in self.ragged_graphs:
                     continue
                 g = StepGraph(fn, nseq, rows, self.max_blocks, self.block_size, self.device, causal=True,
-                              max_seq_len=self.max_blocks * self.block_size, attn=[self.attn, *attn], num_rows=rows)
+                              max_seq_len=self.max_blocks * self.block_size, attn=[self.attn], num_rows=rows)
                 # a placeholder step: one sequence over every row, reading page 0, storing nothing
                 g.fill([0] * rows, list(range(rows)), [-1] * rows, [rows], [[0]], query_start_loc=[0, rows])
                 g.capture(pool=self.graph_pool)

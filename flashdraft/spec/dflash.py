@@ -162,7 +162,7 @@ class DFlashSpeculator:
                               self._graph_step, n, setup=self._setup_sampled_graph)
         runner.capture_graphs(("decode", self.tap_layers), 1, True, runner.attn, self._decode_step, n)
         runner.capture_ragged_graphs(("decode", self.tap_layers), self._decode_step, n,
-                                     self.engine.config.max_num_batched_tokens, attn=(self.attn,))
+                                     self.engine.config.max_num_batched_tokens)
         runner.capture_graphs(("draft", self.tap_layers), self.block_size, False, self.attn, self._draft_step, n)
         runner.capture_graphs(("draft-sampled", self.tap_layers), self.block_size, False, self.attn,
                               self._sampled_draft_step, n, setup=self._setup_draw)
