@@ -260,3 +260,28 @@ def test_ragged_steps_replay_graphs_with_the_eager_tokens(tiny_llama, tmp_path, 
     assert replays["ragged"] >= 4, replays
     assert fed == want_fed
     assert (replays["draft"] > 0) == with_drafter, replays
+
+
+def test_ragged_graph_placeholders_stay_inside_the_model(tiny_llama, tmp_path):
+    """Ragged graphs are warmed up and captured over a placeholder step before serving. A bucket
+    may hold more rows than one sequence can (256 rows against a 96-token model): the placeholder
+    then spreads them over sequences of at most max_model_len rows, as a real step would, so the
+    warm-up reads no RoPE row or block-table entry past its end (on a GPU such reads went unseen
+    until the memory past a table was unmapped). On CPU an out-of-range row raises."""
+    from fixtures import build_random_drafter
+
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
+    kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=4, kv_block_size=8,
+              max_model_len=96, max_num_batched_tokens=256, draft=draft)
+    llm, _ = _graphed_llm(str(tiny_llama), kw)
+    runner = llm.engine.runner
+    assert {key[2] for key in runner.ragged_graphs} == {32, 64, 128, 256}
+    for (_, nseq, rows), g in runner.ragged_graphs.items():
+        qsl = g.meta.query_start_loc.tolist()
+        lens = (g.meta.seq_lens[: nseq]).tolist()
+        per_seq = [b - a for a, b in zip(qsl, qsl[1:])]
+        assert per_seq == lens and max(lens) <= 96 and sum(lens) == min(rows, nseq * 96)
+        assert int(g.positions.max()) < 96 and bool((g.meta.slot_mapping == -1).all())
+        g._install()
+        hidden = g._call()
+        assert hidden.shape[0] == rows and torch.isfinite(hidden[: sum(lens)]).all()

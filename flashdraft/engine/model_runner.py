@@ -67,6 +67,7 @@ class ModelRunner:
         # CUDA graphs need a backend that reads its step description from device tensors
         self.use_graphs = config.cuda_graphs and device.type == "cuda" and hasattr(self.attn, "set_meta")
         self.max_graph_batch = config.max_graph_batch
+        self.max_model_len = max_model_len
         self.max_blocks = -(-(max_model_len + 64) // self.block_size)
         self.graphs: dict[tuple, StepGraph] = {}
         # (key, rows per sequence) of the step kinds that replay graphs: only those registered by
@@ -234,10 +235,26 @@ class ModelRunner:
                     continue
                 g = StepGraph(fn, nseq, rows, self.max_blocks, self.block_size, self.device, causal=True,
                               max_seq_len=self.max_blocks * self.block_size, attn=[self.attn], num_rows=rows)
-                # a placeholder step: one sequence over every row, reading page 0, storing nothing
-                g.fill([0] * rows, list(range(rows)), [-1] * rows, [rows], [[0]], query_start_loc=[0, rows])
+                g.fill(*self.ragged_placeholder(nseq, rows))
                 g.capture(pool=self.graph_pool)
                 self.ragged_graphs[(key, nseq, rows)] = g
+
+    def ragged_placeholder(self, nseq: int, rows: int) -> tuple[list, ...]:
+        """The step a ragged graph of (nseq, rows) is warmed up and captured over, as StepGraph.fill
+        arguments: sequences of at most max_model_len rows each (positions from 0, every page read is
+        page 0, nothing stored) over the rows, as far as nseq of them reach; rows past them are padding.
+        A bucket's rows can outnumber what one sequence may hold (2,048 rows against a 512-token
+        model): one sequence over every row would read the RoPE tables and the block table past
+        their ends."""
+        lens, left = [], rows
+        while left > 0 and len(lens) < nseq:
+            lens.append(min(self.max_model_len, left))
+            left -= lens[-1]
+        pos = [i for n in lens for i in range(n)] + [0] * left
+        qsl = [0]
+        for n in lens:
+            qsl.append(qsl[-1] + n)
+        return [0] * rows, pos, [-1] * rows, lens, [[0]] * len(lens), qsl
 
     def target_step(self, tap_layers: tuple[int, ...]):
         return lambda g: self.model(g.input_ids, g.positions, self.kv, self.attn, g.meta, tap_layers)
