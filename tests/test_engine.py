@@ -202,3 +202,36 @@ def test_greedy_on_model_dtype_logits_equals_float32():
         got = sample(logits, sb)
         assert torch.equal(got, sample(logits.float(), sb))
         assert torch.equal(got, logits.double().argmax(-1))
+
+
+def test_drawn_drafts_are_the_targets_samples_for_the_same_logits(monkeypatch):
+    """draw_drafts on the target's own logits picks the token sample() picks at the same (seed,
+    position), greedy rows the argmax, in row chunks as one; on a drafter vocabulary that is a subset
+    of the target's (columns standing for token_ids) it picks the same target token whenever the
+    target's logits outside the subset are -inf."""
+    from flashdraft.engine import sampler
+    from flashdraft.engine.sampler import draw_drafts
+
+    g = torch.Generator().manual_seed(1)
+    n, vocab = 29, 60
+    logits = torch.randn(n, vocab, generator=g) * 2
+    temp = torch.rand(n, generator=g) + 0.3
+    temp[::4] = 0.0
+    seeds, positions = torch.randint(0, 2 ** 40, (n,), generator=g), torch.randint(0, 4000, (n,), generator=g)
+    sb = SamplingBatch(temperature=temp, top_k=torch.full((n,), vocab), top_p=torch.ones(n), seeds=seeds,
+                       positions=positions, all_greedy=False)
+    want = sample(logits, sb)
+    monkeypatch.setattr(sampler, "NOISE_CHUNK", 3 * vocab)
+    assert torch.equal(draw_drafts(logits, temp, seeds, positions), want)
+    assert (want != logits.argmax(-1)).sum() > 5
+    sub = torch.randperm(vocab, generator=g)[:20].sort().values  # the drafter's 20 tokens
+    masked = torch.full_like(logits, float("-inf"))
+    masked[:, sub] = logits[:, sub]
+    got = sub[draw_drafts(logits[:, sub], temp, seeds, positions, token_ids=sub)]
+    assert torch.equal(got, sample(masked, sb))
+    # among the drafter's 8 most likely tokens only: the target's sample whenever it is one of them
+    monkeypatch.setattr(sampler, "DRAW_CANDIDATES", 8)
+    few = draw_drafts(logits, temp, seeds, positions)
+    inside = (logits.topk(8).indices == want[:, None]).any(1)
+    assert torch.equal(few[inside], want[inside]) and 5 < inside.sum() < n
+    assert (logits.topk(8).indices == few[:, None]).any(1).all()

@@ -135,6 +135,11 @@ def _graphed_llm(model: str, kw: dict):
     if sp is not None:
         sp.attn = StaticTorchAttention()
         sp.capture_graphs()
+        # an eager replay (CPU) installs metadata only into the backends a graph lists; the ragged
+        # graphs' context write also stores through the drafter's static backend, whose store plan is
+        # cached per slot tensor: install it too, as a real capture does (set_meta before capturing)
+        for g in runner.ragged_graphs.values():
+            g.attn.append(sp.attn)
     else:
         cfg, step = llm.engine.config, runner.target_step(())
         runner.capture_graphs(("target", ()), 1, True, runner.attn, step, cfg.max_num_seqs)
@@ -178,7 +183,7 @@ def test_graphed_dflash_step_matches_eager_engine(tiny_llama, tmp_path, monkeypa
         current[:] = [p.seq for p in plans if p.verify]
         return real_forward(self, plans)
 
-    def oracle(self, hidden, num_seqs):
+    def oracle(self, hidden, num_seqs, draw=None):
         rows = []
         for s in current:
             prompt = tuple(s.token_ids[: s.num_prompt_tokens])
@@ -209,10 +214,12 @@ def test_graphed_dflash_step_matches_eager_engine(tiny_llama, tmp_path, monkeypa
             assert sum(h) == o.metrics["num_drafts"] > 0 and h[j] == sum(h), (j, h)
 
 
-@pytest.mark.parametrize("num_spec", [None, 2])
-def test_graphed_dflash_step_drafts_like_eager(tiny_llama, tmp_path, monkeypatch, num_spec):
+@pytest.mark.parametrize("num_spec,temps", [(None, (0, 0, 0)), (2, (0, 0, 0)), (None, (1.0, 0, 0.7))])
+def test_graphed_dflash_step_drafts_like_eager(tiny_llama, tmp_path, monkeypatch, num_spec, temps):
     """With a real (random) drafter the graphed step feeds the verify the drafts of the eager
-    step, step for step: the context K/V the graph writes is the context the eager step writes."""
+    step, step for step: the context K/V the graph writes is the context the eager step writes.
+    With sampled requests among them the drafts come from the sampled draft graph (temperature and
+    seed in its buffers) and still equal the eager drafts; the tokens equal plain decoding's."""
     from fixtures import build_random_drafter, record_fed_drafts
 
     from flashdraft import LLM
@@ -222,24 +229,31 @@ def test_graphed_dflash_step_drafts_like_eager(tiny_llama, tmp_path, monkeypatch
     kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8,
               draft=draft, num_speculative_tokens=num_spec)
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (8, 20, 14)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=40 + i)
+              for i, (n, t) in enumerate(zip((8, 20, 14), temps))]
     want = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(prompts, params)]
     want_fed, fed[:] = list(fed), []
     graphed, replays = _graphed_llm(str(tiny_llama), kw)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
-    assert replays["dflash"] > 0
+    sampled = any(temps)
+    assert replays["dflash-sampled" if sampled else "dflash"] > 0, replays
     assert fed == want_fed
+    if sampled:
+        plain = LLM(str(tiny_llama), **{**kw, "draft": None, "num_speculative_tokens": None})
+        assert [o.token_ids for o in plain.generate(prompts, params)] == want
+        return
     # a lone prompt's prefill (one sequence, 12 rows) runs eagerly: graphs exist for the step
     # kinds captured at start only (decode, the DFlash block), never one per prompt length
     graphed.generate([[7] * 12], SamplingParams(max_tokens=3, ignore_eos=True))
     assert {key[2] for key in graphed.engine.runner.graphs} == {1, 4}
 
 
-@pytest.mark.parametrize("with_drafter", [False, True])
+@pytest.mark.parametrize("with_drafter", [False, True, "sampled"])
 def test_ragged_steps_replay_graphs_with_the_eager_tokens(tiny_llama, tmp_path, with_drafter, monkeypatch):
     """Steps that mix prefill chunks with decode (or verify) rows replay a graph of (rows,
     sequences) buckets, padding rows and sequences included, and give the eager engine's tokens;
-    with a drafter, their draft blocks replay the draft-only graph and feed the eager drafts."""
+    with a drafter, their draft blocks replay the draft-only graph (sampled requests: the sampled
+    draft graph) and feed the eager drafts."""
     from fixtures import build_random_drafter, record_fed_drafts
 
     from flashdraft import LLM
@@ -250,7 +264,8 @@ def test_ragged_steps_replay_graphs_with_the_eager_tokens(tiny_llama, tmp_path, 
     kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=2, kv_block_size=8,
               max_num_batched_tokens=40, draft=draft)
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 110)), [9, 8, 7], list(range(3, 33))]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 5, 7, 12, 6)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.9 if with_drafter == "sampled" else 0,
+                             seed=n) for n in (9, 5, 7, 12, 6)]
     fed = record_fed_drafts(monkeypatch)
     want = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(prompts, params)]
     want_fed, fed[:] = list(fed), []
@@ -259,7 +274,8 @@ def test_ragged_steps_replay_graphs_with_the_eager_tokens(tiny_llama, tmp_path, 
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
     assert replays["ragged"] >= 4, replays
     assert fed == want_fed
-    assert (replays["draft"] > 0) == with_drafter, replays
+    assert (replays["draft"] > 0) == (with_drafter is True), replays
+    assert (replays["draft-sampled"] > 0) == (with_drafter == "sampled"), replays
 
 
 def test_ragged_graph_placeholders_stay_inside_the_model(tiny_llama, tmp_path):

@@ -31,13 +31,16 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[N, vocab] float32 Gumbel(0, 1) noise keyed by (seed, position, token id)."""
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int,
+                 token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, vocab] float32 Gumbel(0, 1) noise keyed by (seed, position, token id); column j stands for
+    token j, or for token_ids[j] ([vocab], or [N, vocab]: each row's own tokens) when given."""
     seeds = seeds.to(torch.int64)
     key = _mix32((seeds & _M32) ^ _mix32((seeds >> 32) & _M32 ^ 0x9E3779B9))
     key = _mix32(key ^ _mix32(positions.to(torch.int64) & _M32))
-    tok = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    h = _mix32(key[:, None] ^ _mix32(tok * 0x9E3779B1 & _M32)[None, :])
+    tok = torch.arange(vocab, device=seeds.device, dtype=torch.int64) if token_ids is None else token_ids.long()
+    tok = _mix32(tok * 0x9E3779B1 & _M32)
+    h = _mix32(key[:, None] ^ (tok if tok.dim() == 2 else tok[None, :]))
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), exact in float32
     return -torch.log(-torch.log(u))
 
@@ -106,3 +109,26 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         noise = gumbel_noise(sb.seeds[i: i + step], sb.positions[i: i + step], vocab)
         sampled[i: i + step] = (filtered[i: i + step] + noise).argmax(dim=-1)
     return torch.where(sb.temperature > 0, sampled, greedy)
+
+
+# the drafter's most likely tokens a drawn draft chooses among (see draw_drafts)
+DRAW_CANDIDATES = 1024
+
+
+def draw_drafts(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Draft tokens drawn the way the target will draw: argmax(logits / T + noise), the noise of the
+    (seed, position) the target's sampler uses for the token the draft stands for; rows with T = 0 take
+    the argmax. logits [N, V] float32, the rest [N]; token_ids as in gumbel_noise. A drafter whose
+    distribution equals the target's then proposes exactly the target's token (a Gumbel-max coupling),
+    so drafts of sampled requests are accepted far more often than argmax drafts; which token is
+    proposed never changes what is committed. The draw runs over the drafter's DRAW_CANDIDATES most
+    likely tokens only: noise over SmolLM2's whole 49k vocabulary for every draft slot made 12 MT-Bench
+    requests at T=1 take 1.7x as long on a CPU, and the cut to 1,024 lowers their tau by 0.02 (1.545
+    against 1.566; argmax drafts 1.336). Top-k and top-p are left to the verify. Nothing here reads a
+    value back to the host (graph-safe)."""
+    vals, cand = logits.topk(min(DRAW_CANDIDATES, logits.shape[-1]), dim=-1)
+    ids = cand if token_ids is None else token_ids[cand]
+    noise = gumbel_noise(seeds, positions, cand.shape[1], ids)
+    pick = (vals / temperature.clamp_min(1e-6)[:, None] + noise).argmax(dim=-1, keepdim=True)
+    return torch.where(temperature > 0, cand.gather(1, pick)[:, 0], logits.argmax(dim=-1))

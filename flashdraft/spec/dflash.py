@@ -3,8 +3,9 @@
 1. schedule: a decoding request with speculation on asks for B slots (its last committed token,
    still without K/V, plus B-1 drafts); prefill chunks and plain requests ask as usual.
 2. draft: one non-causal drafter forward over `[x_start, MASK x (B-1)]` per verifying request,
-   attending to the context K/V of every committed position; argmax of slots 1..B-1, written
-   straight into the verify's input ids on the device.
+   attending to the context K/V of every committed position; argmax of slots 1..B-1 (sampled
+   requests: drawn with the noise the target will draw that position's token with, see
+   sampler.draw_drafts), written straight into the verify's input ids on the device.
 3. verify: one causal target forward over everything scheduled, returning the tapped layers.
 4. context: K/V of every verify row goes into the draft cache, from its taps. Rows of drafts
    that turn out rejected are written too: they lie at or past the new committed length, where
@@ -32,7 +33,7 @@ import torch
 from flashdraft.attention.base import AttentionBatch
 from flashdraft.engine.graphs import StepGraph, to_device
 from flashdraft.engine.model_runner import WARM_ROWS, make_backend
-from flashdraft.engine.sampler import greedy_tokens, sample
+from flashdraft.engine.sampler import draw_drafts, greedy_tokens, sample
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.loader import load_weights
@@ -117,6 +118,7 @@ class DFlashSpeculator:
         self.embed = drafter.embed_tokens or runner.model.embed_tokens
         self.stats = SpecStats(self.num_draft)
         self.poison_rejected = False  # tests: fill every slot a rejected draft touched with NaN
+        self.draw_sampled = True  # False: sampled requests draft the argmax too (A/B measurements)
         self.pause_at = engine.config.speculative_disable_batch_size
         self.paused = False  # this step decodes without drafts (too many requests running)
         if runner.backend_name == "triton" and engine.device.type == "cuda":  # ragged steps draft eagerly
@@ -142,7 +144,10 @@ class DFlashSpeculator:
                 continue
             ids, pos, batch = runner.placeholder_batch(n // B * B, causal=False)
             self.attn.prepare(batch, self.engine.device)
-            self._draft_tokens(self.drafter(self.embed(ids), pos, self.kv, self.attn, batch), n // B)
+            hidden = self.drafter(self.embed(ids), pos, self.kv, self.attn, batch)
+            self._draft_tokens(hidden, n // B)
+            ones = torch.ones(n // B, device=pos.device)
+            self._draft_tokens(hidden, n // B, (ones, ones.long(), pos))
 
     def capture_graphs(self) -> None:
         """Capture before serving, at every batch bucket: the whole DFlash step (draft, drafts into
@@ -153,10 +158,14 @@ class DFlashSpeculator:
         runner, n = self.engine.runner, self.engine.config.max_num_seqs
         runner.capture_graphs(("dflash", self.tap_layers), self.block_size, False, self.attn, self._graph_step, n,
                               setup=self._setup_graph)
+        runner.capture_graphs(("dflash-sampled", self.tap_layers), self.block_size, False, self.attn,
+                              self._graph_step, n, setup=self._setup_sampled_graph)
         runner.capture_graphs(("decode", self.tap_layers), 1, True, runner.attn, self._decode_step, n)
         runner.capture_ragged_graphs(("decode", self.tap_layers), self._decode_step, n,
                                      self.engine.config.max_num_batched_tokens)
         runner.capture_graphs(("draft", self.tap_layers), self.block_size, False, self.attn, self._draft_step, n)
+        runner.capture_graphs(("draft-sampled", self.tap_layers), self.block_size, False, self.attn,
+                              self._sampled_draft_step, n, setup=self._setup_draw)
 
     # ---- public hooks used by the engine ----------------------------------------------------
     def totals(self) -> dict:
@@ -232,9 +241,14 @@ class DFlashSpeculator:
         if not self.poison_rejected and len(verifying) in (0, len(plans)):
             if verifying and all(p.n == self.num_draft + 1 for p in plans):
                 blocks = [t + [self.mask_token_id] * (self.block_size - len(t)) for t in tokens]
-                g = runner.filled_graph(("dflash", self.tap_layers), seqs, blocks, eng.block_manager, False,
-                                        self.attn, self._graph_step, setup=self._setup_graph)
+                drawn = any(self._draws(s) for s in seqs)  # the same step with drafts drawn in the graph
+                g = runner.filled_graph(("dflash-sampled" if drawn else "dflash", self.tap_layers), seqs, blocks,
+                                        eng.block_manager, False, self.attn, self._graph_step,
+                                        setup=self._setup_sampled_graph if drawn else self._setup_graph)
                 if g is not None:
+                    if drawn:
+                        g.fill(draft_temp=[float(s.params.temperature) for s in seqs],
+                               draft_seed=[s.seed for s in seqs])
                     return g.replay()[: len(plans) * plans[0].n], g.extra["verify_ids"]
             elif not verifying:
                 out = runner.graphed(("decode", self.tap_layers), seqs, tokens, eng.block_manager, True,
@@ -265,29 +279,67 @@ class DFlashSpeculator:
         return hidden, ids if verifying else None
 
     def propose(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Draft B-1 tokens per request in one non-causal drafter forward: [S, B-1] on the device."""
+        """Draft B-1 tokens per request in one non-causal drafter forward: [S, B-1] on the device.
+        Greedy requests draft the argmax; sampled ones draw with their temperature and the noise of
+        their (seed, position), as the target will (sampler.draw_drafts)."""
         eng, B = self.engine, self.block_size
         blocks = [[s.token_ids[-1]] + [self.mask_token_id] * (B - 1) for s in seqs]
+        sampled = any(self._draws(s) for s in seqs)
+        temps = [float(s.params.temperature) for s in seqs]
+        seeds = [s.seed for s in seqs]
         if not self.poison_rejected:
-            g = eng.runner.filled_graph(("draft", self.tap_layers), seqs, blocks, eng.block_manager, False,
-                                        self.attn, self._draft_step)
+            if sampled:
+                g = eng.runner.filled_graph(("draft-sampled", self.tap_layers), seqs, blocks, eng.block_manager,
+                                            False, self.attn, self._sampled_draft_step, setup=self._setup_draw)
+                if g is not None:
+                    g.fill(draft_temp=temps, draft_seed=seeds)
+            else:
+                g = eng.runner.filled_graph(("draft", self.tap_layers), seqs, blocks, eng.block_manager, False,
+                                            self.attn, self._draft_step)
             if g is not None:  # read before any other replay: graphs share one memory pool
                 return g.replay()[: len(seqs)]
         ids, pos, batch = eng.runner.build_batch(seqs, blocks, eng.block_manager, causal=False)
         self.attn.prepare(batch, eng.device)
-        hidden = self.drafter(self.embed(ids), pos, self.kv, self.attn, batch)[: len(seqs) * B]  # no padding rows
-        draft = self._draft_tokens(hidden, len(seqs))
+        n = len(seqs)
+        hidden = self.drafter(self.embed(ids), pos, self.kv, self.attn, batch)[: n * B]  # no padding rows
+        draw = None
+        if sampled:
+            draw = (to_device(temps, torch.float32, eng.device), to_device(seeds, torch.int64, eng.device),
+                    pos[: n * B])
+        draft = self._draft_tokens(hidden, n, draw)
         if self.poison_rejected:  # the block's scratch K/V must never be read again
             self._poison(self.k_cache, self.v_cache, batch.slot_mapping)
         return draft
 
-    def _draft_tokens(self, hidden: torch.Tensor, num_seqs: int) -> torch.Tensor:
-        """The drafter's final hidden [S * B, H] -> argmax drafts of slots 1..B-1, [S, B-1]."""
-        hidden = hidden.view(num_seqs, self.block_size, -1)[:, 1:]
+    def _draws(self, seq: Sequence) -> bool:
+        return self.draw_sampled and seq.params.temperature > 0
+
+    def _draft_tokens(self, hidden: torch.Tensor, num_seqs: int,
+                      draw: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The drafter's final hidden [S * B, H] -> drafts of slots 1..B-1, [S, B-1]: the argmax, or
+        with draw = (temperature [S], seed [S], positions of the block rows [S * B]) each slot drawn
+        with the noise the target's sampler uses at that slot's position (temperature 0: argmax)."""
+        B, d2t = self.block_size, self.drafter.d2t
+        hidden = hidden.view(num_seqs, B, -1)[:, 1:]
+        if draw is None:
+            if self.drafter.lm_head is None:
+                return greedy_tokens(self.engine.runner.model.compute_logits(hidden, float32=False))  # no f32 copy
+            draft = greedy_tokens(self.drafter.lm_head(hidden))
+            return draft + d2t[draft] if d2t is not None else draft
+        temp, seeds, positions = draw
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        token_ids = None
         if self.drafter.lm_head is None:
-            return greedy_tokens(self.engine.runner.model.compute_logits(hidden, float32=False))  # no float32 copy
-        draft = greedy_tokens(self.drafter.lm_head(hidden))
-        return draft + self.drafter.d2t[draft] if self.drafter.d2t is not None else draft
+            logits = self.engine.runner.model.compute_logits(rows, float32=True)
+        else:
+            logits = self.drafter.lm_head(rows).float()
+            if d2t is not None:  # column j of the drafter's vocabulary is target token j + d2t[j]
+                token_ids = torch.arange(logits.shape[1], device=logits.device) + d2t
+        k = B - 1
+        draft = draw_drafts(logits, temp[:num_seqs, None].expand(num_seqs, k).flatten(),
+                            seeds[:num_seqs, None].expand(num_seqs, k).flatten(),
+                            positions.view(num_seqs, B)[:, 1:].flatten(), token_ids).view(num_seqs, k)
+        return draft + d2t[draft] if d2t is not None else draft
 
     # ---- the graphed steps: functions of a StepGraph's static buffers ------------------------
     def _setup_graph(self, g: StepGraph) -> None:
@@ -317,7 +369,7 @@ class DFlashSpeculator:
             vm.slot_mapping.copy_(m.slot_mapping.view(S, B)[:, :k1].flatten())
             vm.seq_lens.copy_((m.seq_lens - (B - k1)).clamp_min(0))
             vm.query_start_loc.copy_(m.query_start_loc // B * k1)
-        drafts = self._draft_step(g)
+        drafts = self._sampled_draft_step(g) if "draft_temp" in g.extra else self._draft_step(g)
         ids.view(S, k1)[:, 0] = g.input_ids.view(S, B)[:, 0]
         ids.view(S, k1)[:, 1:] = drafts[:, : k1 - 1]
         runner = self.engine.runner
@@ -329,6 +381,20 @@ class DFlashSpeculator:
         """The draft blocks alone over a graph's buffers: [S, B-1] drafts."""
         return self._draft_tokens(self.drafter(self.embed(g.input_ids), g.positions, self.kv, self.attn, g.meta),
                                   g.num_seqs)
+
+    def _setup_sampled_graph(self, g: StepGraph) -> None:
+        self._setup_graph(g)
+        self._setup_draw(g)
+
+    def _setup_draw(self, g: StepGraph) -> None:
+        """The sampled draft graph's per-sequence temperature and seed buffers."""
+        g.extra["draft_temp"] = torch.zeros(g.num_seqs, dtype=torch.float32, device=g.device)
+        g.extra["draft_seed"] = torch.zeros(g.num_seqs, dtype=torch.int64, device=g.device)
+
+    def _sampled_draft_step(self, g: StepGraph) -> torch.Tensor:
+        """The draft blocks of sampled requests over a graph's buffers: [S, B-1] drawn drafts."""
+        hidden = self.drafter(self.embed(g.input_ids), g.positions, self.kv, self.attn, g.meta)
+        return self._draft_tokens(hidden, g.num_seqs, (g.extra["draft_temp"], g.extra["draft_seed"], g.positions))
 
     def _decode_step(self, g: StepGraph) -> torch.Tensor:
         """A step without drafts over a graph's buffers: the target, then every row's context."""

@@ -18,7 +18,7 @@ if not INTERPRET and not torch.cuda.is_available():
 DEVICE = "cpu" if INTERPRET else "cuda"
 
 
-@pytest.mark.parametrize("with_drafter", [False, True])
+@pytest.mark.parametrize("with_drafter", [False, True, "sampled"])
 def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, monkeypatch):
     """Same tokens and, with a drafter, the same drafts fed to every verify and the same acceptance
     counts. With graphs the whole DFlash step is one replay; acceptance then reads the verify's
@@ -33,6 +33,9 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
     # 3 then 2 then 1 running sequences (buckets 4, 2, 1, padded), prompts of different lengths
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 14, 20)]
+    if with_drafter == "sampled":  # two sampled requests: their drafts come from the sampled draft graph
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=5 + n)
+                  for n, t in zip((6, 14, 20), (1.0, 0.0, 0.8))]
     eager = LLM(str(tiny_llama), draft=draft, device=DEVICE, dtype="float32", attention_backend="torch",
                 cuda_graphs=False, kv_block_size=8)
     want = [o.token_ids for o in eager.generate(prompts, params)]
@@ -52,7 +55,8 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
     assert set(runner.ragged_graphs) == ragged
     assert got == want
     kinds = {key[0][0] for key in runner.graphs}
-    assert kinds == ({"target", "dflash", "decode", "draft"} if with_drafter else {"target"}), runner.graphs.keys()
+    spec_kinds = {"target", "dflash", "dflash-sampled", "decode", "draft", "draft-sampled"}
+    assert kinds == (spec_kinds if with_drafter else {"target"}), runner.graphs.keys()
     assert {key[1] for key in runner.graphs} >= {1, 2, 4}
     if with_drafter:
         assert graphed.engine.spec_totals()["num_drafts"] > 0 and fed

@@ -1,0 +1,99 @@
+"""Sampled requests: drafts drawn with the target's own noise against argmax drafts, side by side in
+one process. The same prompts, seeds and temperature go through one engine with the drafter, its
+`spec.draw_sampled` switched on (the engine's default) and off (argmax drafts, the engine before),
+interleaved over --reps rounds, and through a plain engine for reference. Per arm: tau, per-position
+acceptance, output tok/s, and how many outputs equal plain decoding's (same seeds; in float32 all of
+them must).
+
+    python benchmarks/sampled_drafts.py [--dataset mt-bench] [--num-prompts 12] [--max-tokens 128]
+        [--temperature 1] [--concurrency 1,all] [--reps 2] [--device cpu] [--dtype float32]
+        [--model M] [--draft D] [--json out.json]
+
+--dataset takes bench's names or a .jsonl file ('prompt' or 'messages' per line); --concurrency 1 sends
+one request at a time, all sends every prompt at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from flashdraft import LLM, SamplingParams
+from flashdraft.bench.datasets import load_prompts
+
+
+def run(llm: LLM, convs: list, params: list, one_at_a_time: bool) -> tuple[list, float, dict]:
+    before = llm.engine.spec_totals()
+    t0 = time.perf_counter()
+    if one_at_a_time:
+        outs = [llm.chat([c], [p])[0] for c, p in zip(convs, params)]
+    else:
+        outs = llm.chat(convs, params)
+    dt = time.perf_counter() - t0
+    after = llm.engine.spec_totals()
+    delta = {k: after[k] - before[k] for k in ("num_drafts", "num_accepted_tokens")}
+    delta["accepted_per_position"] = [a - b for a, b in zip(after["accepted_per_position"],
+                                                             before["accepted_per_position"])]
+    return [o.token_ids for o in outs], dt, delta
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dataset", default="mt-bench")
+    ap.add_argument("--num-prompts", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--concurrency", default="1,all")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1000, help="request i uses seed + i")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft", default="auto")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.temperature <= 0:
+        ap.error(f"--temperature must be above 0 (greedy requests draft the argmax either way), got {args.temperature}")
+    levels = [c.strip() for c in args.concurrency.split(",")]
+    if any(c not in ("1", "all") for c in levels):
+        ap.error(f"--concurrency takes 1 and/or all, got {args.concurrency!r}")
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    kw = {"model": args.model, "device": args.device, "dtype": dtype}
+    convs = [p.messages for p in load_prompts(args.dataset, args.num_prompts)]
+    params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + i)
+              for i in range(len(convs))]
+    t0 = time.perf_counter()
+    spec = LLM(draft=args.draft, **kw)
+    print(f"engine with the drafter ready in {time.perf_counter() - t0:.1f} s (graphs captured)", flush=True)
+    plain = LLM(draft=None, **kw)
+    if spec.engine.spec is None:
+        raise SystemExit("no drafter loaded: pass --draft DIR")
+    results = []
+    for level in levels:
+        one = level == "1"
+        ref, _, _ = run(plain, convs, params, one)  # warm-up and the reference tokens
+        for rep in range(args.reps):
+            for arm in ("plain", "argmax", "drawn"):
+                if arm != "plain":
+                    spec.engine.spec.draw_sampled = arm == "drawn"
+                toks, dt, d = run(plain if arm == "plain" else spec, convs, params, one)
+                n = sum(len(t) for t in toks)
+                row = {"concurrency": level, "rep": rep, "arm": arm, "tokens": n, "seconds": dt, "tok_s": n / dt,
+                       "same_as_plain": sum(a == b for a, b in zip(toks, ref))}
+                if arm != "plain":
+                    row["tau"] = (d["num_accepted_tokens"] + d["num_drafts"]) / d["num_drafts"]
+                    row["accept_rate_per_position"] = [round(a / d["num_drafts"], 4)
+                                                       for a in d["accepted_per_position"]]
+                results.append(row)
+                tau = f", tau {row['tau']:.3f}, per position {row['accept_rate_per_position'][:4]}" \
+                    if "tau" in row else ""
+                print(f"c={level} rep {rep} {arm:6s}: {n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s, "
+                      f"same as plain {row['same_as_plain']}/{len(convs)}{tau}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
