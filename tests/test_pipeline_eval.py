@@ -38,7 +38,8 @@ def test_eval_per_prompt_rows_and_distinct_tau(tmp_path, monkeypatch):
     for name, texts in files.items():
         (prompts / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
     drafter = ROOT / "flashdraft/drafters/smollm2-135m-dflash"
-    res = dp.evaluate(SimpleNamespace(gguf=None, data_dir=str(prompts), eval_temps=[0.0, 1.0]), drafter, {}, tmp_path)
+    args = dict(gguf=None, data_dir=str(prompts), argmax_drafts=False)
+    res = dp.evaluate(SimpleNamespace(eval_temps=[0.0, 1.0], **args), drafter, {}, tmp_path)
 
     def pooled(rows):  # rows: PER_PROMPT columns
         drafts = sum(r[dp.PER_PROMPT.index("num_drafts")] for r in rows)
@@ -56,8 +57,7 @@ def test_eval_per_prompt_rows_and_distinct_tau(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "eval.json").read_text())["eval"].keys() == res.keys()
     # --eval-temps 0: the same greedy figures, no T=1 pass
     (tmp_path / "t0").mkdir()
-    only = dp.evaluate(SimpleNamespace(gguf=None, data_dir=str(prompts), eval_temps=[0.0]), drafter, {},
-                       tmp_path / "t0")
+    only = dp.evaluate(SimpleNamespace(eval_temps=[0.0], **args), drafter, {}, tmp_path / "t0")
     assert sorted(only) == sorted(k for k in res if k.endswith("@T0"))
     assert all(only[k]["per_prompt"] == res[k]["per_prompt"] for k in only)
 
