@@ -161,6 +161,41 @@ def test_gumbel_sampling_matches_softmax():
     assert torch.isfinite(g).all() and torch.equal(g, gumbel_noise(torch.tensor([5]), torch.tensor([3]), 1000))
 
 
+def test_gumbel_noise_is_the_documented_hash():
+    """The noise is pinned to its definition, computed here with Python integers and float64: u from
+    the lowbias32 hash of (seed, position, token id), -log(-log(u)). Seeds past 2**32, large positions,
+    per-row token ids; any rewrite of the hash (it runs in place, in int64) must keep every bit."""
+    import math
+
+    m32 = 0xFFFFFFFF
+
+    def mix(x):
+        x ^= x >> 16
+        x = x * 0x7FEB352D & m32
+        x ^= x >> 15
+        x = x * 0x846CA68B & m32
+        return x ^ (x >> 16)
+
+    def ref(seed, pos, tok):
+        key = mix((seed & m32) ^ mix((seed >> 32) & m32 ^ 0x9E3779B9))
+        key = mix(key ^ mix(pos & m32))
+        u = ((mix(key ^ mix(tok * 0x9E3779B1 & m32)) >> 8) + 0.5) / (1 << 24)
+        return -math.log(-math.log(u))
+
+    seeds, positions = [0, 5, 2**32 + 7, 2**40 + 12345, 2**62 + 3], [0, 3, 4095, 70000, 2**31 + 1]
+    vocab = 300
+    g = gumbel_noise(torch.tensor(seeds), torch.tensor(positions), vocab)
+    ids = torch.tensor([[(7 * r + 31 * j) % 49152 for j in range(vocab)] for r in range(len(seeds))])
+    g_ids = gumbel_noise(torch.tensor(seeds), torch.tensor(positions), vocab, ids)
+    for r, (s, p) in enumerate(zip(seeds, positions)):
+        for j in range(vocab):
+            for noise, tok in ((g, j), (g_ids, int(ids[r, j]))):
+                want = ref(s, p, tok)
+                assert math.isclose(float(noise[r, j]), want, rel_tol=1e-5, abs_tol=1e-5), (r, j, tok)
+    assert torch.equal(g[:, 40:41], gumbel_noise(torch.tensor(seeds), torch.tensor(positions), 1,
+                                                 torch.full((len(seeds), 1), 40)))
+
+
 def test_sampling_noise_in_row_chunks_draws_the_same_tokens(monkeypatch):
     """sample() makes its noise a few rows at a time (a bound on its memory): the tokens equal
     filtered logits + the whole batch's noise at once, greedy rows included."""
