@@ -285,8 +285,8 @@ class DFlashSpeculator:
         eng, B = self.engine, self.block_size
         blocks = [[s.token_ids[-1]] + [self.mask_token_id] * (B - 1) for s in seqs]
         sampled = any(self._draws(s) for s in seqs)
-        temps = [float(s.params.temperature) for s in seqs]
-        seeds = [s.seed for s in seqs]
+        if sampled:  # greedy steps need neither
+            temps, seeds = [float(s.params.temperature) for s in seqs], [s.seed for s in seqs]
         if not self.poison_rejected:
             if sampled:
                 g = eng.runner.filled_graph(("draft-sampled", self.tap_layers), seqs, blocks, eng.block_manager,
