@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="drafts verified per step, 1 to the drafter's block size - 1 (default: all of them)")
     p.add_argument("--speculative-disable-batch-size", type=int, default=None, metavar="N",
                    help="decode without drafts in steps where at least N requests are running")
+    p.add_argument("--speculative-min-acceptance-length", type=_min_tau, default="auto", metavar="TAU",
+                   help="a request whose recent tokens per verify fall below TAU decodes without drafts for a "
+                        "while, then tries again (default auto: 2 on a CPU, off on CUDA; 0 or off: never)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -36,7 +39,22 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, attention_backend=args.attention_backend,
                 cuda_graphs=not args.no_cuda_graphs, num_speculative_tokens=args.num_speculative_tokens,
-                speculative_disable_batch_size=args.speculative_disable_batch_size)
+                speculative_disable_batch_size=args.speculative_disable_batch_size,
+                speculative_min_acceptance_length=args.speculative_min_acceptance_length)
+
+
+def _min_tau(text: str) -> float | str | None:
+    if text in ("auto",):
+        return text
+    if text in ("0", "off", "none"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto, off or a number >= 1, got {text!r}") from None
+    if not 1.0 <= value <= 1e6:
+        raise argparse.ArgumentTypeError(f"expected auto, off or a number >= 1, got {text!r}")
+    return value
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

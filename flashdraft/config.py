@@ -3,10 +3,16 @@ build this one dataclass."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+
+# The tau below which a request's drafts cost more than they save on a CPU, with n requests running:
+# a + b * (n - 1), a line through the break-even points measured on a 2-core CPU (fp32, MT-Bench, one
+# request and 12 at once; benchmarks/RESULTS.md section 4). Verify rows are real work on a CPU.
+CPU_BREAK_EVEN: tuple[float, float] | None = (1.8, 0.12)
 
 
 @dataclass
@@ -25,6 +31,9 @@ class EngineConfig:
     # pause speculation for a step when at least this many requests are running (plain decode
     # steps, drafter context kept current); None: always speculate
     speculative_disable_batch_size: int | None = None
+    # per request: decode without drafts for a while when its recent tau (tokens per verify) falls
+    # below this (spec/gate.py); "auto": CPU_BREAK_EVEN on a CPU, never on CUDA; None: never
+    speculative_min_acceptance_length: float | str | None = "auto"
     seed: int = 0
     attention_backend: str = "auto"  # "auto": triton on CUDA when it imports, else torch
     cuda_graphs: bool = True  # replay captured steps (decode, verify, draft) on CUDA with the triton backend
@@ -51,8 +60,24 @@ class EngineConfig:
             raise ValueError(f"max_graph_batch must be >= 1, got {self.max_graph_batch}")
         if self.speculative_disable_batch_size is not None and self.speculative_disable_batch_size < 1:
             raise ValueError(f"speculative_disable_batch_size must be >= 1, got {self.speculative_disable_batch_size}")
+        m = self.speculative_min_acceptance_length
+        if m is not None and m != "auto" and (isinstance(m, (bool, str)) or not isinstance(m, (int, float))
+                                             or not 1.0 <= m <= 1e6):
+            raise ValueError(f"speculative_min_acceptance_length must be 'auto', None or a number >= 1 "
+                             f"(tokens per verify step), got {m!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    def min_acceptance_length(self, device: torch.device) -> Callable[[int], float] | None:
+        """The acceptance gate's threshold as a function of the number of running requests, or
+        None for no gate."""
+        m = self.speculative_min_acceptance_length
+        if m == "auto":
+            if device.type != "cpu" or CPU_BREAK_EVEN is None:
+                return None
+            a, b = CPU_BREAK_EVEN
+            return lambda num_running: a + b * (num_running - 1)
+        return None if m is None else lambda num_running, m=float(m): m
 
     def resolved_attention_backend(self, device: torch.device) -> str:
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -260,12 +260,12 @@ def test_models_health_metrics(server, client):
                  "flashdraft:num_requests_waiting", "flashdraft:kv_cache_used_blocks",
                  "flashdraft:generation_tokens_total", 'flashdraft:request_success_total{finished_reason="length"',
                  'flashdraft:http_requests_total{endpoint="/v1/completions",status="200"}',
-                 "flashdraft:spec_decode_num_paused_steps_total"):
+                 "flashdraft:spec_decode_num_paused_steps_total", "flashdraft:spec_decode_num_gated_steps_total"):
         assert name in text, name
 
 
 def test_metrics_paused_steps_read_the_spec_totals():
-    """The paused-steps counter carries the engine snapshot's spec total (what a paused step
+    """The paused- and gated-steps counters carry the engine snapshot's spec total (what a paused step
     adds is tested in tests/test_dflash.py)."""
     from types import SimpleNamespace
 
@@ -274,12 +274,13 @@ def test_metrics_paused_steps_read_the_spec_totals():
     from flashdraft.server.metrics import EngineCollector
 
     snap = {"running": 0, "waiting": 0, "kv_used_blocks": 0, "kv_total_blocks": 1, "stats": {},
-            "prompt_tokens": 0, "finished": {}, "spec": {"paused_steps": 7, "num_drafts": 3}}
+            "prompt_tokens": 0, "finished": {}, "spec": {"paused_steps": 7, "num_drafts": 3, "gated_steps": 5}}
     reg = CollectorRegistry()
     reg.register(EngineCollector(SimpleNamespace(snapshot=snap), "m"))
     text = generate_latest(reg).decode()
     assert 'flashdraft:spec_decode_num_paused_steps_total{model_name="m"} 7.0' in text
     assert 'flashdraft:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
+    assert 'flashdraft:spec_decode_num_gated_steps_total{model_name="m"} 5.0' in text
 
 
 def test_api_key(engine, server):

@@ -53,6 +53,9 @@ class EngineCollector(Collector):
         yield self._one(c, "spec_decode_num_paused_steps",
                         "Engine steps decoded without drafts while speculative_disable_batch_size or more ran.",
                         spec.get("paused_steps", 0))
+        yield self._one(c, "spec_decode_num_gated_steps",
+                        "Request steps decoded without drafts while that request's recent acceptance length was "
+                        "below speculative_min_acceptance_length.", spec.get("gated_steps", 0))
         per_pos = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the draft.",
                                       labels=["model_name", "position"])

@@ -39,6 +39,7 @@ from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.loader import load_weights
 from flashdraft.models.transformer import fused_enabled
 from flashdraft.spec.formats import read_draft_spec
+from flashdraft.spec.gate import AcceptanceGate
 from flashdraft.spec.metrics import SpecStats
 from flashdraft.spec.verify import accepted_lengths
 
@@ -121,6 +122,10 @@ class DFlashSpeculator:
         self.draw_sampled = True  # False: sampled requests draft the argmax too (A/B measurements)
         self.pause_at = engine.config.speculative_disable_batch_size
         self.paused = False  # this step decodes without drafts (too many requests running)
+        # the per-request acceptance gate: its threshold given the running requests, the step's value, its clock
+        self.min_tau_rule = engine.config.min_acceptance_length(engine.device)
+        self.min_tau: float | None = None
+        self.steps = 0
         if runner.backend_name == "triton" and engine.device.type == "cuda":  # ragged steps draft eagerly
             from flashdraft.attention.triton_paged import compile_variants
 
@@ -179,16 +184,30 @@ class DFlashSpeculator:
         """Nothing to free: draft K/V lives in the target's pages, freed with them."""
 
     def lookahead(self, seq: Sequence) -> int:
+        """Draft slots a decoding request verifies this step (0: a plain decode step)."""
         if self.paused or not seq.params.speculative or \
                 seq.num_tokens - 1 + self.block_size > self.engine.max_model_len:
             return 0
+        gate = getattr(seq, "spec_gate", None)
+        if gate is not None and not gate.drafts(self.steps):
+            for st in (self._stats(seq), self.stats):
+                st.gated_steps += 1
+            return 0
         return self.num_draft
+
+    def _stats(self, seq: Sequence) -> SpecStats:
+        if not hasattr(seq, "spec_stats"):
+            seq.spec_stats = SpecStats(self.num_draft)
+        return seq.spec_stats
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         eng = self.engine
-        self.paused = self.pause_at is not None and len(eng.scheduler.running) >= self.pause_at
+        self.steps += 1
+        running = len(eng.scheduler.running)
+        self.paused = self.pause_at is not None and running >= self.pause_at
+        self.min_tau = None if self.min_tau_rule is None else self.min_tau_rule(max(running, 1))
         self.stats.paused_steps += self.paused
         batch = eng.scheduler.schedule(self.lookahead)
         eng.stats["num_preemptions"] += len(batch.preempted)
@@ -465,15 +484,17 @@ class DFlashSpeculator:
                     advanced.append(s)
                 continue
             target, a = chosen[i], p.accepted
-            if not hasattr(s, "spec_stats"):
-                s.spec_stats = SpecStats(self.num_draft)
-            for st in (s.spec_stats, self.stats):
+            for st in (self._stats(s), self.stats):
                 st.record(a, p.n - 1)
             start = s.num_computed_tokens
             s.num_computed_tokens = start + a + 1
             eng.append_tokens(s, target[: a + 1])
             advanced.append(s)
             if not s.is_finished:
+                if self.min_tau is not None:
+                    if not hasattr(s, "spec_gate"):
+                        s.spec_gate = AcceptanceGate()
+                    s.spec_gate.record(a + 1, self.steps, self.min_tau)
                 if self.poison_rejected:
                     self._poison_tail(s, start + p.n)
                 eng.block_manager.truncate(s.seq_id, s.num_computed_tokens)

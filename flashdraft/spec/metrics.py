@@ -16,6 +16,7 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     histogram: list[int] = field(default_factory=list)  # histogram[a] = verify steps that accepted a
     paused_steps: int = 0  # engine steps decoded without drafts (speculative_disable_batch_size)
+    gated_steps: int = 0  # request steps decoded without drafts, its tau low (speculative_min_acceptance_length)
 
     def __post_init__(self) -> None:
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_draft_slots
@@ -29,13 +30,6 @@ class SpecStats:
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 
-    def merge(self, other: SpecStats) -> None:
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        self.histogram = [a + b for a, b in zip(self.histogram, other.histogram)]
-        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
-
     @property
     def acceptance_length(self) -> float:
         return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts if self.num_drafts else 0.0
@@ -46,4 +40,5 @@ class SpecStats:
                 "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
                 "accepted_per_position": list(self.accepted_per_position),
                 "acceptance_rate_per_position": [c / n if n else 0.0 for c in self.accepted_per_position],
-                "acceptance_histogram": list(self.histogram), "paused_steps": self.paused_steps}
+                "acceptance_histogram": list(self.histogram), "paused_steps": self.paused_steps,
+                "gated_steps": self.gated_steps}

@@ -18,7 +18,7 @@ if not INTERPRET and not torch.cuda.is_available():
 DEVICE = "cpu" if INTERPRET else "cuda"
 
 
-@pytest.mark.parametrize("with_drafter", [False, True, "sampled"])
+@pytest.mark.parametrize("with_drafter", [False, True, "sampled", "gated"])
 def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, monkeypatch):
     """Same tokens and, with a drafter, the same drafts fed to every verify and the same acceptance
     counts. With graphs the whole DFlash step is one replay; acceptance then reads the verify's
@@ -36,12 +36,20 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
     if with_drafter == "sampled":  # two sampled requests: their drafts come from the sampled draft graph
         params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=5 + n)
                   for n, t in zip((6, 14, 20), (1.0, 0.0, 0.8))]
+    gate = {"speculative_min_acceptance_length": None}
+    if with_drafter == "gated":
+        # the random drafter's tau (~1) is under 3: after 4 verifies a request decodes without drafts
+        # for 16 tokens. A fourth prompt, prefilled over two steps of 64 rows, verifies one step behind
+        # the others, so steps hold its block beside their single rows.
+        prompts.append(list(range(200, 260)))
+        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 14, 20, 24)]
+        gate = {"speculative_min_acceptance_length": 3.0, "max_num_batched_tokens": 64}
     eager = LLM(str(tiny_llama), draft=draft, device=DEVICE, dtype="float32", attention_backend="torch",
-                cuda_graphs=False, kv_block_size=8)
+                cuda_graphs=False, kv_block_size=8, **gate)
     want = [o.token_ids for o in eager.generate(prompts, params)]
     want_fed, fed[:] = list(fed), []
     graphed = LLM(str(tiny_llama), draft=draft, device=DEVICE, dtype="float32", attention_backend="triton",
-                  kv_block_size=8)
+                  kv_block_size=8, **gate)
     runner = graphed.engine.runner
     if not runner.use_graphs:  # on CUDA the engine captured at start; the interpreter replays eagerly
         runner.use_graphs = True
@@ -62,6 +70,7 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
         assert graphed.engine.spec_totals()["num_drafts"] > 0 and fed
         assert fed == want_fed
         assert graphed.engine.spec_totals() == eager.engine.spec_totals()
+        assert (graphed.engine.spec_totals()["gated_steps"] > 0) == (with_drafter == "gated")
 
 
 @pytest.mark.skipif(INTERPRET, reason="counts compiled kernels")

@@ -1,0 +1,100 @@
+"""The per-request acceptance gate (speculative_min_acceptance_length), side by side in one process:
+the same prompts, seeds and temperature through a plain engine and through one engine with the
+drafter whose gate rule is switched between arms, interleaved over --reps rounds. Arms: "off" (draft
+at every step), "auto" (the engine's default for the device: on a CPU the threshold grows with the
+running requests, config.CPU_BREAK_EVEN) or a fixed threshold. Per arm: output tok/s, tau, gated
+steps, and how many outputs equal plain decoding's (in float32 all of them must).
+
+    python benchmarks/acceptance_gate.py [--dataset mt-bench] [--num-prompts 12] [--max-tokens 128]
+        [--temperatures 0,1] [--min-tau off,auto,1.5,2] [--concurrency 1,all] [--reps 2]
+        [--device cpu] [--dtype float32] [--model M] [--draft D] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from flashdraft import LLM, SamplingParams
+from flashdraft.bench.datasets import load_prompts
+from flashdraft.config import EngineConfig
+
+
+def run(llm: LLM, convs: list, params: list, one_at_a_time: bool) -> tuple[list, float, dict]:
+    before = llm.engine.spec_totals()
+    t0 = time.perf_counter()
+    outs = [llm.chat([c], [p])[0] for c, p in zip(convs, params)] if one_at_a_time else llm.chat(convs, params)
+    dt = time.perf_counter() - t0
+    after = llm.engine.spec_totals()
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_drafts", "num_accepted_tokens", "gated_steps")}
+    return [o.token_ids for o in outs], dt, delta
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dataset", default="mt-bench")
+    ap.add_argument("--num-prompts", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--min-tau", default="off,auto,1.5,2",
+                    help="gate thresholds, one arm each; off: no gate, auto: the device's default")
+    ap.add_argument("--concurrency", default="1,all")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1000, help="request i uses seed + i")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft", default="auto")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    temps = [float(t) for t in args.temperatures.split(",")]
+    gates = [g.strip() for g in args.min_tau.split(",")]
+    try:
+        rules = {g: EngineConfig(speculative_min_acceptance_length=g if g == "auto" else None if g == "off"
+                                 else float(g)).min_acceptance_length(torch.device(args.device)) for g in gates}
+    except ValueError:
+        ap.error(f"--min-tau takes off, auto or numbers >= 1, got {args.min_tau!r}")
+    levels = [c.strip() for c in args.concurrency.split(",")]
+    if any(c not in ("1", "all") for c in levels):
+        ap.error(f"--concurrency takes 1 and/or all, got {args.concurrency!r}")
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    kw = {"model": args.model, "device": args.device, "dtype": dtype}
+    convs = [p.messages for p in load_prompts(args.dataset, args.num_prompts)]
+    spec = LLM(draft=args.draft, speculative_min_acceptance_length=None, **kw)
+    plain = LLM(draft=None, **kw)
+    if spec.engine.spec is None:
+        raise SystemExit("no drafter loaded: pass --draft DIR")
+    results = []
+    for temp in temps:
+        params = [SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=args.seed + i)
+                  for i in range(len(convs))]
+        for level in levels:
+            one = level == "1"
+            ref, _, _ = run(plain, convs, params, one)  # warm-up and the reference tokens
+            for rep in range(args.reps):
+                for arm in ["plain"] + gates:
+                    if arm != "plain":
+                        spec.engine.spec.min_tau_rule = rules[arm]
+                    toks, dt, d = run(plain if arm == "plain" else spec, convs, params, one)
+                    n = sum(len(t) for t in toks)
+                    row = {"temperature": temp, "concurrency": level, "rep": rep,
+                           "arm": arm if arm == "plain" else f"min_tau {arm}", "tokens": n, "seconds": dt,
+                           "tok_s": n / dt, "same_as_plain": sum(a == b for a, b in zip(toks, ref))}
+                    if arm != "plain":
+                        row["tau"] = (d["num_accepted_tokens"] + d["num_drafts"]) / max(d["num_drafts"], 1)
+                        row["num_drafts"], row["gated_steps"] = d["num_drafts"], d["gated_steps"]
+                    results.append(row)
+                    extra = f", tau {row['tau']:.3f}, {row['num_drafts']} verifies, {row['gated_steps']} gated" \
+                        if "tau" in row else ""
+                    print(f"T={temp:g} c={level} rep {rep} {row['arm']:12s}: {n} tokens in {dt:.2f} s, "
+                          f"{n / dt:.1f} tok/s, same as plain {row['same_as_plain']}/{len(convs)}{extra}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

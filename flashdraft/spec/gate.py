@@ -1,0 +1,55 @@
+"""Per-request acceptance gate: stop drafting for a request whose drafts do not pay.
+
+A verify step commits tau tokens (the accepted drafts and the target's own) for the price of a
+block of rows; plain decoding commits one token for one row. Where rows are not free (a CPU, a
+large batch) a verify costs several plain steps, and a request whose tau is below that ratio runs
+slower with its drafter than without it: sampled requests on a CPU with the shipped drafter do.
+
+The gate keeps an exponential average of each request's tau over its verify steps. Once the
+request has verified `warmup` blocks and the average is below the step's threshold `min_tau`
+(on a CPU it rises with the number of running requests), it decodes without
+drafts for at least `pause` engine steps, then verifies one block again as a probe. A probe that
+leaves the average below `min_tau` doubles the pause (up to `max_pause`); one that lifts it over
+ends the pausing and resets the pause. A pause ends at a multiple of its length on the engine's
+step clock, so requests paused alike probe in the same steps: on a CPU most of a verify's price is
+paid once per step (the drafter's and the vocabulary head's weights are read once for any number of
+blocks), and scattered probes would make every step a verify step.
+
+Tokens never depend on the gate: a paused request takes the plain decode step, which draws the
+same token as a verify slot would (same sampler, same noise), and the drafter's context is
+written on that path too, so the request can draft again at any token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class AcceptanceGate:
+    weight: float = 0.25  # of the newest verify step in the average
+    warmup: int = 4  # verify steps before the first pause
+    first_pause: int = 16  # engine steps
+    max_pause: int = 64  # a pause on a passing dip costs at most this many steps of drafting
+    tau: float = 0.0  # the running average (meaningful once verifies > 0)
+    verifies: int = 0
+    pause: int = 0  # the next pause (0: first_pause)
+    resume_at: int = 0  # the engine step from which the request drafts again
+
+    def drafts(self, step: int) -> bool:
+        return step >= self.resume_at
+
+    def record(self, committed: int, step: int, min_tau: float) -> bool:
+        """A verify in engine step `step` committed `committed` tokens. Returns True when the
+        request now pauses (until the first multiple of the pause at least a pause away)."""
+        self.tau = committed if self.verifies == 0 else self.tau + self.weight * (committed - self.tau)
+        self.verifies += 1
+        if self.tau >= min_tau:
+            self.pause = self.first_pause
+            return False
+        if self.verifies < self.warmup:
+            return False
+        pause = self.pause or self.first_pause
+        self.resume_at = -(-(step + pause) // pause) * pause
+        self.pause = min(2 * pause, self.max_pause)
+        return True

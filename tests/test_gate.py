@@ -1,0 +1,145 @@
+"""The per-request acceptance gate (flashdraft/spec/gate.py): a request whose drafts do not pay
+decodes without them for a while, with the same tokens as plain decoding."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from fixtures import build_random_drafter
+from test_dflash import MIXED, install_oracle
+
+import flashdraft.config
+from flashdraft import LLM, SamplingParams
+from flashdraft.config import CPU_BREAK_EVEN  # the shipped line (tests/conftest.py turns it off)
+from flashdraft.spec.gate import AcceptanceGate
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    return LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_llama, tmp_path_factory):
+    return build_random_drafter(tmp_path_factory.mktemp("gate-draft"), tiny_llama, block_size=4)
+
+
+def test_gate_policy_by_hand():
+    """Warm-up, the running average, pauses ending on multiples of their length, doubling, the
+    reset and the cap, traced by hand (steps are the engine's step clock)."""
+    g = AcceptanceGate()  # weight 0.25, warm-up 4, pauses 16, 32, 64
+    assert g.drafts(0)
+    for step in (11, 12, 13):  # three verifies of one token each: below 2, but inside the warm-up
+        assert not g.record(1, step, 2.0) and g.drafts(step + 1)
+    assert g.record(1, 14, 2.0) and g.resume_at == 32  # the fourth pauses: 14 + 16 = 30, up to a multiple of 16
+    assert not g.drafts(31) and g.drafts(32)
+    assert g.record(4, 32, 2.0)  # the probe: 1 + 0.25 * 3 = 1.75, still below: 32 + 32 = 64
+    assert g.tau == pytest.approx(1.75) and g.resume_at == 64
+    assert not g.record(8, 64, 2.0) and g.tau == pytest.approx(1.75 + 0.25 * 6.25)  # 3.3125: drafting again
+    assert g.drafts(65)
+    assert [g.record(1, step, 2.0) for step in (65, 66, 67)] == [False, False, True]  # 2.734, 2.301, 1.976
+    assert g.resume_at == 96 and g.pause == 32  # 67 + 16 = 83 -> 96; the good verify had reset it
+    assert not g.record(1, 96, 1.5)  # the threshold is the step's: 1.732 passes 1.5
+    g.pause = 64
+    assert g.record(1, 100, 3.0)
+    assert g.resume_at == 192 and g.pause == 64  # 100 + 64 -> 192, and the cap
+
+
+def test_gate_pauses_a_request_whose_drafts_miss(tiny_llama, drafter, plain):
+    """Oracle drafts in one batch: request i's drafts go wrong at slot i (block of 4, so it commits
+    i + 1 tokens per verify). At min_tau 2 only request 0 (1 token per verify) is gated. Hand trace
+    for 60 tokens, step 1 the prefill: verifies in steps 2-5, a pause to step 32 (5 + 16 -> 32), a
+    probe there, a pause to 64 (past the end): 5 verifies and 26 + 28 gated steps."""
+    prompts = MIXED[:4]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    ref = plain.generate(prompts, params)
+    llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32",
+              speculative_min_acceptance_length=2)
+    llm.engine.spec.poison_rejected = True
+    wrong_at = {tuple(p): i for i, p in enumerate(prompts)}
+
+    def corrupt(s, d):
+        j = wrong_at[tuple(s.token_ids[: s.num_prompt_tokens])]
+        return [t if i < j else (t + 1) % 300 + 3 for i, t in enumerate(d)]
+
+    install_oracle(llm, {tuple(p): o.token_ids for p, o in zip(prompts, ref)}, corrupt)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    m = [o.metrics for o in outs]
+    assert (m[0]["num_drafts"], m[0]["gated_steps"]) == (5, 54)
+    assert m[0]["acceptance_histogram"][0] == 5
+    for i in (1, 2, 3):  # 2, 3, 4 tokens per verify: never gated
+        assert m[i]["gated_steps"] == 0 and m[i]["acceptance_histogram"][i] == m[i]["num_drafts"]
+    assert llm.engine.spec_totals()["gated_steps"] == 54
+
+
+def test_gate_lets_a_request_draft_again(tiny_llama, drafter, plain):
+    """Drafts that miss until the 20th output token, then the target's own. Step 1 prefills, steps
+    2-5 verify one token each, 6-31 are gated (outputs 6-31); the probe in step 32 commits 4
+    (average 1 + 0.25 * 3 = 1.75, over min_tau 1.5) and the request drafts to its end: outputs 35,
+    39, ..., 59, 60 in steps 33-39: 4 + 1 + 7 verifies."""
+    prompt = MIXED[2]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    ref = plain.generate([prompt], params)[0].token_ids
+    llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32",
+              speculative_min_acceptance_length=1.5)
+    install_oracle(llm, {tuple(prompt): ref},
+                   lambda s, d: d if s.num_output_tokens >= 20 else [(t + 1) % 300 + 3 for t in d])
+    out = llm.generate([prompt], params)[0]
+    assert out.token_ids == ref
+    assert (out.metrics["num_drafts"], out.metrics["gated_steps"]) == (12, 26)
+
+
+def test_gated_sampled_requests_on_the_shipped_drafter_equal_plain(smollm2, monkeypatch):
+    """The CPU default: sampled requests with the shipped drafter (tau ~1.5 at T=1) are gated, and
+    every seeded output equals plain decoding's."""
+    monkeypatch.setattr(flashdraft.config, "CPU_BREAK_EVEN", CPU_BREAK_EVEN)
+    qs = ["Write a short poem about the sea.", "Describe your ideal weekend.", "What is a hash table?"]
+    prompts = [smollm2.engine.apply_chat_template([{"role": "user", "content": q}]) for q in qs]
+    params = [SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=10 + i) for i in range(3)]
+    want = [o.token_ids for o in smollm2.generate(prompts, params)]
+    llm = LLM(device="cpu", dtype="float32")  # speculative_min_acceptance_length="auto"
+    assert llm.engine.spec.min_tau_rule(3) == pytest.approx(CPU_BREAK_EVEN[0] + 2 * CPU_BREAK_EVEN[1])
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    tot = llm.engine.spec_totals()
+    assert tot["gated_steps"] > 0 and tot["num_drafts"] > 0
+
+
+def test_auto_is_the_cpu_default_and_off_on_cuda(monkeypatch):
+    import torch
+
+    from flashdraft.config import EngineConfig
+
+    monkeypatch.setattr(flashdraft.config, "CPU_BREAK_EVEN", CPU_BREAK_EVEN)
+    assert CPU_BREAK_EVEN == (1.8, 0.12)  # RESULTS section 4 measures these
+    c = EngineConfig()
+    assert c.speculative_min_acceptance_length == "auto"
+    rule = c.min_acceptance_length(torch.device("cpu"))
+    assert rule(1) == pytest.approx(1.8) and rule(12) == pytest.approx(1.8 + 11 * 0.12)
+    assert c.min_acceptance_length(torch.device("cuda")) is None
+    assert EngineConfig(speculative_min_acceptance_length=None).min_acceptance_length(torch.device("cpu")) is None
+    fixed = EngineConfig(speculative_min_acceptance_length=3).min_acceptance_length(torch.device("cuda"))
+    assert fixed(1) == fixed(40) == 3.0
+
+
+@pytest.mark.parametrize("bad", [0.5, 0, "fast", True, float("nan"), float("inf"), [2]])
+def test_bad_min_acceptance_length_is_refused(bad):
+    from flashdraft.config import EngineConfig
+
+    with pytest.raises(ValueError, match="speculative_min_acceptance_length must be"):
+        EngineConfig(speculative_min_acceptance_length=bad)
+
+
+def test_cli_min_acceptance_length():
+    from flashdraft.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = lambda *a: engine_kwargs(p.parse_args(list(a)))["speculative_min_acceptance_length"]  # noqa: E731
+    assert kw() == "auto" and kw("--speculative-min-acceptance-length", "2.5") == 2.5
+    assert kw("--speculative-min-acceptance-length", "off") is None
+    assert kw("--speculative-min-acceptance-length", "0") is None
+    for bad in ("x", "0.5", "nan"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--speculative-min-acceptance-length", bad])
