@@ -91,6 +91,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if "acceptance_length" in m:
         line += (f", tau={m['acceptance_length']:.2f}, drafts={m['num_drafts']}, "
                  f"draft_tokens={m['num_draft_tokens']}, accepted={m['num_accepted_tokens']}")
+        if m.get("gated_steps"):
+            line += f", gated_steps={m['gated_steps']}"
     print(line + "]", file=sys.stderr)
     return 0
 
