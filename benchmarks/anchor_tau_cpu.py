@@ -88,7 +88,8 @@ def main() -> None:
         from flashdraft.bench.datasets import load_prompts
 
         convs = [p.messages for p in load_prompts(args.dataset, args.num_prompts)]
-        llm = LLM(draft=args.draft, device="cpu", dtype="float32")
+        # no acceptance gate: the engine verifies at every step, as the walk does
+        llm = LLM(draft=args.draft, device="cpu", dtype="float32", speculative_min_acceptance_length=None)
         outs = llm.chat(convs, [SamplingParams(temperature=0.0, max_tokens=args.max_tokens)] * len(convs))
         engine_tau = pooled([o.metrics for o in outs if o.metrics.get("num_drafts")])
         seqs = [(o.prompt_token_ids + o.token_ids, len(o.prompt_token_ids)) for o in outs]

@@ -44,7 +44,7 @@ def main() -> None:
         ap.error(f"--num-prompts must be at least 2 for quartiles, got {args.num_prompts}")
     convs = [p.messages for p in load_prompts(args.dataset, args.num_prompts)]
     kw = {"model": args.model, "device": args.device, "dtype": args.dtype}
-    llm = LLM(draft=args.draft, **kw)
+    llm = LLM(draft=args.draft, speculative_min_acceptance_length=None, **kw)  # no gate: the drafter's tau
     if args.min_prompt_tokens > 0:
         convs = [c for c in convs if len(llm.engine.apply_chat_template(c)) >= args.min_prompt_tokens]
         if len(convs) < 2:

@@ -64,7 +64,7 @@ def main() -> None:
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + i)
               for i in range(len(convs))]
     t0 = time.perf_counter()
-    spec = LLM(draft=args.draft, **kw)
+    spec = LLM(draft=args.draft, speculative_min_acceptance_length=None, **kw)  # every step drafts
     print(f"engine with the drafter ready in {time.perf_counter() - t0:.1f} s (graphs captured)", flush=True)
     plain = LLM(draft=None, **kw)
     if spec.engine.spec is None:

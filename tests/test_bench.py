@@ -127,14 +127,16 @@ def test_per_token_itl_splits_bursts_evenly():
 
 def test_spec_counters_delta_and_sum():
     before = {"num_drafts": 2, "num_draft_tokens": 14, "num_accepted_tokens": 3,
-              "accepted_per_position": [2, 1, 0], "acceptance_histogram": [0, 1, 1, 0]}
+              "accepted_per_position": [2, 1, 0], "acceptance_histogram": [0, 1, 1, 0], "gated_steps": 1}
     after = {"num_drafts": 6, "num_draft_tokens": 42, "num_accepted_tokens": 9,
-             "accepted_per_position": [6, 2, 1], "acceptance_histogram": [1, 1, 3, 1]}
+             "accepted_per_position": [6, 2, 1], "acceptance_histogram": [1, 1, 3, 1], "gated_steps": 5}
     d = spec_delta(before, after)
-    assert d["num_drafts"] == 4 and d["acceptance_length"] == pytest.approx((6 + 4) / 4)
+    assert d["num_drafts"] == 4 and d["acceptance_length"] == pytest.approx((6 + 4) / 4) and d["gated_steps"] == 4
     assert d["acceptance_rate_per_position"] == [1.0, 0.25, 0.25] and d["acceptance_histogram"] == [1, 0, 2, 1]
     s = sum_spec([before, d])
-    assert s["num_accepted_tokens"] == 9 and s["accepted_per_position"] == [6, 2, 1]
+    assert s["num_accepted_tokens"] == 9 and s["accepted_per_position"] == [6, 2, 1] and s["gated_steps"] == 5
+    remote = {"num_drafts": 1, "num_draft_tokens": 7, "num_accepted_tokens": 0, "gated_steps": None}  # no gate there
+    assert sum_spec([d, remote])["gated_steps"] == 4
     assert spec_delta({}, {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0})[
         "acceptance_length"] is None
 
@@ -212,6 +214,7 @@ def test_end_to_end_in_process(spec_engine, tmp_path, capsys):
         assert spec["num_drafts"] > 0 and len(spec["acceptance_rate_per_position"]) == 7
         assert sum(spec["acceptance_histogram"]) == spec["num_drafts"]
         assert spec["num_drafts"] == sum(r["spec"]["num_drafts"] for r in dflash["requests"])  # no warm-up
+        assert spec["gated_steps"] == sum(r["spec"]["gated_steps"] for r in dflash["requests"])
         assert spec["acceptance_length"] == pytest.approx(1 + spec["num_accepted_tokens"] / spec["num_drafts"])
     for name in ("bench.json", "throughput.png", "speedup.png", "tau.png", "acceptance.png"):
         assert (out / name).stat().st_size > 1000, name

@@ -65,10 +65,12 @@ def format_report(result: dict) -> str:
     specs = [(c, s) for c, s in specs if s and s.get("num_drafts")]
     if specs:
         npos = max(len(s["acceptance_rate_per_position"]) for _, s in specs)
-        out += ["", "DFlash per-position acceptance rate (fraction of verify steps that accepted draft i):",
-                table(["conc", "tau", "drafts", *(f"pos {i + 1}" for i in range(npos))],
+        out += ["", "DFlash per-position acceptance rate (fraction of verify steps that accepted draft i; gated: "
+                    "request steps decoded without drafts by the acceptance gate, not in tau):",
+                table(["conc", "tau", "drafts", "gated", *(f"pos {i + 1}" for i in range(npos))],
                       [[str(c), fmt(s["acceptance_length"], ".2f"), str(s["num_drafts"]),
-                        *(fmt(x, ".3f") for x in s["acceptance_rate_per_position"])] for c, s in specs])]
+                        str(s.get("gated_steps") or 0), *(fmt(x, ".3f") for x in s["acceptance_rate_per_position"])]
+                       for c, s in specs])]
         hists = [(c, s) for c, s in specs if s.get("acceptance_histogram")]
         if hists:
             nh = max(len(s["acceptance_histogram"]) for _, s in hists)

@@ -126,7 +126,7 @@ def request_result(index: int, seq: Sequence, engine: LLMEngine, speculative: bo
     spec = None
     if speculative and "num_drafts" in m:
         spec = {k: m[k] for k in ("acceptance_length", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                                  "accepted_per_position", "acceptance_histogram")}
+                                  "accepted_per_position", "acceptance_histogram", "gated_steps")}
     return RequestResult(index=index, prompt_tokens=seq.num_prompt_tokens, output_tokens=seq.num_output_tokens,
                          ttft_s=m.get("ttft_s"), e2e_s=m["e2e_s"],
                          chunk_times_s=[t - seq.arrival_time for t in times], chunk_tokens=counts,

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "gated_steps")
 SPEC_LISTS = ("accepted_per_position", "acceptance_histogram")
 
 
@@ -88,7 +88,7 @@ def distribution_ms(values_s: list[float]) -> dict:
 
 def spec_delta(before: dict, after: dict) -> dict:
     """Drafting counters accumulated between two `spec_totals()` snapshots, with tau and rates."""
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
+    d = {k: (after.get(k) or 0) - (before.get(k) or 0) for k in SPEC_COUNTERS}
     for k in SPEC_LISTS:
         a, b = list(after.get(k) or []), list(before.get(k) or [])
         b += [0] * (len(a) - len(b))
@@ -100,7 +100,7 @@ def sum_spec(items: list[dict]) -> dict:
     total: dict = {k: 0 for k in SPEC_COUNTERS} | {k: [] for k in SPEC_LISTS}
     for m in items:
         for k in SPEC_COUNTERS:
-            total[k] += m.get(k, 0)
+            total[k] += m.get(k) or 0  # servers without the acceptance gate report no gated_steps
         for k in SPEC_LISTS:
             a, b = total[k], list(m.get(k) or [])
             n = max(len(a), len(b))
