@@ -1,9 +1,10 @@
 """The per-request acceptance gate (speculative_min_acceptance_length), side by side in one process:
 the same prompts, seeds and temperature through a plain engine and through one engine with the
 drafter whose gate rule is switched between arms, interleaved over --reps rounds. Arms: "off" (draft
-at every step), "auto" (the engine's default for the device: on a CPU the threshold grows with the
-running requests, config.CPU_BREAK_EVEN) or a fixed threshold. Per arm: output tok/s, tau, gated
-steps, and how many outputs equal plain decoding's (in float32 all of them must).
+at every step), "auto" (the engine's default for the device: on a CPU sampled requests are gated at a
+threshold that grows with the running requests, config.CPU_BREAK_EVEN) or a fixed threshold for every
+request. Per arm: output tok/s, tau, gated steps, and how many outputs equal plain decoding's (in
+float32 all of them must).
 
     python benchmarks/acceptance_gate.py [--dataset mt-bench] [--num-prompts 12] [--max-tokens 128]
         [--temperatures 0,1] [--min-tau off,auto,1.5,2] [--concurrency 1,all] [--reps 2]
@@ -14,23 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
+from sampled_drafts import arm_row, run  # benchmarks/ is on the path when this script runs
 
 from flashdraft import LLM, SamplingParams
 from flashdraft.bench.datasets import load_prompts
 from flashdraft.config import EngineConfig
-
-
-def run(llm: LLM, convs: list, params: list, one_at_a_time: bool) -> tuple[list, float, dict]:
-    before = llm.engine.spec_totals()
-    t0 = time.perf_counter()
-    outs = [llm.chat([c], [p])[0] for c, p in zip(convs, params)] if one_at_a_time else llm.chat(convs, params)
-    dt = time.perf_counter() - t0
-    after = llm.engine.spec_totals()
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_drafts", "num_accepted_tokens", "gated_steps")}
-    return [o.token_ids for o in outs], dt, delta
 
 
 def main() -> None:
@@ -79,18 +70,14 @@ def main() -> None:
                     if arm != "plain":
                         spec.engine.spec.min_tau_rule = rules[arm]
                     toks, dt, d = run(plain if arm == "plain" else spec, convs, params, one)
-                    n = sum(len(t) for t in toks)
-                    row = {"temperature": temp, "concurrency": level, "rep": rep,
-                           "arm": arm if arm == "plain" else f"min_tau {arm}", "tokens": n, "seconds": dt,
-                           "tok_s": n / dt, "same_as_plain": sum(a == b for a, b in zip(toks, ref))}
-                    if arm != "plain":
-                        row["tau"] = (d["num_accepted_tokens"] + d["num_drafts"]) / max(d["num_drafts"], 1)
-                        row["num_drafts"], row["gated_steps"] = d["num_drafts"], d["gated_steps"]
+                    label = arm if arm == "plain" else f"min_tau {arm}"
+                    row = arm_row(label, toks, dt, d, ref, temperature=temp, concurrency=level, rep=rep)
                     results.append(row)
                     extra = f", tau {row['tau']:.3f}, {row['num_drafts']} verifies, {row['gated_steps']} gated" \
                         if "tau" in row else ""
-                    print(f"T={temp:g} c={level} rep {rep} {row['arm']:12s}: {n} tokens in {dt:.2f} s, "
-                          f"{n / dt:.1f} tok/s, same as plain {row['same_as_plain']}/{len(convs)}{extra}", flush=True)
+                    print(f"T={temp:g} c={level} rep {rep} {label:12s}: {row['tokens']} tokens in {dt:.2f} s, "
+                          f"{row['tok_s']:.1f} tok/s, same as plain {row['same_as_plain']}/{len(convs)}{extra}",
+                          flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)

@@ -21,9 +21,12 @@ import time
 
 from flashdraft import LLM, SamplingParams
 from flashdraft.bench.datasets import load_prompts
+from flashdraft.bench.stats import spec_delta
 
 
 def run(llm: LLM, convs: list, params: list, one_at_a_time: bool) -> tuple[list, float, dict]:
+    """Token ids of every request, the wall seconds, and the drafting counters of the run
+    (flashdraft.bench.stats.spec_delta: tau, per-position rates, gated steps)."""
     before = llm.engine.spec_totals()
     t0 = time.perf_counter()
     if one_at_a_time:
@@ -31,11 +34,18 @@ def run(llm: LLM, convs: list, params: list, one_at_a_time: bool) -> tuple[list,
     else:
         outs = llm.chat(convs, params)
     dt = time.perf_counter() - t0
-    after = llm.engine.spec_totals()
-    delta = {k: after[k] - before[k] for k in ("num_drafts", "num_accepted_tokens")}
-    delta["accepted_per_position"] = [a - b for a, b in zip(after["accepted_per_position"],
-                                                             before["accepted_per_position"])]
-    return [o.token_ids for o in outs], dt, delta
+    return [o.token_ids for o in outs], dt, spec_delta(before, llm.engine.spec_totals())
+
+
+def arm_row(arm: str, toks: list, dt: float, delta: dict, ref: list, **keys) -> dict:
+    """One arm's row: tokens, tok/s, outputs equal to the reference's, and with drafts tau."""
+    n = sum(len(t) for t in toks)
+    row = {**keys, "arm": arm, "tokens": n, "seconds": dt, "tok_s": n / dt,
+           "same_as_plain": sum(a == b for a, b in zip(toks, ref))}
+    if delta["num_drafts"]:
+        row.update(tau=delta["acceptance_length"], num_drafts=delta["num_drafts"], gated_steps=delta["gated_steps"],
+                   accept_rate_per_position=[round(x, 4) for x in delta["acceptance_rate_per_position"]])
+    return row
 
 
 def main() -> None:
@@ -78,17 +88,11 @@ def main() -> None:
                 if arm != "plain":
                     spec.engine.spec.draw_sampled = arm == "drawn"
                 toks, dt, d = run(plain if arm == "plain" else spec, convs, params, one)
-                n = sum(len(t) for t in toks)
-                row = {"concurrency": level, "rep": rep, "arm": arm, "tokens": n, "seconds": dt, "tok_s": n / dt,
-                       "same_as_plain": sum(a == b for a, b in zip(toks, ref))}
-                if arm != "plain":
-                    row["tau"] = (d["num_accepted_tokens"] + d["num_drafts"]) / d["num_drafts"]
-                    row["accept_rate_per_position"] = [round(a / d["num_drafts"], 4)
-                                                       for a in d["accepted_per_position"]]
+                row = arm_row(arm, toks, dt, d, ref, concurrency=level, rep=rep)
                 results.append(row)
                 tau = f", tau {row['tau']:.3f}, per position {row['accept_rate_per_position'][:4]}" \
                     if "tau" in row else ""
-                print(f"c={level} rep {rep} {arm:6s}: {n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s, "
+                print(f"c={level} rep {rep} {arm:6s}: {row['tokens']} tokens in {dt:.2f} s, {row['tok_s']:.1f} tok/s, "
                       f"same as plain {row['same_as_plain']}/{len(convs)}{tau}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -9,10 +9,12 @@ from typing import Any
 
 import torch
 
-# The tau below which a request's drafts cost more than they save on a CPU, with n requests running:
-# a + b * (n - 1), a line through the break-even points measured on a 2-core CPU (fp32, MT-Bench, one
-# request and 12 at once; benchmarks/RESULTS.md section 4). Verify rows are real work on a CPU.
-CPU_BREAK_EVEN: tuple[float, float] | None = (1.8, 0.12)
+# The acceptance gate's threshold for sampled requests on a CPU with n requests running: a + b * (n - 1).
+# Drafts stop paying at tau ~1.8-1.9 with one request and ~3.1-3.9 with 12 on a 2-core CPU (fp32,
+# MT-Bench, T=0-1; benchmarks/RESULTS.md section 4): verify rows are real work there. The line starts
+# lower, since a request's recent tau dips under its mean. Greedy requests are not gated by default:
+# the shipped drafter's greedy tau is over the break-even one at a time, and gating them lost there.
+CPU_BREAK_EVEN: tuple[float, float] | None = (1.5, 0.15)
 
 
 @dataclass
@@ -32,7 +34,8 @@ class EngineConfig:
     # steps, drafter context kept current); None: always speculate
     speculative_disable_batch_size: int | None = None
     # per request: decode without drafts for a while when its recent tau (tokens per verify) falls
-    # below this (spec/gate.py); "auto": CPU_BREAK_EVEN on a CPU, never on CUDA; None: never
+    # below this (spec/gate.py); "auto": CPU_BREAK_EVEN for sampled requests on a CPU, else never;
+    # a number: that threshold for every request; None: never
     speculative_min_acceptance_length: float | str | None = "auto"
     seed: int = 0
     attention_backend: str = "auto"  # "auto": triton on CUDA when it imports, else torch
@@ -68,16 +71,16 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
-    def min_acceptance_length(self, device: torch.device) -> Callable[[int], float] | None:
-        """The acceptance gate's threshold as a function of the number of running requests, or
-        None for no gate."""
+    def min_acceptance_length(self, device: torch.device) -> Callable[[int, float], float | None] | None:
+        """The acceptance gate's threshold as a function of (running requests, the request's
+        temperature), None for a request it does not gate; or None for no gate at all."""
         m = self.speculative_min_acceptance_length
         if m == "auto":
             if device.type != "cpu" or CPU_BREAK_EVEN is None:
                 return None
             a, b = CPU_BREAK_EVEN
-            return lambda num_running: a + b * (num_running - 1)
-        return None if m is None else lambda num_running, m=float(m): m
+            return lambda num_running, temperature: a + b * (num_running - 1) if temperature > 0 else None
+        return None if m is None else lambda num_running, temperature, m=float(m): m
 
     def resolved_attention_backend(self, device: torch.device) -> str:
         if self.attention_backend not in ("auto", "torch", "triton"):

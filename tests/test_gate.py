@@ -93,17 +93,22 @@ def test_gate_lets_a_request_draft_again(tiny_llama, drafter, plain):
 
 def test_gated_sampled_requests_on_the_shipped_drafter_equal_plain(smollm2, monkeypatch):
     """The CPU default: sampled requests with the shipped drafter (tau ~1.5 at T=1) are gated, and
-    every seeded output equals plain decoding's."""
+    every seeded output equals plain decoding's; greedy ones draft at every step."""
     monkeypatch.setattr(flashdraft.config, "CPU_BREAK_EVEN", CPU_BREAK_EVEN)
     qs = ["Write a short poem about the sea.", "Describe your ideal weekend.", "What is a hash table?"]
     prompts = [smollm2.engine.apply_chat_template([{"role": "user", "content": q}]) for q in qs]
     params = [SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=10 + i) for i in range(3)]
     want = [o.token_ids for o in smollm2.generate(prompts, params)]
     llm = LLM(device="cpu", dtype="float32")  # speculative_min_acceptance_length="auto"
-    assert llm.engine.spec.min_tau_rule(3) == pytest.approx(CPU_BREAK_EVEN[0] + 2 * CPU_BREAK_EVEN[1])
+    assert llm.engine.spec.min_tau_rule(3, 1.0) == pytest.approx(CPU_BREAK_EVEN[0] + 2 * CPU_BREAK_EVEN[1])
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     tot = llm.engine.spec_totals()
     assert tot["gated_steps"] > 0 and tot["num_drafts"] > 0
+    # greedy requests are not gated by default, whatever their tau
+    greedy = [SamplingParams(max_tokens=64, ignore_eos=True)] * 3
+    outs = llm.generate(prompts, greedy)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in smollm2.generate(prompts, greedy)]
+    assert all(o.metrics["gated_steps"] == 0 and o.metrics["num_drafts"] > 0 for o in outs)
 
 
 def test_auto_is_the_cpu_default_and_off_on_cuda(monkeypatch):
@@ -112,15 +117,16 @@ def test_auto_is_the_cpu_default_and_off_on_cuda(monkeypatch):
     from flashdraft.config import EngineConfig
 
     monkeypatch.setattr(flashdraft.config, "CPU_BREAK_EVEN", CPU_BREAK_EVEN)
-    assert CPU_BREAK_EVEN == (1.8, 0.12)  # RESULTS section 4 measures these
+    assert CPU_BREAK_EVEN == (1.5, 0.15)  # RESULTS section 4 measures these
     c = EngineConfig()
     assert c.speculative_min_acceptance_length == "auto"
     rule = c.min_acceptance_length(torch.device("cpu"))
-    assert rule(1) == pytest.approx(1.8) and rule(12) == pytest.approx(1.8 + 11 * 0.12)
+    assert rule(1, 1.0) == pytest.approx(1.5) and rule(12, 0.7) == pytest.approx(1.5 + 11 * 0.15)
+    assert rule(1, 0.0) is None and rule(12, 0.0) is None  # greedy requests: no gate by default
     assert c.min_acceptance_length(torch.device("cuda")) is None
     assert EngineConfig(speculative_min_acceptance_length=None).min_acceptance_length(torch.device("cpu")) is None
     fixed = EngineConfig(speculative_min_acceptance_length=3).min_acceptance_length(torch.device("cuda"))
-    assert fixed(1) == fixed(40) == 3.0
+    assert fixed(1, 0.0) == fixed(40, 1.0) == 3.0
 
 
 @pytest.mark.parametrize("bad", [0.5, 0, "fast", True, float("nan"), float("inf"), [2]])

@@ -1,7 +1,8 @@
 """The DFlash step, for a continuously batched set of requests. Read top to bottom:
 
 1. schedule: a decoding request with speculation on asks for B slots (its last committed token,
-   still without K/V, plus B-1 drafts); prefill chunks and plain requests ask as usual.
+   still without K/V, plus B-1 drafts); prefill chunks and plain requests ask as usual, and so do
+   requests whose acceptance gate has paused their drafts (spec/gate.py).
 2. draft: one non-causal drafter forward over `[x_start, MASK x (B-1)]` per verifying request,
    attending to the context K/V of every committed position; argmax of slots 1..B-1 (sampled
    requests: drawn with the noise the target will draw that position's token with, see
@@ -122,9 +123,9 @@ class DFlashSpeculator:
         self.draw_sampled = True  # False: sampled requests draft the argmax too (A/B measurements)
         self.pause_at = engine.config.speculative_disable_batch_size
         self.paused = False  # this step decodes without drafts (too many requests running)
-        # the per-request acceptance gate: its threshold given the running requests, the step's value, its clock
+        # the per-request acceptance gate: its threshold given (running requests, temperature), its clock
         self.min_tau_rule = engine.config.min_acceptance_length(engine.device)
-        self.min_tau: float | None = None
+        self.num_running = 0
         self.steps = 0
         if runner.backend_name == "triton" and engine.device.type == "cuda":  # ragged steps draft eagerly
             from flashdraft.attention.triton_paged import compile_variants
@@ -205,9 +206,8 @@ class DFlashSpeculator:
     def step(self) -> list[Sequence]:
         eng = self.engine
         self.steps += 1
-        running = len(eng.scheduler.running)
-        self.paused = self.pause_at is not None and running >= self.pause_at
-        self.min_tau = None if self.min_tau_rule is None else self.min_tau_rule(max(running, 1))
+        self.num_running = len(eng.scheduler.running)
+        self.paused = self.pause_at is not None and self.num_running >= self.pause_at
         self.stats.paused_steps += self.paused
         batch = eng.scheduler.schedule(self.lookahead)
         eng.stats["num_preemptions"] += len(batch.preempted)
@@ -491,15 +491,20 @@ class DFlashSpeculator:
             eng.append_tokens(s, target[: a + 1])
             advanced.append(s)
             if not s.is_finished:
-                if self.min_tau is not None:
-                    if not hasattr(s, "spec_gate"):
-                        s.spec_gate = AcceptanceGate()
-                    s.spec_gate.record(a + 1, self.steps, self.min_tau)
+                if self.min_tau_rule is not None:
+                    self._gate(s, a + 1)
                 if self.poison_rejected:
                     self._poison_tail(s, start + p.n)
                 eng.block_manager.truncate(s.seq_id, s.num_computed_tokens)
         eng.stats["num_steps"] += 1
         return advanced
+
+    def _gate(self, seq: Sequence, committed: int) -> None:
+        min_tau = self.min_tau_rule(max(self.num_running, 1), seq.params.temperature)
+        if min_tau is not None:
+            if not hasattr(seq, "spec_gate"):
+                seq.spec_gate = AcceptanceGate()
+            seq.spec_gate.record(committed, self.steps, min_tau)
 
     # ---- test support: make any read of rejected state visible ----------------------------
     def _poison_tail(self, seq: Sequence, end: int) -> None:
