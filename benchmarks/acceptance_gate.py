@@ -13,33 +13,20 @@ float32 all of them must).
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
-from sampled_drafts import arm_row, run  # benchmarks/ is on the path when this script runs
+from sampled_drafts import arm_parser, arm_row, arm_setup, run  # benchmarks/ is on the path when this script runs
 
 from flashdraft import LLM, SamplingParams
-from flashdraft.bench.datasets import load_prompts
 from flashdraft.config import EngineConfig
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dataset", default="mt-bench")
-    ap.add_argument("--num-prompts", type=int, default=12)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap = arm_parser()
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--min-tau", default="off,auto,1.5,2",
                     help="gate thresholds, one arm each; off: no gate, auto: the device's default")
-    ap.add_argument("--concurrency", default="1,all")
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=1000, help="request i uses seed + i")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--draft", default="auto")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     temps = [float(t) for t in args.temperatures.split(",")]
     gates = [g.strip() for g in args.min_tau.split(",")]
@@ -48,12 +35,7 @@ def main() -> None:
                                  else float(g)).min_acceptance_length(torch.device(args.device)) for g in gates}
     except ValueError:
         ap.error(f"--min-tau takes off, auto or numbers >= 1, got {args.min_tau!r}")
-    levels = [c.strip() for c in args.concurrency.split(",")]
-    if any(c not in ("1", "all") for c in levels):
-        ap.error(f"--concurrency takes 1 and/or all, got {args.concurrency!r}")
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    kw = {"model": args.model, "device": args.device, "dtype": dtype}
-    convs = [p.messages for p in load_prompts(args.dataset, args.num_prompts)]
+    levels, kw, convs = arm_setup(ap, args)
     spec = LLM(draft=args.draft, speculative_min_acceptance_length=None, **kw)
     plain = LLM(draft=None, **kw)
     if spec.engine.spec is None:

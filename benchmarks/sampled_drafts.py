@@ -24,6 +24,33 @@ from flashdraft.bench.datasets import load_prompts
 from flashdraft.bench.stats import spec_delta
 
 
+def arm_parser() -> argparse.ArgumentParser:
+    """The options every side-by-side script here takes (prompts, arms' reps, engine)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dataset", default="mt-bench")
+    ap.add_argument("--num-prompts", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", default="1,all")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1000, help="request i uses seed + i")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft", default="auto")
+    ap.add_argument("--json", default=None)
+    return ap
+
+
+def arm_setup(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], dict, list]:
+    """Concurrency levels, the engines' keyword arguments and the conversations."""
+    levels = [c.strip() for c in args.concurrency.split(",")]
+    if any(c not in ("1", "all") for c in levels):
+        ap.error(f"--concurrency takes 1 and/or all, got {args.concurrency!r}")
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    kw = {"model": args.model, "device": args.device, "dtype": dtype}
+    return levels, kw, [p.messages for p in load_prompts(args.dataset, args.num_prompts)]
+
+
 def run(llm: LLM, convs: list, params: list, one_at_a_time: bool) -> tuple[list, float, dict]:
     """Token ids of every request, the wall seconds, and the drafting counters of the run
     (flashdraft.bench.stats.spec_delta: tau, per-position rates, gated steps)."""
@@ -49,28 +76,12 @@ def arm_row(arm: str, toks: list, dt: float, delta: dict, ref: list, **keys) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dataset", default="mt-bench")
-    ap.add_argument("--num-prompts", type=int, default=12)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap = arm_parser()
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--concurrency", default="1,all")
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=1000, help="request i uses seed + i")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--draft", default="auto")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.temperature <= 0:
         ap.error(f"--temperature must be above 0 (greedy requests draft the argmax either way), got {args.temperature}")
-    levels = [c.strip() for c in args.concurrency.split(",")]
-    if any(c not in ("1", "all") for c in levels):
-        ap.error(f"--concurrency takes 1 and/or all, got {args.concurrency!r}")
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-    kw = {"model": args.model, "device": args.device, "dtype": dtype}
-    convs = [p.messages for p in load_prompts(args.dataset, args.num_prompts)]
+    levels, kw, convs = arm_setup(ap, args)
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + i)
               for i in range(len(convs))]
     t0 = time.perf_counter()
