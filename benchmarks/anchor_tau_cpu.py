@@ -14,16 +14,27 @@ For each answer, run(p) = 1 + the drafts of the block anchored at p that a greed
   miss), binned by the target's own top-1 probability at that position: each bin's share of them, its
   acceptance, and its share of the misses (where the target itself is unsure, a drafter must match a
   near-tie).
+- trees (with `--trees`): the walk a verify of a token tree would make with the same drafter. A tree of
+  widths c1,c2,... holds every sequence whose slot k is one of the drafter's c_k most likely tokens
+  there (one forward of the drafter as now; the block's slots are scored independently, so the tree is
+  their product). It commits the leading slots whose answer token is among the slot's candidates, plus
+  one; it verifies sum over depths d of c1 x ... x c_d draft rows instead of B - 1. A simulation on the
+  greedy answers (their tokens are what any lossless verify commits), not an engine feature.
+  `--tree-budgets N,...`: best-first trees of N draft rows instead, the N sequences of the block with the
+  highest product of the drafter's slot probabilities (over its 16 most likely tokens a slot), as
+  EAGLE-2 builds its trees: every prefix of a chosen sequence is chosen too.
 `--samples F` scores saved {prompt_ids, response_ids} lines (e.g. training data) instead of
 generating; the engine and walk columns then come from the walk alone.
 
     python benchmarks/anchor_tau_cpu.py --dataset mt-bench --num-prompts 16 --max-tokens 256
     python benchmarks/anchor_tau_cpu.py --samples data.jsonl.xz --num-prompts 16 --max-tokens 256
+    python benchmarks/anchor_tau_cpu.py --dataset mt-bench --trees "2;4;2,2;4,2,2"
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 
 import torch
@@ -36,11 +47,93 @@ from flashdraft.train.loss import block_attention_mask, draft_hidden
 from flashdraft.train.trainer import target_features
 
 BINS = (0.3, 0.5, 0.7, 0.9, 1.0)  # upper edges of the bins of the target's top-1 probability
+BEST_FIRST_WIDTH = 16  # a best-first tree picks among the drafter's most likely tokens of each slot
 
 
-def runs(drafter, target, lm_head, embed, ids: list[int], start: int, block: int) -> tuple[list[int], list[float]]:
+def parse_trees(text: str, block: int | None = None) -> list[tuple[int, ...]]:
+    """'2;4,2' -> [(2, 1, ...), (4, 2, 1, ...)], one width per draft slot (B - 1 of them, 1 where not
+    given; without a block size, the widths as given)."""
+    trees = []
+    for part in filter(None, (t.strip() for t in text.split(";"))):
+        try:
+            widths = tuple(int(w) for w in part.split(","))
+        except ValueError:
+            raise ValueError(f"a tree is widths separated by commas, got {part!r}") from None
+        if min(widths) < 1:
+            raise ValueError(f"a tree's widths are 1 or more, got {part!r}")
+        if block is not None:
+            if len(widths) > block - 1:
+                raise ValueError(f"a tree has at most one width per draft slot ({block - 1}), got {part!r}")
+            widths += (1,) * (block - 1 - len(widths))
+        trees.append(widths)
+    return trees
+
+
+def tree_rows(widths: tuple[int, ...]) -> int:
+    """Draft rows a verify of the product tree checks: sum over depths of the widths' running product."""
+    rows, paths = 0, 1
+    for w in widths:
+        paths *= w
+        rows += paths
+    return rows
+
+
+def tree_runs(top: torch.Tensor, widths: tuple[int, ...], ids: list[int], start: int) -> list[int]:
+    """run(p) under the product tree: leading slots whose answer token is among that slot's candidates
+    (top[n, k - 1, :width_k], the drafter's most likely tokens first), + 1, capped at the answer's end."""
+    out = []
+    for n, p in enumerate(range(start, start + top.shape[0])):
+        r = 1
+        for k, w in enumerate(widths, start=1):
+            if p + k >= len(ids) or ids[p + k] not in top[n, k - 1, :w].tolist():
+                break
+            r += 1
+        out.append(r)
+    return out
+
+
+def best_first_runs(top: torch.Tensor, prob: torch.Tensor, budget: int, ids: list[int], start: int) -> list[int]:
+    """run(p) under the best-first tree of `budget` nodes at each anchor: nodes are rank paths (r1, .., rd),
+    the slot-d token top[n, d - 1, r_d], in decreasing order of the product of their slot probabilities
+    prob[n, d - 1, r_d] (each slot's ranks sorted, so a node's children and later siblings never come first)."""
+    out = []
+    width = top.shape[-1]
+    for n, p in enumerate(range(start, start + top.shape[0])):
+        pr = prob[n].tolist()
+        heap, tree = [(-pr[0][0], (0,))], set()
+        while heap and len(tree) < budget:
+            neg, path = heapq.heappop(heap)
+            tree.add(path)
+            if path[-1] + 1 < width:  # the next sibling
+                heapq.heappush(heap, (neg / pr[len(path) - 1][path[-1]] * pr[len(path) - 1][path[-1] + 1],
+                                      path[:-1] + (path[-1] + 1,)))
+            if len(path) < len(pr):  # the first child
+                heapq.heappush(heap, (neg * pr[len(path)][0], path + (0,)))
+        r, path = 1, ()
+        for k in range(1, len(pr) + 1):
+            row = top[n, k - 1].tolist()
+            if p + k >= len(ids) or ids[p + k] not in row or path + (row.index(ids[p + k]),) not in tree:
+                break
+            path += (row.index(ids[p + k]),)
+            r += 1
+        out.append(r)
+    return out
+
+
+def walk(r: list[int]) -> tuple[int, int]:
+    """Tokens committed and verify steps of the walk from the first answer token: p <- p + run(p)."""
+    p = steps = 0
+    while p < len(r):
+        steps += 1
+        p += r[p]
+    return p, steps
+
+
+def runs(drafter, target, lm_head, embed, ids: list[int], start: int, block: int,
+         width: int = 1) -> tuple[list[int], list[float], torch.Tensor, torch.Tensor]:
     """run(p) for every anchor p in [start, len(ids) - 1): leading correct drafts + 1, capped at the answer's end;
-    and conf[q], the target's own probability of its top choice for token q (from its logits at q - 1)."""
+    conf[q], the target's own probability of its top choice for token q (from its logits at q - 1); and the
+    drafter's `width` most likely tokens at every anchor's slots [N, B - 1, width] with their probabilities."""
     x = torch.tensor([ids])
     taps, logits = target_features(target, x, torch.tensor([len(ids)]),
                                    [i + 1 for i in drafter.spec.target_layer_ids], None, True)
@@ -52,16 +145,8 @@ def runs(drafter, target, lm_head, embed, ids: list[int], start: int, block: int
         blocks[:, :, 0] = x[0, anchors]
         mask = block_attention_mask(anchors, valid, len(ids), block)
         h = draft_hidden(drafter, taps, F.embedding(blocks.flatten(1), embed), anchors, mask, groups=0)
-        pred = (h.view(-1, block, h.shape[-1])[:, 1:] @ lm_head.T).argmax(-1)  # [N, B-1]
-    out = []
-    for n, p in enumerate(anchors[0].tolist()):
-        r = 1
-        for k in range(1, block):
-            if p + k >= len(ids) or pred[n, k - 1].item() != ids[p + k]:
-                break
-            r += 1
-        out.append(r)
-    return out, conf
+        prob, top = (h.view(-1, block, h.shape[-1])[:, 1:] @ lm_head.T).softmax(-1).topk(width, -1)  # [N, B-1, width]
+    return tree_runs(top, (1,) * (block - 1), ids, start), conf, top, prob
 
 
 def main() -> None:
@@ -71,8 +156,17 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--draft", default="auto")
+    ap.add_argument("--trees", default="", help="token trees to simulate, ';'-separated widths per slot: '2;4,2'")
+    ap.add_argument("--tree-budgets", default="", help="best-first trees of these many draft rows: '16,32,64'")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    try:
+        parse_trees(args.trees)  # widths checked before minutes of generation; their count once B is known
+        budgets = [int(b) for b in args.tree_budgets.split(",") if b.strip()]
+    except ValueError as e:
+        ap.error(f"--trees / --tree-budgets: {e}")
+    if any(b < 1 for b in budgets):
+        ap.error(f"--tree-budgets are 1 or more rows, got {args.tree_budgets!r}")
     from transformers import AutoModelForCausalLM
 
     folder = resolve_model_dir(None)
@@ -107,11 +201,23 @@ def main() -> None:
     drafter = load_drafter(draft_dir, cfg, torch.device("cpu"), torch.float32)
     drafter.setup(max(len(s) for s, _ in seqs) + drafter.spec.block_size + 1)
     block = drafter.spec.block_size
+    try:
+        trees = parse_trees(args.trees, block)
+    except ValueError as e:
+        ap.error(f"--trees: {e}")
+    tree_walks = [[0, 0] for _ in trees + budgets]  # per tree: tokens committed, verify steps
     walk_tok = walk_steps = uni_sum = uni_n = 0
     per_slot_hits = [0] * block
     tested = [[0, 0] for _ in BINS]  # per bin of the target's confidence: drafts a verify checks, drafts accepted
     for ids, plen in seqs:
-        r, conf = runs(drafter, target, lm_head, embed, ids, plen, block)
+        r, conf, top, prob = runs(drafter, target, lm_head, embed, ids, plen, block,
+                                  max([max(t) for t in trees] + [BEST_FIRST_WIDTH] * bool(budgets), default=1))
+        for t, acc in zip(trees + budgets, tree_walks):
+            tr = tree_runs(top, t, ids, plen) if isinstance(t, tuple) else best_first_runs(
+                top[..., :BEST_FIRST_WIDTH], prob[..., :BEST_FIRST_WIDTH], t, ids, plen)
+            tok, steps = walk(tr)
+            acc[0] += tok
+            acc[1] += steps
         p = 0
         while p < len(r):
             walk_steps += 1
@@ -135,7 +241,12 @@ def main() -> None:
            "walk_by_target_confidence": [
                {"upto": hi, "share": n / max(1, sum(t[0] for t in tested)), "drafts": n,
                 "accepted": a / max(1, n), "share_of_misses": (n - a) / max(1, sum(t[0] - t[1] for t in tested))}
-               for hi, (n, a) in zip(BINS, tested)]}
+               for hi, (n, a) in zip(BINS, tested)],
+           # token trees: the walk's tau and the draft rows each verify checks (linear: B - 1)
+           "trees": [{"widths": list(t), "draft_rows": tree_rows(t), "walk_tau": tok / steps}
+                     for t, (tok, steps) in zip(trees, tree_walks)]
+           + [{"best_first": b, "draft_rows": b, "walk_tau": tok / steps}
+              for b, (tok, steps) in zip(budgets, tree_walks[len(trees):])]}
     print(json.dumps(res, indent=1))
     if args.json:
         with open(args.json, "w") as f:
