@@ -26,6 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA")
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="drafts verified per step, 1 to the drafter's block size - 1 (default: all of them)")
+    p.add_argument("--speculative-tree-size", type=int, default=None, metavar="N",
+                   help="verify a token tree of N drafts per step, the drafter's N most likely continuations of "
+                        "its block, instead of its chain (1-63; default: the chain)")
     p.add_argument("--speculative-disable-batch-size", type=int, default=None, metavar="N",
                    help="decode without drafts in steps where at least N requests are running")
     p.add_argument("--speculative-min-acceptance-length", type=_min_tau, default="auto", metavar="TAU",
@@ -40,6 +43,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, attention_backend=args.attention_backend,
                 cuda_graphs=not args.no_cuda_graphs, num_speculative_tokens=args.num_speculative_tokens,
+                speculative_tree_size=args.speculative_tree_size,
                 speculative_disable_batch_size=args.speculative_disable_batch_size,
                 speculative_min_acceptance_length=args.speculative_min_acceptance_length)
 

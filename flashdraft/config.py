@@ -30,6 +30,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit KV budget in blocks (overrides kv_cache_memory_gb)
     kv_cache_memory_gb: float | None = None  # None: 2 GiB on cpu, 85% of free memory on cuda
     num_speculative_tokens: int | None = None  # None: block_size - 1 of the drafter
+    # verify a token tree of this many drafts per step instead of the drafter's chain (spec/tree.py):
+    # the drafter's most likely continuations of its block, best first; None: the chain
+    speculative_tree_size: int | None = None
     # pause speculation for a step when at least this many requests are running (plain decode
     # steps, drafter context kept current); None: always speculate
     speculative_disable_batch_size: int | None = None
@@ -68,6 +71,16 @@ class EngineConfig:
                                              or not 1.0 <= m <= 1e6):
             raise ValueError(f"speculative_min_acceptance_length must be 'auto', None or a number >= 1 "
                              f"(tokens per verify step), got {m!r}")
+        t = self.speculative_tree_size
+        if t is not None:
+            from flashdraft.spec.tree import MAX_TREE_SIZE
+
+            if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= MAX_TREE_SIZE:
+                raise ValueError(f"speculative_tree_size must be an integer in [1, {MAX_TREE_SIZE}] (drafts a "
+                                 f"verify checks), got {t!r}")
+            if self.num_speculative_tokens is not None:
+                raise ValueError("num_speculative_tokens (a chain's length) and speculative_tree_size (a tree's "
+                                 "size) both set: choose one")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 

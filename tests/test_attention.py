@@ -13,7 +13,8 @@ from flashdraft.attention.base import AttentionBatch, DeviceMeta
 from flashdraft.attention.torch_ref import StaticTorchAttention, TorchAttention
 
 
-def reference(q, keys, vals, q_lens, seq_lens, causal, scale):
+def reference(q, keys, vals, q_lens, seq_lens, causal, scale, tree_mask=None):
+    """tree_mask: per row, None (the causal rule) or the set of the step's own rows it sees."""
     out = []
     row = 0
     for k, v, ql, sl in zip(keys, vals, q_lens, seq_lens):
@@ -22,7 +23,10 @@ def reference(q, keys, vals, q_lens, seq_lens, causal, scale):
         vv = v.double().repeat_interleave(group, 1)
         for i in range(ql):
             s = torch.einsum("hd,lhd->hl", q[row + i].double(), kk) * scale
-            if causal:
+            if tree_mask is not None and tree_mask[row + i] is not None:
+                hidden = [sl - ql + j for j in range(ql) if j not in tree_mask[row + i]]
+                s[:, hidden] = float("-inf")
+            elif causal:
                 s[:, sl - ql + i + 1:] = float("-inf")
             out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), vv))
         row += ql
@@ -68,6 +72,52 @@ def test_backend_matches_float64(causal, padded_limit, q_lens, ctx):
     got = be.forward(q, k_cache, v_cache, batch, hd**-0.5)
     want = reference(q, keys, vals, q_lens, seq_lens, causal, hd**-0.5)
     assert (got.double() - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("padded_limit", [0, 1 << 22])
+def test_backend_token_trees_match_float64(padded_limit):
+    """Tree verify blocks (rows see the context and their ancestors' rows) beside a causal prefill
+    chunk and a decode row, in one step."""
+    torch.manual_seed(3)
+    bs, n_blocks, n_kv, group, hd = 4, 64, 2, 2, 8
+    parents = [[0, 0, 1, 1, 2, 4, 3], [0, 1, 2, 0, 4], None, None]  # None: a causal sequence
+    q_lens, ctx = [8, 6, 9, 1], [13, 0, 5, 22]
+    k_cache, v_cache = torch.randn(n_blocks, bs, n_kv, hd), torch.randn(n_blocks, bs, n_kv, hd)
+    free = list(range(n_blocks))
+    random.Random(4).shuffle(free)
+    q = torch.randn(sum(q_lens), n_kv * group, hd)
+    new_k, new_v = torch.randn(sum(q_lens), n_kv, hd), torch.randn(sum(q_lens), n_kv, hd)
+    tables, seq_lens, slots, keys, vals, sees, masks, qsl = [], [], [], [], [], [], [], [0]
+    for par, ql, c in zip(parents, q_lens, ctx):
+        sl = c + ql
+        table = [free.pop() for _ in range(-(-sl // bs))]
+        tables.append(table)
+        seq_lens.append(sl)
+        slots += [table[p // bs] * bs + p % bs for p in range(c, sl)]
+        idx = torch.tensor([table[p // bs] * bs + p % bs for p in range(c)], dtype=torch.long)
+        keys.append(torch.cat([k_cache.view(-1, n_kv, hd)[idx], new_k[qsl[-1]: qsl[-1] + ql]]))
+        vals.append(torch.cat([v_cache.view(-1, n_kv, hd)[idx], new_v[qsl[-1]: qsl[-1] + ql]]))
+        qsl.append(qsl[-1] + ql)
+        if par is None:
+            sees += [None] * ql
+            masks += [0] * ql
+            continue
+        for i in range(ql):  # row i's ancestors, itself included, by walking the parents
+            rows, r = {i}, i
+            while r:
+                r = par[r - 1]
+                rows.add(r)
+            sees.append(rows)
+            masks.append(sum(1 << j for j in rows))
+    batch = AttentionBatch(torch.tensor(slots), qsl, seq_lens, tables, bs, True, torch.tensor(masks))
+    be = TorchAttention(padded_max_elements=padded_limit)
+    be.prepare(batch, torch.device("cpu"))
+    be.store_kv(k_cache, v_cache, new_k, new_v, batch)
+    got = be.forward(q, k_cache, v_cache, batch, hd**-0.5)
+    want = reference(q, keys, vals, q_lens, seq_lens, True, hd**-0.5, sees)
+    assert (got.double() - want).abs().max() < 1e-5
+    causal = reference(q, keys, vals, q_lens, seq_lens, True, hd**-0.5)
+    assert (got.double() - causal)[:14].abs().max() > 1e-2  # the tree rows differ from a causal read
 
 
 def _paged_case(q_lens, ctx, causal, bs=4, n_blocks=64, n_kv=2, group=3, hd=8, seed=0):

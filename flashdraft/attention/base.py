@@ -3,7 +3,12 @@ through one `AttentionBatch`, built once per step by the model runner.
 
 Query rows of sequence s are the last `query_lens[s]` positions of its `seq_lens[s]` keys (the
 tokens of this step are stored before attention runs). Causal: a row at position p sees keys
-[0, p]. Non-causal (the DFlash draft block): every row of s sees all `seq_lens[s]` keys."""
+[0, p]. Non-causal (the DFlash draft block): every row of s sees all `seq_lens[s]` keys.
+
+Token trees (spec/tree.py): `tree_mask[t]`, when given and non-zero for row t, replaces the causal
+rule for that row: it sees every key before its sequence's first query row (the context) and, of
+the step's own rows of its sequence, row j iff bit j of the mask is set. Zero keeps the causal rule
+(prefill chunks and decode rows beside tree verifies)."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ class AttentionBatch:
     block_tables: list[list[int]]  # [S][n] KV blocks of each sequence
     block_size: int
     causal: bool = True
+    tree_mask: torch.Tensor | None = None  # [T] int64 ancestor bits per row (module docstring)
 
     @property
     def num_seqs(self) -> int:
@@ -41,6 +47,7 @@ class DeviceMeta:
     max_seq_len: int  # static bound on seq_lens (sizes split-K grids)
     block_size: int
     causal: bool = True
+    tree_mask: torch.Tensor | None = None  # [T] int64, as in AttentionBatch
 
     @classmethod
     def from_batch(cls, batch: AttentionBatch, device: torch.device, max_blocks: int | None = None) -> DeviceMeta:
@@ -61,7 +68,8 @@ class DeviceMeta:
                    query_start_loc=packed[: S + 1], seq_lens=packed[a_lens: a_lens + S],
                    block_tables=packed[a_tables:].view(S, width),
                    max_query_len=max([qsl[s + 1] - qsl[s] for s in range(S)] + [1]),
-                   max_seq_len=max(list(batch.seq_lens) + [1]), block_size=batch.block_size, causal=batch.causal)
+                   max_seq_len=max(list(batch.seq_lens) + [1]), block_size=batch.block_size, causal=batch.causal,
+                   tree_mask=None if batch.tree_mask is None else batch.tree_mask.to(device))
 
 
 class AttentionBackend(ABC):

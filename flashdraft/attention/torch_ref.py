@@ -20,6 +20,15 @@ PADDED_MAX_ELEMENTS = 1 << 24  # S * Q * L of the padded group above this: loop 
 SHORT_QUERY = 32  # sequences with at most this many query rows this step may be padded together
 
 
+def tree_visible(tree_mask: torch.Tensor, key_pos: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    """[S, Q, L] visibility of keys key_pos [L] to rows of token trees: tree_mask [S, Q] ancestor bits,
+    context [S] keys before each sequence's first query row (all visible); key context + j is
+    visible iff bit j is set (base.py)."""
+    rel = key_pos[None, None, :] - context[:, None, None]
+    bit = tree_mask[:, :, None].bitwise_right_shift(rel.clamp(0, 63)).bitwise_and(1) != 0
+    return (rel < 0) | (bit & (rel < 64))
+
+
 class TorchAttention(AttentionBackend):
     def __init__(self, padded_max_elements: int = PADDED_MAX_ELEMENTS) -> None:
         self.padded_max_elements = padded_max_elements
@@ -62,10 +71,14 @@ class TorchAttention(AttentionBackend):
             if batch.causal:
                 q_pos = g_lens[:, None] - g_ql[:, None] + q_idx[None, :]  # [S, Q]
                 visible = visible & (key_pos[None, None, :] <= q_pos[:, :, None])
-            # padded query rows attend to key 0; their output is dropped
-            self.mask = ~(visible | (key_pos == 0)[None, None, :])
             valid = q_idx[None, :] < g_ql[:, None]
             self.q_gather = torch.where(valid, g_off[:, None] + q_idx[None, :], 0).flatten()
+            if batch.tree_mask is not None:
+                tm = torch.where(valid, batch.tree_mask[self.q_gather].view(len(short), q_max), 0)
+                visible = torch.where(tm[:, :, None] != 0,
+                                      self.key_valid[:, None, :] & tree_visible(tm, key_pos, g_lens - g_ql), visible)
+            # padded query rows attend to key 0; their output is dropped
+            self.mask = ~(visible | (key_pos == 0)[None, None, :])
             self.out_rows = (torch.arange(len(short), device=device)[:, None] * q_max + q_idx[None, :])[valid]
             self.dest_rows = (g_off[:, None] + q_idx[None, :])[valid]
             self.key_slots, self.q_max = key_slots[idx], q_max
@@ -76,6 +89,10 @@ class TorchAttention(AttentionBackend):
             if batch.causal and q_len > 1:
                 pos = torch.arange(seq_len, device=device)
                 self.masks[s] = pos[None, :] > pos[seq_len - q_len:, None]
+                if batch.tree_mask is not None:
+                    tm = batch.tree_mask[qsl[s]: qsl[s + 1]][None]
+                    tree = ~tree_visible(tm, pos, torch.tensor([seq_len - q_len], device=device))[0]
+                    self.masks[s] = torch.where(tm[0, :, None] != 0, tree, self.masks[s])
             else:
                 self.masks[s] = None
 

@@ -116,12 +116,20 @@ def _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP: tl.constexpr, BLOCK_M: tl.con
 
 
 @triton.jit
-def _attend(q, k, v, key, key_ok, pos, m_i, l_i, acc, scale_log2, CAUSAL: tl.constexpr, F32_DOT: tl.constexpr):
-    """One key tile of the online softmax (base 2): the updated (running max, running sum, acc)."""
+def _attend(q, k, v, key, key_ok, pos, tree, ctx, m_i, l_i, acc, scale_log2, CAUSAL: tl.constexpr,
+            TREE: tl.constexpr, F32_DOT: tl.constexpr):
+    """One key tile of the online softmax (base 2): the updated (running max, running sum, acc).
+    TREE: rows with a non-zero ancestor mask `tree` see the keys before `ctx` and key ctx + j iff
+    bit j is set (token trees, base.py), instead of the causal rule."""
     s = _dot(q, tl.trans(k), F32_DOT) * scale_log2
     visible = key_ok[None, :]
     if CAUSAL:
-        visible = visible & (key[None, :] <= pos[:, None])
+        seen = key[None, :] <= pos[:, None]
+        if TREE:
+            rel = key[None, :] - ctx
+            bit = (tree[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)) & 1
+            seen = tl.where(tree[:, None] != 0, (rel < 0) | ((bit != 0) & (rel < 64)), seen)
+        visible = visible & seen
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -136,12 +144,12 @@ def _attend(q, k, v, key, key_ok, pos, m_i, l_i, acc, scale_log2, CAUSAL: tl.con
 # a compile stall in the middle of serving)
 @triton.jit(do_not_specialize=["num_tokens", "num_splits", "part", "stride_bt"])
 def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
-                 qsl_ptr, seq_lens_ptr, bt_ptr, scale_log2, num_tokens, num_heads, num_splits, part,
+                 qsl_ptr, seq_lens_ptr, bt_ptr, tree_ptr, scale_log2, num_tokens, num_heads, num_splits, part,
                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  stride_ot, stride_oh, stride_bt,
                  N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
-                 SPLIT: tl.constexpr, F32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+                 TREE: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (query tile, sequence * n_kv, partition). One split: normalised output straight to
     `out`. Several: unnormalised partials to the workspace, merged by `_reduce_kernel`.
 
@@ -179,6 +187,11 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
     pdl_enter(USE_PDL)
     q = tl.load(q_ptr + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=valid[:, None] & d_ok[None, :], other=0.0)
+    ctx = seq_len - q_len
+    if TREE:
+        tree = tl.load(tree_ptr + q_start + row, mask=valid, other=0)
+    else:
+        tree = row
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -186,7 +199,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
         late = (key_ok & ~cached)[:, None] & d_ok[None, :]
         k = tl.where(late, tl.load(k_ptr + k_off, mask=late, other=0.0), k)
         v = tl.where(late, tl.load(v_ptr + v_off, mask=late, other=0.0), v)
-        m_i, l_i, acc = _attend(q, k, v, key, key_ok, pos, m_i, l_i, acc, scale_log2, CAUSAL, F32_DOT)
+        m_i, l_i, acc = _attend(q, k, v, key, key_ok, pos, tree, ctx, m_i, l_i, acc, scale_log2, CAUSAL, TREE,
+                                F32_DOT)
     for start in range(lo + BLOCK_N, hi, BLOCK_N):
         key = start + n
         key_ok = key < hi
@@ -196,7 +210,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
                     mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + (page * stride_vb + (key % PAGE) * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _attend(q, k, v, key, key_ok, pos, m_i, l_i, acc, scale_log2, CAUSAL, F32_DOT)
+        m_i, l_i, acc = _attend(q, k, v, key, key_ok, pos, tree, ctx, m_i, l_i, acc, scale_log2, CAUSAL, TREE,
+                                F32_DOT)
 
     pdl_trigger(USE_PDL)
     mask = valid[:, None] & d_ok[None, :]
@@ -324,12 +339,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.zero_()
     ws = _workspace(q.device, num_splits, T, H, hd) if num_splits > 1 else (out, out, out)
     consts = dict(N_KV=n_kv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_M=block_m)
+    tree = meta.tree_mask is not None and meta.causal
     _attn_kernel[(tiles, S * n_kv, num_splits)](
         q, k_cache, v_cache, out, *ws, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        scale * 1.4426950408889634, T, H, num_splits, part, q.stride(0), q.stride(1), *k_cache.stride()[:3],
-        *v_cache.stride()[:3],
+        meta.tree_mask if tree else meta.seq_lens, scale * 1.4426950408889634, T, H, num_splits, part,
+        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         out.stride(0), out.stride(1), meta.block_tables.stride(0), **consts, BLOCK_N=block_n,
-        PAGE=k_cache.shape[1], CAUSAL=meta.causal, SPLIT=num_splits > 1,
+        PAGE=k_cache.shape[1], CAUSAL=meta.causal, TREE=tree, SPLIT=num_splits > 1,
         F32_DOT=INTERPRET or q.dtype == torch.float32, num_warps=warps, **launch_kwargs(q))
     if num_splits > 1:
         _reduce_kernel[(T, n_kv)](out, *ws, meta.query_start_loc, S, T, H, num_splits, out.stride(0), out.stride(1),

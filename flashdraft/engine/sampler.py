@@ -130,8 +130,33 @@ def draw_drafts(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Te
     requests at T=1 take 1.7x as long on a CPU, and the cut to 1,024 lowers their tau by 0.02 (1.545
     against 1.566; argmax drafts 1.336). Top-k and top-p are left to the verify. Nothing here reads a
     value back to the host (graph-safe)."""
+    perturbed, cand = _perturbed(logits, temperature, seeds, positions, token_ids)
+    pick = perturbed.argmax(dim=-1, keepdim=True)
+    return torch.where(temperature > 0, cand.gather(1, pick)[:, 0], logits.argmax(dim=-1))
+
+
+def _perturbed(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+               token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits / T + the target's noise over the DRAW_CANDIDATES most likely tokens: (values, columns)."""
     vals, cand = logits.topk(min(DRAW_CANDIDATES, logits.shape[-1]), dim=-1)
     ids = cand if token_ids is None else token_ids[cand]
     noise = gumbel_noise(seeds, positions, cand.shape[1], ids)
-    pick = (vals / temperature.clamp_min(1e-6)[:, None] + noise).argmax(dim=-1, keepdim=True)
-    return torch.where(temperature > 0, cand.gather(1, pick)[:, 0], logits.argmax(dim=-1))
+    return vals / temperature.clamp_min(1e-6)[:, None] + noise, cand
+
+
+def draw_candidates(logits: torch.Tensor, k: int, temperature: torch.Tensor | None = None,
+                    seeds: torch.Tensor | None = None,
+                    positions: torch.Tensor | None = None,
+                    token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token tree's candidates for each draft slot (spec/tree.py): the k best columns of logits [N, V]
+    float32 with their log-probabilities, best first, ([N, k] float32, [N, k] int64). Greedy rows (no
+    temperature, or T = 0) rank by the drafter's distribution; sampled rows by the draw draw_drafts makes
+    (logits / T plus the noise the target will draw that position's token with), scored by the softmax
+    of those perturbed values, so the first candidate is the drawn draft."""
+    logp, cand = logits.log_softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
+    if temperature is None:
+        return logp, cand
+    perturbed, cols = _perturbed(logits, temperature, seeds, positions, token_ids)
+    p_logp, p_idx = perturbed.log_softmax(-1).topk(min(k, cols.shape[1]), dim=-1)
+    hot = (temperature > 0)[:, None]
+    return torch.where(hot, p_logp, logp), torch.where(hot, cols.gather(1, p_idx), cand)

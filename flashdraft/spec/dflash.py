@@ -34,7 +34,7 @@ import torch
 from flashdraft.attention.base import AttentionBatch
 from flashdraft.engine.graphs import StepGraph, to_device
 from flashdraft.engine.model_runner import WARM_ROWS, make_backend
-from flashdraft.engine.sampler import draw_drafts, greedy_tokens, sample
+from flashdraft.engine.sampler import draw_candidates, draw_drafts, greedy_tokens, sample
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.loader import load_weights
@@ -42,6 +42,7 @@ from flashdraft.models.transformer import fused_enabled
 from flashdraft.spec.formats import read_draft_spec
 from flashdraft.spec.gate import AcceptanceGate
 from flashdraft.spec.metrics import SpecStats
+from flashdraft.spec.tree import Trees, accept, build_trees
 from flashdraft.spec.verify import accepted_lengths
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ class _Plan:
     row: int  # first row of this request in the flattened batch
     verify: bool  # the rows are [x_start, d_1 .. d_{n-1}]: a draft block under verification
     accepted: int = 0  # leading drafts the target agreed with
+    path: list[int] | None = None  # token trees: the verify rows of the accepted drafts, by depth
 
 
 class DFlashSpeculator:
@@ -105,7 +107,12 @@ class DFlashSpeculator:
         k = engine.config.num_speculative_tokens
         if k is not None and not 1 <= k <= self.block_size - 1:
             raise ValueError(f"num_speculative_tokens must be in [1, {self.block_size - 1}], got {k}")
-        self.num_draft = k or self.block_size - 1
+        # token trees (spec/tree.py): tree_size drafts per verify, at depths up to block_size - 1
+        self.tree_size = engine.config.speculative_tree_size
+        self.num_draft = self.tree_size or k or self.block_size - 1
+        depth = min(self.num_draft, self.block_size - 1)  # the deepest draft a verify can accept
+        # slots a verifying request holds from its last committed token: the draft block, or the tree's rows
+        self.span = max(self.block_size, self.num_draft + 1)
         self.mask_token_id = drafter.spec.mask_token_id
         self.tap_layers = tuple(drafter.spec.target_layer_ids)
         drafter.setup(engine.max_model_len + 2 * self.block_size)
@@ -118,7 +125,8 @@ class DFlashSpeculator:
         self.kv = [(self.k_cache[i], self.v_cache[i]) for i in range(c.num_hidden_layers)]
         self.attn = make_backend(engine.runner.backend_name)
         self.embed = drafter.embed_tokens or runner.model.embed_tokens
-        self.stats = SpecStats(self.num_draft)
+        self.depth = depth
+        self.stats = SpecStats(depth)
         self.poison_rejected = False  # tests: fill every slot a rejected draft touched with NaN
         self.draw_sampled = True  # False: sampled requests draft the argmax too (A/B measurements)
         self.pause_at = engine.config.speculative_disable_batch_size
@@ -162,6 +170,11 @@ class DFlashSpeculator:
         and for ragged steps (prefill chunks beside verify blocks) the draft blocks alone and the
         target with the context write over (sequences, rows) buckets."""
         runner, n = self.engine.runner, self.engine.config.max_num_seqs
+        if self.tree_size is not None:  # tree steps run eagerly; steps without drafts replay graphs
+            runner.capture_graphs(("decode", self.tap_layers), 1, True, runner.attn, self._decode_step, n)
+            runner.capture_ragged_graphs(("decode", self.tap_layers), self._decode_step, n,
+                                         self.engine.config.max_num_batched_tokens)
+            return
         runner.capture_graphs(("dflash", self.tap_layers), self.block_size, False, self.attn, self._graph_step, n,
                               setup=self._setup_graph)
         runner.capture_graphs(("dflash-sampled", self.tap_layers), self.block_size, False, self.attn,
@@ -187,7 +200,7 @@ class DFlashSpeculator:
     def lookahead(self, seq: Sequence) -> int:
         """Draft slots a decoding request verifies this step (0: a plain decode step)."""
         if self.paused or not seq.params.speculative or \
-                seq.num_tokens - 1 + self.block_size > self.engine.max_model_len:
+                seq.num_tokens - 1 + self.span > self.engine.max_model_len:
             return 0
         gate = getattr(seq, "spec_gate", None)
         if gate is not None and not gate.drafts(self.steps):
@@ -198,7 +211,7 @@ class DFlashSpeculator:
 
     def _stats(self, seq: Sequence) -> SpecStats:
         if not hasattr(seq, "spec_stats"):
-            seq.spec_stats = SpecStats(self.num_draft)
+            seq.spec_stats = SpecStats(self.depth)
         return seq.spec_stats
 
     # ---- the step ---------------------------------------------------------------------------
@@ -218,7 +231,7 @@ class DFlashSpeculator:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             verify = seq.num_tokens - seq.num_computed_tokens == 1 and n > 1
             if verify:  # the draft block spans B positions even when fewer are verified
-                need = seq.num_computed_tokens + self.block_size
+                need = seq.num_computed_tokens + self.span
                 if bm.can_fit(seq.seq_id, need):
                     bm.allocate(seq.seq_id, need)
                 else:  # no page for the block: plain decoding for this request this step
@@ -228,6 +241,8 @@ class DFlashSpeculator:
         for p in plans:
             p.row = row
             row += p.n
+        if self.tree_size is not None and any(p.verify for p in plans):
+            return self._tree_step(plans)
         # drafts never leave the device: drafted, fed to the verify, compared with the target's
         # tokens there; one device->host transfer reads the accepted lengths and the tokens
         hidden, ids = self._forward(plans)
@@ -360,6 +375,120 @@ class DFlashSpeculator:
                             positions.view(num_seqs, B)[:, 1:].flatten(), token_ids).view(num_seqs, k)
         return draft + d2t[draft] if d2t is not None else draft
 
+    # ---- token trees (spec/tree.py) ---------------------------------------------------------
+    def _tree_step(self, plans: list[_Plan]) -> list[Sequence]:
+        """A step where requests verify token trees: draft and build the trees, one target forward
+        over every row (tree rows at their depths' positions, each seeing its ancestors), the
+        target's token at every row, the accepted path of each tree; one device->host transfer;
+        commit, moving the accepted rows' K/V to their positions' slots."""
+        hidden, positions, trees = self._forward_tree(plans)
+        toks, owner = self._target_tokens(plans, hidden, positions)
+        verifying = [p for p in plans if p.verify]
+        V, N = len(verifying), self.num_draft
+        # each tree's target tokens as [V, 1 + N]; rows a short verify did not check never match
+        t_idx, first = [], 0
+        for p in plans:
+            if p.verify:
+                t_idx.append([first + i if i < p.n else toks.shape[0] for i in range(N + 1)])
+            first += p.n if p.verify else int(p.seq.num_computed_tokens + p.n == p.seq.num_tokens)
+        idx = to_device([i for row in t_idx for i in row] + [int(i < p.n - 1) for p in verifying for i in range(N)],
+                        torch.long, toks.device)
+        target = torch.cat([toks, toks.new_full((1,), -2)])[idx[: V * (N + 1)]].view(V, N + 1)
+        checked = replace(trees, valid=trees.valid & idx[V * (N + 1):].view(V, N).bool())
+        a, path = accept(checked, target)
+        committed = target.gather(1, path)
+        D1 = path.shape[1]
+        host = torch.cat([a, path.flatten(), committed.flatten(), toks]).tolist()
+        chosen: dict[int, list[int]] = {}
+        k = 0
+        for i, p in enumerate(plans):
+            if p.verify:
+                p.accepted = host[k]
+                rows = host[V + k * D1: V + (k + 1) * D1]
+                p.path = rows[1: p.accepted + 1]
+                chosen[i] = host[V + V * D1 + k * D1: V + V * D1 + k * D1 + p.accepted + 1]
+                k += 1
+        for i, t in zip(owner, host[V + 2 * V * D1:]):
+            if not plans[i].verify:
+                chosen.setdefault(i, []).append(t)
+        return self._commit(plans, chosen)
+
+    def _forward_tree(self, plans: list[_Plan]) -> tuple[torch.Tensor, torch.Tensor, Trees]:
+        """The trees of the verifying requests (propose_tree), then the target over every row with
+        its taps, tree rows at positions start + depth under their ancestor masks, then the context
+        K/V of every row into the draft cache (written at the rows' slots: the accepted rows' move
+        with the target's at commit). Returns the final hidden states, the rows' positions, the trees."""
+        eng, runner = self.engine, self.engine.runner
+        seqs = [p.seq for p in plans]
+        verifying = [p for p in plans if p.verify]
+        trees = self.propose_tree([p.seq for p in verifying])
+        tokens = [p.seq.token_ids[-1:] + [self.mask_token_id] * (p.n - 1) if p.verify else
+                  p.seq.token_ids[p.seq.num_computed_tokens:][:p.n] for p in plans]
+        ids, positions, batch = runner.build_batch(seqs, tokens, eng.block_manager)
+        N = trees.size
+        dst = [p.row + 1 + i for p in verifying for i in range(p.n - 1)]
+        src = [k * N + i for k, p in enumerate(verifying) for i in range(p.n - 1)]
+        start = [p.seq.num_computed_tokens for p in verifying for _ in range(p.n - 1)]
+        idx = to_device([dst, src, start, [p.row for p in verifying] + [0] * (len(dst) - len(verifying))],
+                        torch.long, eng.device)
+        ids[idx[0]] = trees.tokens.flatten()[idx[1]]
+        positions[idx[0]] = idx[2] + trees.depths.flatten()[idx[1]]
+        tree_mask = torch.zeros(ids.shape[0], dtype=torch.long, device=eng.device)
+        tree_mask[idx[3, : len(verifying)]] = 1  # the root row sees the context and itself
+        tree_mask[idx[0]] = trees.masks()[:, 1:].flatten()[idx[1]]
+        batch.tree_mask = tree_mask
+        hidden, taps = runner.run(ids, positions, batch, self.tap_layers)
+        store = AttentionBatch(batch.slot_mapping, [], [], [], batch.block_size)  # store-only: slots
+        self.drafter.write_context(taps, positions, self.kv, self.attn, store)
+        return hidden, positions, trees
+
+    def propose_tree(self, seqs: list[Sequence]) -> Trees:
+        """One non-causal drafter forward over each request's block, then its tree of tree_size
+        drafts from every slot's tree_size best candidates (sampler.draw_candidates; sampled
+        requests rank them by the draw the target will make)."""
+        eng, B = self.engine, self.block_size
+        blocks = [[s.token_ids[-1]] + [self.mask_token_id] * (B - 1) for s in seqs]
+        ids, pos, batch = eng.runner.build_batch(seqs, blocks, eng.block_manager, causal=False)
+        self.attn.prepare(batch, eng.device)
+        n, k = len(seqs), B - 1
+        hidden = self.drafter(self.embed(ids), pos, self.kv, self.attn, batch)[: n * B]
+        rows = hidden.view(n, B, -1)[:, 1:].reshape(n * k, -1)
+        token_ids, d2t = None, self.drafter.d2t
+        if self.drafter.lm_head is None:
+            logits = eng.runner.model.compute_logits(rows, float32=True)
+        else:
+            logits = self.drafter.lm_head(rows).float()
+            if d2t is not None:  # column j of the drafter's vocabulary is target token j + d2t[j]
+                token_ids = torch.arange(logits.shape[1], device=logits.device) + d2t
+        draw = {}
+        if any(self._draws(s) for s in seqs):
+            temps = [float(s.params.temperature) if self._draws(s) else 0.0 for s in seqs]
+            draw = dict(temperature=to_device(temps, torch.float32, eng.device).repeat_interleave(k),
+                        seeds=to_device([s.seed for s in seqs], torch.int64, eng.device).repeat_interleave(k),
+                        positions=pos[: n * B].view(n, B)[:, 1:].flatten(), token_ids=token_ids)
+        logp, cols = draw_candidates(logits, self.num_draft, **draw)
+        cand = cols if token_ids is None else token_ids[cols]
+        if self.poison_rejected:  # the block's scratch K/V must never be read again
+            self._poison(self.k_cache, self.v_cache, batch.slot_mapping)
+        return build_trees(logp.view(n, k, -1), cand.view(n, k, -1), self.num_draft)
+
+    def _path_moves(self, seq: Sequence, start: int, path: list[int]) -> list[tuple[int, int]]:
+        """(from slot, to slot) of each accepted tree row whose K/V must move to its position's slot:
+        the row at depth d lies at slot start + row, and belongs at slot start + d."""
+        bs = self.engine.block_manager.block_size
+        table = self.engine.block_manager.table(seq.seq_id)
+        slot = lambda q: table[q // bs] * bs + q % bs  # noqa: E731
+        return [(slot(start + r), slot(start + d)) for d, r in enumerate(path, start=1) if r != d]
+
+    def _move_kv(self, moves: list[tuple[int, int]]) -> None:
+        """Copy K/V of every target and draft layer between slots (all reads before any write)."""
+        idx = to_device([m[0] for m in moves] + [m[1] for m in moves], torch.long, self.engine.device)
+        src, dst = idx[: len(moves)], idx[len(moves):]
+        r = self.engine.runner
+        for cache in (r.k_cache, r.v_cache, self.k_cache, self.v_cache):
+            flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
+            flat[:, dst] = flat[:, src]
+
     # ---- the graphed steps: functions of a StepGraph's static buffers ------------------------
     def _setup_graph(self, g: StepGraph) -> None:
         """The verify's own buffers beside the draft block's: its input ids, and positions and
@@ -423,9 +552,11 @@ class DFlashSpeculator:
         return hidden
 
     # ---- choose and accept ------------------------------------------------------------------
-    def _target_tokens(self, plans: list[_Plan], hidden: torch.Tensor) -> tuple[torch.Tensor | None, list[int]]:
+    def _target_tokens(self, plans: list[_Plan], hidden: torch.Tensor,
+                       row_positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, list[int]]:
         """The target's tokens on the device (every verify slot of a verifying request, the last
-        row of other requests that reach their end) and the plan index of each."""
+        row of other requests that reach their end) and the plan index of each. row_positions: every
+        row's position on the device (token trees: a row's token is drawn for its position + 1)."""
         rows, seqs, positions, owner = [], [], [], []
         for i, p in enumerate(plans):
             s, start = p.seq, p.seq.num_computed_tokens
@@ -445,7 +576,12 @@ class DFlashSpeculator:
         eng = self.engine
         sb = eng.runner.sampling_batch(seqs, positions)
         if len(rows) < hidden.shape[0]:  # rows ascend: as many as hidden has means all of them
-            hidden = hidden[to_device(rows, torch.long, eng.device)]
+            picked = to_device(rows, torch.long, eng.device)
+            hidden = hidden[picked]
+        else:
+            picked = slice(None)
+        if row_positions is not None and not sb.all_greedy:
+            sb.positions = row_positions[picked][: len(rows)] + 1
         return sample(eng.runner.model.compute_logits(hidden, float32=not sb.all_greedy), sb), owner
 
     def _accept(self, plans: list[_Plan], ids: torch.Tensor | None, toks: torch.Tensor) -> torch.Tensor | None:
@@ -474,7 +610,7 @@ class DFlashSpeculator:
 
     def _commit(self, plans: list[_Plan], chosen: dict[int, list[int]]) -> list[Sequence]:
         eng = self.engine
-        advanced = []
+        advanced, kept, moves = [], [], []
         for i, p in enumerate(plans):
             s = p.seq
             if not p.verify:
@@ -491,11 +627,17 @@ class DFlashSpeculator:
             eng.append_tokens(s, target[: a + 1])
             advanced.append(s)
             if not s.is_finished:
-                if self.min_tau_rule is not None:
-                    self._gate(s, a + 1)
-                if self.poison_rejected:
-                    self._poison_tail(s, start + p.n)
-                eng.block_manager.truncate(s.seq_id, s.num_computed_tokens)
+                if p.path:
+                    moves += self._path_moves(s, start, p.path)
+                kept.append((s, start + p.n, a))
+        if moves:  # before poisoning or freeing what lies past the committed length
+            self._move_kv(moves)
+        for s, end, a in kept:
+            if self.min_tau_rule is not None:
+                self._gate(s, a + 1)
+            if self.poison_rejected:
+                self._poison_tail(s, end)
+            eng.block_manager.truncate(s.seq_id, s.num_computed_tokens)
         eng.stats["num_steps"] += 1
         return advanced
 

@@ -66,7 +66,7 @@ def reference(c):
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
     keep = b.slot_mapping >= 0
     ref_batch = AttentionBatch(b.slot_mapping[keep], b.query_start_loc, b.seq_lens, b.block_tables, b.block_size,
-                               b.causal)
+                               b.causal, b.tree_mask)
     be = TorchAttention()
     be.prepare(ref_batch, DEVICE)
     be.store_kv(kc, vc, c["k"][keep], c["v"][keep], ref_batch)
@@ -120,6 +120,23 @@ def test_matches_torch(scenario, config):
 def test_draft_and_verify_mixed_with_decode_bf16(causal):
     check(make_case([16, 1, 16, 1], [21, 33, 0, 2], n_kv=2, group=4, hd=64, dtype=torch.bfloat16, causal=causal,
                     seed=3))
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_tree_rows(dtype, num_splits):
+    """Token-tree verify blocks (rows see the context and their ancestors' rows: spec/tree.py) beside
+    a causal verify, a prefill chunk and a decode row, against the torch backend (itself checked
+    against float64 in tests/test_attention.py)."""
+    from flashdraft.spec.tree import ancestor_masks
+
+    c = make_case([16, 8, 16, 40, 1], [70, 3, 20, 9, 33], n_kv=2, group=3, hd=64, dtype=dtype, seed=5)
+    parents = [[0, 0, 1, 1, 2, 2, 3, 4, 5, 3, 9, 10, 6, 12, 7], [0, 1, 1, 0, 4, 2, 6]]
+    masks = [ancestor_masks(torch.tensor([p]), 15)[0].tolist() for p in parents]
+    c["batch"].tree_mask = torch.tensor(masks[0] + masks[1] + [0] * (16 + 40 + 1), device=DEVICE)
+    check(c, num_splits=num_splits)
+    plain = dict(c, batch=AttentionBatch(**{**vars(c["batch"]), "tree_mask": None}))
+    assert (run_triton(c)[2] - run_triton(plain)[2])[:24].abs().max() > 1e-2  # the mask changed the tree rows
 
 
 @pytest.mark.parametrize("q_len, causal", [(1, True), (16, True), (16, False)])

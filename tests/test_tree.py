@@ -1,0 +1,239 @@
+"""Token trees (flashdraft/spec/tree.py) against brute force in Python: the N best rank paths, their
+ancestor masks, and the accepted path a walk with the target's tokens finds."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from flashdraft.spec.tree import accept, ancestor_masks, build_trees, chain
+
+
+def brute_best_paths(logp: list[list[float]], n: int) -> list[tuple[int, ...]]:
+    """The n rank paths of highest summed log-probability over every path of every depth (ties: the
+    shallower path first), by enumeration."""
+    D, K = len(logp), len(logp[0])
+    paths = [p for d in range(1, D + 1) for p in itertools.product(range(K), repeat=d)]
+    return sorted(paths, key=lambda p: (-sum(logp[j][r] for j, r in enumerate(p)), len(p)))[:n]
+
+
+@pytest.mark.parametrize("D, K, N", [(3, 4, 5), (4, 3, 12), (2, 5, 9), (4, 4, 4), (1, 6, 6)])
+def test_build_trees_takes_the_best_paths(D, K, N):
+    g = torch.Generator().manual_seed(D * 100 + K * 10 + N)
+    S = 6
+    logp = torch.randn(S, D, K, generator=g, dtype=torch.float64).mul(2).log_softmax(-1).sort(-1, descending=True).values
+    tokens = torch.stack([torch.randperm(50, generator=g)[:K] for _ in range(S * D)]).view(S, D, K)
+    t = build_trees(logp, tokens, N)
+    assert t.valid.all() and t.max_depth == D
+    for s in range(S):
+        want = brute_best_paths(logp[s].tolist(), N)
+        # rebuild each node's rank path from its parents and tokens
+        got = []
+        for i in range(N):
+            path, row = [], i + 1
+            while row:
+                d = int(t.depths[s, row - 1])
+                path.append(tokens[s, d - 1].tolist().index(int(t.tokens[s, row - 1])))
+                row = int(t.parents[s, row - 1])
+            got.append(tuple(reversed(path)))
+        assert sorted(got) == sorted(want)
+        # parents come before children, depths ascend
+        assert all(int(t.parents[s, i]) <= i for i in range(N))
+        assert t.depths[s].tolist() == sorted(t.depths[s].tolist())
+
+
+def test_build_trees_with_fewer_candidates_than_nodes_marks_padding_invalid():
+    logp = torch.tensor([[[0.0], [0.0]]]).log_softmax(-1)  # one candidate a slot: only 2 paths exist
+    t = build_trees(logp, torch.tensor([[[7], [9]]]), 4)
+    assert t.valid.tolist() == [[True, True, False, False]]
+    assert t.tokens[0, :2].tolist() == [7, 9] and t.parents[0, :2].tolist() == [0, 1]
+
+
+def test_ancestor_masks():
+    parents = torch.tensor([[0, 0, 1, 3, 2]])  # rows 1, 2 under the root; 3 under 1; 4 under 3; 5 under 2
+    m = ancestor_masks(parents, 3)[0].tolist()
+    bits = [{j for j in range(6) if v >> j & 1} for v in m]
+    assert bits == [{0}, {0, 1}, {0, 2}, {0, 1, 3}, {0, 1, 3, 4}, {0, 2, 5}]
+
+
+def python_accept(tokens, parents, valid, target):
+    """The walk from the root: at each row take the child whose token is the target's token there."""
+    row, path = 0, [0]
+    while True:
+        kids = [i + 1 for i in range(len(tokens)) if parents[i] == row and valid[i] and tokens[i] == target[row]]
+        if not kids:
+            return len(path) - 1, path
+        assert len(kids) == 1
+        row = kids[0]
+        path.append(row)
+
+
+def test_accept_matches_a_python_walk():
+    rng = random.Random(0)
+    g = torch.Generator().manual_seed(1)
+    S, D, K, N = 40, 4, 3, 10
+    logp = torch.randn(S, D, K, generator=g).log_softmax(-1).sort(-1, descending=True).values
+    tokens = torch.stack([torch.randperm(6, generator=g)[:K] for _ in range(S * D)]).view(S, D, K)
+    t = build_trees(logp, tokens, N)
+    for n in (N, 6, 1):  # a verify cut short checks the first n nodes
+        target = torch.tensor([[rng.randrange(6) for _ in range(n + 1)] for _ in range(S)])
+        # plant the tree's paths in half the targets: follow random children
+        for s in range(0, S, 2):
+            row = 0
+            while True:
+                kids = [i + 1 for i in range(n) if int(t.parents[s, i]) == row]
+                if not kids:
+                    break
+                row_next = rng.choice(kids)
+                target[s, row] = t.tokens[s, row_next - 1]
+                row = row_next
+        trimmed = type(t)(t.tokens[:, :n], t.parents[:, :n], t.depths[:, :n], t.valid[:, :n], t.max_depth)
+        a, path = accept(trimmed, target)
+        for s in range(S):
+            want_a, want_path = python_accept(t.tokens[s, :n].tolist(), t.parents[s, :n].tolist(),
+                                              t.valid[s, :n].tolist(), target[s].tolist())
+            assert int(a[s]) == want_a
+            assert path[s, : want_a + 1].tolist() == want_path and not path[s, want_a + 1:].any()
+        assert (a[::2] > 0).all()
+
+
+def test_chain_accepts_like_the_chain_rule():
+    drafts = torch.tensor([[5, 6, 7], [5, 6, 9], [1, 6, 7], [5, 1, 7]])
+    target = torch.tensor([[5, 6, 7, 8]] * 4)
+    a, path = accept(chain(drafts), target)
+    assert a.tolist() == [3, 2, 0, 1]
+    assert target.gather(1, path)[0].tolist() == [5, 6, 7, 8]
+    assert path[1].tolist() == [0, 1, 2, 0]
+
+
+# ---- the engine with token trees ------------------------------------------------------------
+MIXED = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12], [9], [250, 251] * 9,
+         list(range(3, 60, 2)), [42, 43, 44], [12, 99, 12, 99, 12], [300, 1, 301], list(range(100, 140)), [5, 6]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama, tmp_path_factory):
+    from fixtures import build_random_drafter
+
+    from flashdraft import LLM
+
+    drafter = build_random_drafter(tmp_path_factory.mktemp("tree-draft"), tiny_llama, block_size=4)
+    return tiny_llama, drafter, LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+
+
+def tree_llm(tiny, size, **kw):
+    from flashdraft import LLM
+
+    model, drafter, _ = tiny
+    llm = LLM(str(model), draft=str(drafter), device="cpu", dtype="float32", speculative_tree_size=size, **kw)
+    llm.engine.spec.poison_rejected = True  # any read of a rejected row's K/V turns the tokens into NaN's
+    return llm
+
+
+@pytest.mark.parametrize("size", [1, 2, 6, 13])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_tree_verify_is_lossless(tiny, size, temperature):
+    """Plain decoding's tokens, greedy and seeded sampling, trees smaller and larger than the block,
+    in one batch and one at a time; rejected rows poisoned."""
+    from flashdraft import SamplingParams
+
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, temperature=temperature, seed=11 + i)
+              for i in range(len(MIXED))]
+    ref = [o.token_ids for o in tiny[2].generate(MIXED, params)]
+    llm = tree_llm(tiny, size)
+    assert [o.token_ids for o in llm.generate(MIXED, params)] == ref
+    assert [llm.generate([p], [sp])[0].token_ids for p, sp in zip(MIXED[:4], params)] == ref[:4]
+    tot = llm.engine.spec_totals()
+    assert tot["num_drafts"] > 0 and tot["num_draft_tokens"] == size * tot["num_drafts"]
+
+
+def oracle_trees(llm, futures, branch):
+    """propose_tree replaced: each tree holds the target's continuation at depth-1 rank `branch`
+    (wrong tokens at the ranks before it), as a chain under it; returns the accepted depth expected."""
+    from flashdraft.spec.tree import Trees
+
+    sp = llm.engine.spec
+    N, D = sp.num_draft, sp.depth
+
+    def propose(seqs):
+        toks, parents, depths = [], [], []
+        for s in seqs:
+            fut = futures[tuple(s.token_ids[: s.num_prompt_tokens])][s.num_output_tokens:] + [0] * (N + D)
+            t = [(fut[0] + 1 + j) % 300 + 3 for j in range(branch)] + [fut[0]]  # wrong siblings, then right
+            p, d = [0] * (branch + 1), [1] * (branch + 1)
+            for k in range(1, min(D, N - branch)):  # the rest of the continuation under the right one
+                t.append(fut[k])
+                p.append(len(t) - 1)
+                d.append(k + 1)
+            pad = N - len(t)
+            toks.append(t + [3] * pad)
+            parents.append(p + [0] * pad)
+            depths.append(d + [1] * pad)
+        valid = [[True] * (N - pad) + [False] * pad for _ in seqs]  # pad: the same for every request
+        as_t = lambda x: torch.tensor(x)  # noqa: E731
+        return Trees(as_t(toks), as_t(parents), as_t(depths), as_t(valid), D)
+
+    sp.propose_tree = propose
+    return min(D, N - branch)
+
+
+@pytest.mark.parametrize("size, branch", [(6, 0), (6, 2), (5, 4), (13, 1)])
+def test_oracle_trees_accept_the_planted_path(tiny, size, branch):
+    """The target's own continuation planted off the first branch: every verify accepts it to its
+    depth, with plain decoding's tokens; rows that moved to their positions' slots are read next."""
+    from flashdraft import SamplingParams
+
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = tiny[2].generate(MIXED, SamplingParams(max_tokens=80, ignore_eos=True))
+    llm = tree_llm(tiny, size)
+    depth = oracle_trees(llm, {tuple(p): o.token_ids for p, o in zip(MIXED, ref)}, branch)
+    outs = llm.generate(MIXED, params)
+    assert [o.token_ids for o in outs] == [o.token_ids[:30] for o in ref]
+    for o in outs:
+        h = o.metrics["acceptance_histogram"]
+        assert h[depth] >= o.metrics["num_drafts"] - 1, h  # the last step may stop at max_tokens
+
+
+def test_tree_verify_cut_by_the_token_budget_and_preempted(tiny):
+    """Few tokens a step (verifies check only their trees' first nodes) and few KV pages (preemption)."""
+    from flashdraft import SamplingParams
+
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = [o.token_ids for o in tiny[2].generate(MIXED, params)]
+    llm = tree_llm(tiny, 9, max_num_batched_tokens=24, num_kv_blocks=12, kv_block_size=8)
+    assert [o.token_ids for o in llm.generate(MIXED, params)] == ref
+    assert llm.engine.stats["num_preemptions"] > 0
+    tot = llm.engine.spec_totals()
+    assert tot["num_draft_tokens"] < 9 * tot["num_drafts"]  # some verifies were cut short
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(speculative_tree_size=0), "speculative_tree_size"), (dict(speculative_tree_size=64), "speculative_tree_size"),
+    (dict(speculative_tree_size=True), "speculative_tree_size"),
+    (dict(speculative_tree_size=4, num_speculative_tokens=2), "choose one"),
+])
+def test_tree_size_validation(kw, message):
+    from flashdraft.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kw)
+
+
+def test_shipped_drafter_with_a_tree_on_smollm2(smollm2):
+    """The real pair: a 15-node tree gives plain decoding's tokens and commits more per verify than
+    the chain on the same prompts."""
+    from flashdraft import LLM, SamplingParams
+    from flashdraft.bench.datasets import load_prompts
+
+    convs = [p.messages for p in load_prompts("mt-bench", 4)]
+    params = [SamplingParams(max_tokens=48)] * len(convs)
+    ref = [o.token_ids for o in smollm2.chat(convs, params)]
+    taus = {}
+    for size in (None, 15):
+        llm = LLM(device="cpu", dtype="float32", speculative_tree_size=size)
+        assert [o.token_ids for o in llm.chat(convs, params)] == ref
+        taus[size] = llm.engine.spec_totals()["acceptance_length"]
+    assert taus[15] > taus[None] + 0.2, taus
