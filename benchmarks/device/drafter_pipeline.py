@@ -67,7 +67,7 @@ PER_PROMPT = ("num_prompt_tokens", "num_output_tokens", "num_drafts", "num_accep
 
 def evaluate(args, drafter: Path, summary: dict, out: Path) -> dict:
     llm = LLM(args.gguf, draft=str(drafter), device="cuda", dtype="bfloat16", max_num_seqs=256,
-              kv_cache_memory_gb=12, max_model_len=4096)
+              kv_cache_memory_gb=12, max_model_len=4096, speculative_tree_size=args.tree_size)
     eng = llm.engine
     eng.spec.draw_sampled = not args.argmax_drafts
     res = {}
@@ -171,6 +171,8 @@ def main() -> None:
     ap.add_argument("--argmax-drafts", action="store_true",
                     help="eval: sampled requests draft the argmax (as before drafts were drawn with the "
                          "target's noise)")
+    ap.add_argument("--tree-size", type=int, default=None,
+                    help="eval: verify token trees of this many drafts (flashdraft --speculative-tree-size)")
     ap.add_argument("--no-eval", action="store_true")
     ap.add_argument("--data", default=None, help="reuse an existing data.jsonl[.gz]")
     ap.add_argument("--prompt-file", default="train_prompts.jsonl",

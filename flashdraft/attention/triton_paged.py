@@ -356,11 +356,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: torch.dtype, device: torch.device,
-                     causal: bool = True) -> int:
+                     causal: bool = True, tree: bool = False) -> int:
     """Compile, before serving, every attention variant an eager step (prefill, mixed prefill +
     decode) can pick: each query-tile height (from the step's longest query, 16 to the cap rows)
-    with and without split-K. Otherwise the first step that needs one compiles it mid-run, a stall
-    of a second or so. Returns how many variants were launched."""
+    with and without split-K (tree: the variants with token-tree masks, for steps that verify
+    trees). Otherwise the first step that needs one compiles it mid-run, a stall of a second or
+    so. Returns how many variants were launched."""
     group = n_heads // n_kv
     heights = {}
     for q_len in (1 << i for i in range(12)):
@@ -371,7 +372,7 @@ def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: t
     for q_len in heights.values():
         batch = AttentionBatch(slot_mapping=torch.full((q_len,), -1, dtype=torch.long), query_start_loc=[0, q_len],
                                seq_lens=[pages * page], block_tables=[list(range(pages))], block_size=page,
-                               causal=causal)
+                               causal=causal, tree_mask=torch.zeros(q_len, dtype=torch.long) if tree else None)
         meta = DeviceMeta.from_batch(batch, device)
         q = torch.zeros(q_len, n_heads, head_dim, device=device, dtype=dtype)
         for splits in (1, 2):

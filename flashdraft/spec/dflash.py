@@ -140,6 +140,10 @@ class DFlashSpeculator:
 
             compile_variants(c.num_attention_heads, c.num_key_value_heads, drafter.head_dim, runner.block_size,
                              engine.dtype, engine.device, causal=False)
+            if self.tree_size is not None:  # the target's attention under tree masks
+                t = engine.model_config
+                compile_variants(t.num_attention_heads, t.num_key_value_heads, runner.model.head_dim,
+                                 runner.block_size, engine.dtype, engine.device, tree=True)
         with torch.inference_mode():  # the acceptance kernel is compiled now, not mid-serving
             z = torch.zeros(1, self.num_draft + 1, dtype=torch.long, device=engine.device)
             accepted_lengths(z[:, 1:], z)

@@ -255,6 +255,30 @@ def test_engine_tokens_match_torch_backend(tiny_llama, tmp_path, with_drafter):
     assert outs["triton"] == outs["torch"]
 
 
+@pytest.mark.parametrize("size", [3, 13])
+def test_engine_token_trees_match_plain_decoding(tiny_llama, tmp_path, size):
+    """Token-tree verifies through the Triton backend (steps without drafts replay graphs on CUDA) give
+    plain decoding's tokens, greedy and seeded sampling, and the torch backend's acceptance counts."""
+    from fixtures import build_random_drafter
+
+    from flashdraft import LLM, SamplingParams
+
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [9], list(range(100, 140))]
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=t, seed=3 + i)
+              for i, t in enumerate((0.0, 0.8, 0.0, 1.0, 0.0))]
+    kw = dict(device=str(DEVICE), dtype="float32", max_num_batched_tokens=40, kv_block_size=8)
+    ref = [o.token_ids for o in LLM(str(tiny_llama), draft=None, **kw).generate(prompts, params)]
+    counts = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny_llama), draft=draft, attention_backend=backend, speculative_tree_size=size, **kw)
+        llm.engine.spec.poison_rejected = True
+        assert [o.token_ids for o in llm.generate(prompts, params)] == ref, backend
+        tot = llm.engine.spec_totals()
+        counts[backend] = (tot["num_drafts"], tot["num_accepted_tokens"])
+    assert counts["triton"] == counts["torch"] and counts["torch"][0] > 0
+
+
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_replay_with_refilled_meta():
     """Capture once with static buffers, refill them in place for another batch, replay."""
