@@ -24,7 +24,8 @@ def brute_best_paths(logp: list[list[float]], n: int) -> list[tuple[int, ...]]:
 def test_build_trees_takes_the_best_paths(D, K, N):
     g = torch.Generator().manual_seed(D * 100 + K * 10 + N)
     S = 6
-    logp = torch.randn(S, D, K, generator=g, dtype=torch.float64).mul(2).log_softmax(-1).sort(-1, descending=True).values
+    logp = torch.randn(S, D, K, generator=g, dtype=torch.float64).mul(2).log_softmax(-1)
+    logp = logp.sort(-1, descending=True).values
     tokens = torch.stack([torch.randperm(50, generator=g)[:K] for _ in range(S * D)]).view(S, D, K)
     t = build_trees(logp, tokens, N)
     assert t.valid.all() and t.max_depth == D
@@ -150,16 +151,16 @@ def test_tree_verify_is_lossless(tiny, size, temperature):
     assert tot["num_drafts"] > 0 and tot["num_draft_tokens"] == size * tot["num_drafts"]
 
 
-def oracle_trees(llm, futures, branch):
-    """propose_tree replaced: each tree holds the target's continuation at depth-1 rank `branch`
-    (wrong tokens at the ranks before it), as a chain under it; returns the accepted depth expected."""
+def oracle_trees(sp, futures, branch):
+    """A propose_tree for speculator sp: each tree holds the target's continuation at depth-1 rank
+    `branch` (wrong tokens at the ranks before it), as a chain under it. Returns it and the depth
+    every verify should accept."""
     from flashdraft.spec.tree import Trees
 
-    sp = llm.engine.spec
     N, D = sp.num_draft, sp.depth
 
     def propose(seqs):
-        toks, parents, depths = [], [], []
+        toks, parents, depths, valid = [], [], [], []
         for s in seqs:
             fut = futures[tuple(s.token_ids[: s.num_prompt_tokens])][s.num_output_tokens:] + [0] * (N + D)
             t = [(fut[0] + 1 + j) % 300 + 3 for j in range(branch)] + [fut[0]]  # wrong siblings, then right
@@ -171,13 +172,11 @@ def oracle_trees(llm, futures, branch):
             pad = N - len(t)
             toks.append(t + [3] * pad)
             parents.append(p + [0] * pad)
-            depths.append(d + [1] * pad)
-        valid = [[True] * (N - pad) + [False] * pad for _ in seqs]  # pad: the same for every request
-        as_t = lambda x: torch.tensor(x)  # noqa: E731
-        return Trees(as_t(toks), as_t(parents), as_t(depths), as_t(valid), D)
+            depths.append(d + [D] * pad)
+            valid.append([True] * len(t) + [False] * pad)
+        return Trees(torch.tensor(toks), torch.tensor(parents), torch.tensor(depths), torch.tensor(valid), D)
 
-    sp.propose_tree = propose
-    return min(D, N - branch)
+    return propose, min(D, N - branch)
 
 
 @pytest.mark.parametrize("size, branch", [(6, 0), (6, 2), (5, 4), (13, 1)])
@@ -189,7 +188,8 @@ def test_oracle_trees_accept_the_planted_path(tiny, size, branch):
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     ref = tiny[2].generate(MIXED, SamplingParams(max_tokens=80, ignore_eos=True))
     llm = tree_llm(tiny, size)
-    depth = oracle_trees(llm, {tuple(p): o.token_ids for p, o in zip(MIXED, ref)}, branch)
+    llm.engine.spec.propose_tree, depth = oracle_trees(llm.engine.spec, {tuple(p): o.token_ids
+                                                                         for p, o in zip(MIXED, ref)}, branch)
     outs = llm.generate(MIXED, params)
     assert [o.token_ids for o in outs] == [o.token_ids[:30] for o in ref]
     for o in outs:
@@ -237,3 +237,67 @@ def test_shipped_drafter_with_a_tree_on_smollm2(smollm2):
         assert [o.token_ids for o in llm.chat(convs, params)] == ref
         taus[size] = llm.engine.spec_totals()["acceptance_length"]
     assert taus[15] > taus[None] + 0.2, taus
+
+
+@pytest.mark.parametrize("temps", [(0.0, 0.0, 0.0), (1.0, 0.0, 0.7)])
+def test_graphed_tree_step_matches_the_eager_engine(tiny, temps):
+    """The tree step as one graph (draft, trees, verify under tree masks, context write; on CPU
+    replayed eagerly over the same static buffers, static torch attention) commits the eager tree
+    step's tokens and counts; with sampled requests among them, from the sampled tree graph."""
+    from test_graphs import _graphed_llm
+
+    from flashdraft import LLM, SamplingParams
+
+    model, drafter, plain = tiny
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=40 + i)
+              for i, (n, t) in enumerate(zip((8, 20, 14), temps))]
+    ref = [o.token_ids for o in plain.generate(prompts, params)]
+    kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8,
+              draft=str(drafter), speculative_tree_size=6)
+    eager = LLM(str(model), **kw)
+    assert [o.token_ids for o in eager.generate(prompts, params)] == ref
+    graphed, replays = _graphed_llm(str(model), kw)
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
+    assert graphed.engine.spec_totals() == eager.engine.spec_totals()
+    assert replays["dflash-tree-sampled" if any(temps) else "dflash-tree"] > 0, replays
+
+
+def test_graphed_tree_step_with_oracle_trees(tiny, monkeypatch):
+    """Through the graph too, trees whose right path sits behind a wrong sibling are accepted to their
+    depth, and the rows moved to their positions' slots are what the next steps read."""
+    from test_graphs import _graphed_llm
+
+    from flashdraft import SamplingParams
+    from flashdraft.spec.dflash import DFlashSpeculator
+
+    model, drafter, plain = tiny
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = plain.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True))
+    futures = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
+    current: list = []
+    real_forward = DFlashSpeculator._forward_tree
+
+    def forward_tree(self, plans):
+        current[:] = [p.seq for p in plans if p.verify]
+        return real_forward(self, plans)
+
+    def trees(self, hidden, num_seqs, draw=None):
+        t = oracle_trees(self, futures, 1)[0](current)  # the real requests' trees, then a bucket's padding
+        pad = num_seqs - t.tokens.shape[0]
+        cat = lambda x, v: torch.cat([x, x.new_full((pad, x.shape[1]), v)])  # noqa: E731
+        return type(t)(cat(t.tokens, 3), cat(t.parents, 0), cat(t.depths, 1), cat(t.valid, False), t.max_depth)
+
+    monkeypatch.setattr(DFlashSpeculator, "_forward_tree", forward_tree)
+    monkeypatch.setattr(DFlashSpeculator, "_trees", trees)
+    kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8,
+              draft=str(drafter), speculative_tree_size=6)
+    graphed, replays = _graphed_llm(str(model), kw)
+    outs = graphed.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids[:24] for o in ref]
+    assert replays["dflash-tree"] > 0, replays
+    depth = graphed.engine.spec.depth
+    for o in outs:
+        h = o.metrics["acceptance_histogram"]
+        assert h[depth] >= o.metrics["num_drafts"] - 1, h

@@ -212,6 +212,10 @@ class StaticTorchAttention(AttentionBackend):
             q_pos = lens[:, None] - q_lens[:, None] + q_idx[None, :]  # [S, Q]
             visible = visible & (key_pos[None, None, :] <= q_pos[:, :, None])
         q_gather = (qsl[:-1, None] + q_idx[None, :]).clamp(max=max(T - 1, 0)).flatten()
+        if m.causal and m.tree_mask is not None:
+            tm = torch.where(q_idx[None, :] < q_lens[:, None], m.tree_mask[q_gather].view(S, Q), 0)
+            visible = torch.where(tm[:, :, None] != 0, key_valid[:, None, :] & tree_visible(tm, key_pos, lens - q_lens),
+                                  visible)
         rows = torch.arange(T, device=device)
         seq_of_row = torch.searchsorted(qsl[1:].contiguous(), rows, right=True).clamp(max=S - 1)
         local = rows - qsl[seq_of_row]

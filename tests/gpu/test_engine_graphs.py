@@ -73,6 +73,40 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
         assert (graphed.engine.spec_totals()["gated_steps"] > 0) == (with_drafter == "gated")
 
 
+@pytest.mark.parametrize("temps", [(0.0, 0.0, 0.0), (1.0, 0.0, 0.7)])
+def test_graphed_tree_steps_match_eager_torch(tiny_llama, tmp_path, temps):
+    """Token-tree steps replayed from their captured graphs (draft, trees, verify under tree masks,
+    context write; the sampled variant with temperatures and seeds in its buffers) give the eager
+    torch engine's tokens and counts, and plain decoding's tokens."""
+    from fixtures import build_random_drafter
+
+    from flashdraft import LLM, SamplingParams
+
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=5 + n)
+              for n, t in zip((6, 14, 20), temps)]
+    kw = dict(device=DEVICE, dtype="float32", kv_block_size=8, speculative_tree_size=6,
+              speculative_min_acceptance_length=None)
+    want = [o.token_ids for o in LLM(str(tiny_llama), draft=None, **kw).generate(prompts, params)]
+    eager = LLM(str(tiny_llama), draft=draft, attention_backend="torch", cuda_graphs=False, **kw)
+    assert [o.token_ids for o in eager.generate(prompts, params)] == want
+    graphed = LLM(str(tiny_llama), draft=draft, attention_backend="triton", **kw)
+    runner = graphed.engine.runner
+    if not runner.use_graphs:  # the interpreter replays the same static buffers eagerly
+        runner.use_graphs = True
+        graphed.engine.spec.capture_graphs()
+    replays = []
+    for key, g in runner.graphs.items():
+        def counted(key=key, replay=g.replay):
+            replays.append(key[0][0])
+            return replay()
+        g.replay = counted
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
+    assert graphed.engine.spec_totals() == eager.engine.spec_totals()
+    assert ("dflash-tree-sampled" if any(temps) else "dflash-tree") in replays, set(replays)
+
+
 @pytest.mark.skipif(INTERPRET, reason="counts compiled kernels")
 def test_serving_compiles_no_kernel_after_start(tiny_llama, tmp_path):
     """Every Triton kernel variant a step can pick (attention, GEMMs, fused norms, stores, argmax,
