@@ -26,9 +26,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA")
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="drafts verified per step, 1 to the drafter's block size - 1 (default: all of them)")
-    p.add_argument("--speculative-tree-size", type=int, default=None, metavar="N",
+    p.add_argument("--speculative-tree-size", type=_tree_size, default="auto", metavar="N",
                    help="verify a token tree of N drafts per step, the drafter's N most likely continuations of "
-                        "its block, instead of its chain (1-63; default: the chain)")
+                        "its block, instead of its chain (1-63; off: the chain; default auto: on a CPU a tree of "
+                        "as many drafts as the chain, on CUDA the chain)")
     p.add_argument("--speculative-disable-batch-size", type=int, default=None, metavar="N",
                    help="decode without drafts in steps where at least N requests are running")
     p.add_argument("--speculative-min-acceptance-length", type=_min_tau, default="auto", metavar="TAU",
@@ -46,6 +47,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 speculative_tree_size=args.speculative_tree_size,
                 speculative_disable_batch_size=args.speculative_disable_batch_size,
                 speculative_min_acceptance_length=args.speculative_min_acceptance_length)
+
+
+def _tree_size(text: str) -> int | str | None:
+    if text == "auto":
+        return text
+    if text in ("0", "off", "none"):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of drafts, auto or off, got {text!r}") from None
 
 
 def _min_tau(text: str) -> float | str | None:

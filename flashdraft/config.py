@@ -15,6 +15,12 @@ import torch
 # lower, since a request's recent tau dips under its mean. Greedy requests are not gated by default:
 # the shipped drafter's greedy tau is over the break-even one at a time, and gating them lost there.
 CPU_BREAK_EVEN: tuple[float, float] | None = (1.5, 0.15)
+# speculative_tree_size="auto" on a CPU: a token tree of as many drafts as the drafter's chain (B - 1), so a
+# verify checks the chain's rows and commits more (the shipped drafter, 2-core CPU, fp32, 6 prompts x 96 tokens:
+# HumanEval tau 3.82 against 3.40, 39.5-39.9 against 32.7-37.0 tok/s one at a time; MT-Bench 2.48 against 2.14,
+# 28.1-29.7 against 19.5-26.5 tok/s; benchmarks/RESULTS.md section 4). On CUDA the chain: a tree step there
+# still costs ~0.8 ms more than the chain's, more than its extra tokens save.
+CPU_TREE = True
 
 
 @dataclass
@@ -31,8 +37,8 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = None  # None: 2 GiB on cpu, 85% of free memory on cuda
     num_speculative_tokens: int | None = None  # None: block_size - 1 of the drafter
     # verify a token tree of this many drafts per step instead of the drafter's chain (spec/tree.py):
-    # the drafter's most likely continuations of its block, best first; None: the chain
-    speculative_tree_size: int | None = None
+    # the drafter's most likely continuations of its block, best first; None: the chain; "auto": CPU_TREE
+    speculative_tree_size: int | str | None = "auto"
     # pause speculation for a step when at least this many requests are running (plain decode
     # steps, drafter context kept current); None: always speculate
     speculative_disable_batch_size: int | None = None
@@ -72,12 +78,12 @@ class EngineConfig:
             raise ValueError(f"speculative_min_acceptance_length must be 'auto', None or a number >= 1 "
                              f"(tokens per verify step), got {m!r}")
         t = self.speculative_tree_size
-        if t is not None:
+        if t is not None and t != "auto":
             from flashdraft.spec.tree import MAX_TREE_SIZE
 
             if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= MAX_TREE_SIZE:
-                raise ValueError(f"speculative_tree_size must be an integer in [1, {MAX_TREE_SIZE}] (drafts a "
-                                 f"verify checks), got {t!r}")
+                raise ValueError(f"speculative_tree_size must be 'auto', None or an integer in [1, {MAX_TREE_SIZE}] "
+                                 f"(drafts a verify checks), got {t!r}")
             if self.num_speculative_tokens is not None:
                 raise ValueError("num_speculative_tokens (a chain's length) and speculative_tree_size (a tree's "
                                  "size) both set: choose one")
@@ -94,6 +100,15 @@ class EngineConfig:
             a, b = CPU_BREAK_EVEN
             return lambda num_running, temperature: a + b * (num_running - 1) if temperature > 0 else None
         return None if m is None else lambda num_running, temperature, m=float(m): m
+
+    def tree_size(self, device: torch.device, block_size: int) -> int | None:
+        """Drafts of the token tree a verify checks, or None for the drafter's chain: "auto" is a tree of
+        block_size - 1 on a CPU (CPU_TREE) unless num_speculative_tokens shortens the chain, else the chain."""
+        t = self.speculative_tree_size
+        if t == "auto":
+            cpu = device.type == "cpu" and CPU_TREE and self.num_speculative_tokens is None
+            return block_size - 1 if cpu and block_size > 1 else None
+        return t
 
     def resolved_attention_backend(self, device: torch.device) -> str:
         if self.attention_backend not in ("auto", "torch", "triton"):

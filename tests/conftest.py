@@ -38,3 +38,14 @@ def _verify_every_step(monkeypatch):
     import flashdraft.config
 
     monkeypatch.setattr(flashdraft.config, "CPU_BREAK_EVEN", None)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _chain_unless_asked():
+    """Engines verify the drafter's chain unless a test asks for token trees (the CPU default is a tree;
+    its own tests turn it on). Session-wide: module-scoped engines are built before function fixtures."""
+    import flashdraft.config
+
+    flashdraft.config.CPU_TREE = False
+    yield
+    flashdraft.config.CPU_TREE = True

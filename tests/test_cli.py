@@ -62,3 +62,22 @@ def test_generate_verifies_fewer_drafts_when_asked():
     bad = subprocess.run(args + ["--num-speculative-tokens", "9"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "num_speculative_tokens must be in [1, 7], got 9" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_generate_verifies_token_trees():
+    """The default on a CPU is a tree of the chain's size (7 drafts a verify); --speculative-tree-size N
+    verifies N, off the chain; all with the same text. Bad sizes are refused with the range."""
+    import re
+
+    args = [sys.executable, "-m", "flashdraft", "generate", "What is the capital of France?", "--max-tokens", "24"]
+    plain = subprocess.run(args + ["--no-spec"], capture_output=True, text=True, timeout=300)
+    for extra, per_verify in (([], 7), (["--speculative-tree-size", "15"], 15),
+                              (["--speculative-tree-size", "off"], 7)):
+        r = subprocess.run(args + extra, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == plain.stdout
+        drafts, draft_tokens = (int(re.search(rf"{k}=(\d+)", r.stderr).group(1)) for k in ("drafts", "draft_tokens"))
+        assert drafts > 0 and draft_tokens == per_verify * drafts, (extra, r.stderr)
+    for bad, message in (("64", "speculative_tree_size must be"), ("many", "expected a number of drafts")):
+        r = subprocess.run(args + ["--speculative-tree-size", bad], capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

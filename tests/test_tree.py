@@ -210,9 +210,32 @@ def test_tree_verify_cut_by_the_token_budget_and_preempted(tiny):
     assert tot["num_draft_tokens"] < 9 * tot["num_drafts"]  # some verifies were cut short
 
 
+def test_cpu_default_is_a_tree_of_the_chains_size(smollm2, monkeypatch):
+    """On a CPU the engine's default verifies a tree of B - 1 drafts (the chain's rows), with plain
+    decoding's tokens; num_speculative_tokens, off, or a device other than the CPU keep the chain."""
+    import flashdraft.config
+    from flashdraft import LLM, SamplingParams
+    from flashdraft.config import EngineConfig
+
+    monkeypatch.setattr(flashdraft.config, "CPU_TREE", True)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert EngineConfig().tree_size(cpu, 8) == 7 and EngineConfig().tree_size(cuda, 8) is None
+    assert EngineConfig(num_speculative_tokens=3).tree_size(cpu, 8) is None
+    assert EngineConfig(speculative_tree_size=None).tree_size(cpu, 8) is None
+    assert EngineConfig(speculative_tree_size=12).tree_size(cuda, 8) == 12
+    llm = LLM(device="cpu", dtype="float32")  # the embedded default and its shipped drafter
+    assert llm.engine.spec.tree_size == llm.engine.spec.block_size - 1
+    prompts = [llm.engine.apply_chat_template([{"role": "user", "content": q}])
+               for q in ("Name three fruits.", "What is 12 times 12?")]
+    params = SamplingParams(max_tokens=32)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == \
+        [o.token_ids for o in smollm2.generate(prompts, params)]
+    assert llm.engine.spec_totals()["num_drafts"] > 0
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(speculative_tree_size=0), "speculative_tree_size"), (dict(speculative_tree_size=64), "speculative_tree_size"),
-    (dict(speculative_tree_size=True), "speculative_tree_size"),
+    (dict(speculative_tree_size=True), "speculative_tree_size"), (dict(speculative_tree_size="big"), "'auto'"),
     (dict(speculative_tree_size=4, num_speculative_tokens=2), "choose one"),
 ])
 def test_tree_size_validation(kw, message):

@@ -136,6 +136,7 @@ def engine_config(engine: LLMEngine) -> dict:
     if engine.spec is not None:
         d["block_size"] = engine.spec.block_size
         d["num_speculative_tokens"] = engine.spec.num_draft
+        d["speculative_tree_size"] = engine.spec.tree_size  # None: the chain
     return d
 
 

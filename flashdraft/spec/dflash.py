@@ -108,7 +108,7 @@ class DFlashSpeculator:
         if k is not None and not 1 <= k <= self.block_size - 1:
             raise ValueError(f"num_speculative_tokens must be in [1, {self.block_size - 1}], got {k}")
         # token trees (spec/tree.py): tree_size drafts per verify, at depths up to block_size - 1
-        self.tree_size = engine.config.speculative_tree_size
+        self.tree_size = engine.config.tree_size(engine.device, self.block_size)
         self.num_draft = self.tree_size or k or self.block_size - 1
         depth = min(self.num_draft, self.block_size - 1)  # the deepest draft a verify can accept
         # slots a verifying request holds from its last committed token: the draft block, or the tree's rows
