@@ -1,11 +1,13 @@
 """Where bf16 runs of the same greedy request part ways, and whether each parting is a near-tie:
-SmolLM2 + a drafter on one GPU, HumanEval prompts, 256 new tokens. Arms: plain decoding one request
-at a time, plain with all requests batched, DFlash batched. For every pair of arms and prompt that
-differ, the first differing position is scored by an fp32 forward of HF transformers over the
-shared prefix: the fp32 logit gap between the two candidate tokens (a gap of a few hundredths is
+SmolLM2 + a drafter, N prompts, 256 new tokens. Arms: plain decoding one request at a time, plain
+with all requests batched, DFlash batched; with --tree-sizes instead plain, the drafter's chain and a
+token tree of each size, all one request at a time (an engine each). For every pair of arms and
+prompt that differ, the first differing position is scored by an fp32 forward of HF transformers over
+the shared prefix: the fp32 logit gap between the two candidate tokens (a gap of a few hundredths is
 a tie that bf16 rounding can flip; a logic bug shows up as a large gap).
 
     python benchmarks/device/bf16_divergence.py --gguf smollm2.gguf --draft DRAFTER --prompts humaneval.jsonl --out DIR
+    python benchmarks/device/bf16_divergence.py --device cpu --prompts mt-bench --tree-sizes 7,15 --out DIR
 """
 
 from __future__ import annotations
@@ -24,25 +26,43 @@ from flashdraft.models.loader import resolve_model_dir
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gguf", required=True)
-    ap.add_argument("--draft", required=True)
-    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--gguf", default=None, help="default: the embedded SmolLM2")
+    ap.add_argument("--draft", default="auto")
+    ap.add_argument("--prompts", required=True, help="a named set (humaneval, mt-bench, sharegpt) or a .jsonl file")
     ap.add_argument("--out", required=True)
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tree-sizes", default="", help="comma-separated: plain, chain and these trees one at a time")
     args = ap.parse_args()
+    try:
+        sizes = [int(t) for t in args.tree_sizes.split(",") if t.strip()]
+    except ValueError:
+        ap.error(f"--tree-sizes takes comma-separated integers, got {args.tree_sizes!r}")
     prompts = load_prompts(args.prompts, args.num_prompts)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    llm = LLM(args.gguf, draft=args.draft, device="cuda", dtype="bfloat16", max_num_seqs=64)
+    kw = dict(device=args.device, dtype="bfloat16", max_num_seqs=64, speculative_min_acceptance_length=None)
+    if sizes:  # an engine per arm: each takes a share of the memory
+        kw["kv_cache_memory_gb"] = 4
+    llm = LLM(args.gguf, draft=args.draft, speculative_tree_size=None, **kw)
     ids = [llm.engine.apply_chat_template(p.messages) for p in prompts]
     plain = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, speculative=False)
-    arms = {"plain_one_by_one": [llm.generate([i], plain)[0].token_ids for i in ids],
-            "plain_batched": [o.token_ids for o in llm.generate(ids, plain)],
-            "dflash_batched": [o.token_ids for o in llm.generate(ids, params)]}
+    one_by_one = lambda engine, p: [engine.generate([i], p)[0].token_ids for i in ids]  # noqa: E731
+    if sizes:
+        arms = {"plain_one_by_one": one_by_one(llm, plain), "chain_one_by_one": one_by_one(llm, params)}
+        for size in sizes:
+            tree = LLM(args.gguf, draft=args.draft, speculative_tree_size=size, **kw)
+            arms[f"tree{size}_one_by_one"] = one_by_one(tree, params)
+            del tree
+    else:
+        arms = {"plain_one_by_one": one_by_one(llm, plain),
+                "plain_batched": [o.token_ids for o in llm.generate(ids, plain)],
+                "dflash_batched": [o.token_ids for o in llm.generate(ids, params)]}
     del llm
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(args.gguf)), dtype=torch.float32).cuda().eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(args.gguf)), dtype=torch.float32).to(args.device)
+    hf.eval()
     report = {"prompts": len(ids), "max_tokens": args.max_tokens, "pairs": {}}
     for a, b in itertools.combinations(arms, 2):
         rows = []
@@ -50,7 +70,7 @@ def main() -> None:
             i = next((k for k, (s, t) in enumerate(zip(x, y)) if s != t), None)
             if i is None:
                 continue
-            t = torch.tensor([p + x[:i]], device="cuda")
+            t = torch.tensor([p + x[:i]], device=args.device)
             with torch.no_grad():
                 logits = hf(t, attention_mask=torch.ones_like(t)).logits[0, -1]
             top = logits.topk(2)

@@ -4,10 +4,12 @@
 #          drafter_pipeline --phase eval processes at once (T=0 and T=1; 164 / 80 / 200 prompts x 256 tokens)
 #   speed: tok/s of plain decoding, the chain and trees side by side in one process (benchmarks/tree_arms.py;
 #          HumanEval and MT-Bench, 32 prompts x 256 tokens, one at a time and all at once)
+#   divergence: where bf16 outputs of the chain and of trees of 7 and 15 part from plain decoding's, one request
+#          at a time, and the fp32 logit gap there (bf16_divergence.py; HumanEval and MT-Bench, 16 prompts x 256)
 #   tests: pytest tests/gpu
 # Everything lands in OUT.
 #
-#   bash benchmarks/device/tree_eval.sh GGUF DATA_DIR OUT eval|speed|tests [...]
+#   bash benchmarks/device/tree_eval.sh GGUF DATA_DIR OUT eval|speed|divergence|tests [...]
 set -euo pipefail
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 gguf=$1 data_dir=$2 out=$3
@@ -35,10 +37,16 @@ for phase in "$@"; do
           --dataset "$data_dir/$set.jsonl" --num-prompts 32 --max-tokens 256 --tree-sizes 7,15,31 \
           --concurrency 1,all --reps 2 --json "$out/speed_$set.json" 2>&1 | grep -v Loading | tee "$out/speed_$set.txt"
       done ;;
+    divergence)
+      for set in humaneval mt_bench; do
+        log "bf16 divergence: $set"
+        python "$here/bf16_divergence.py" --gguf "$gguf" --draft "$drafter" --prompts "$data_dir/$set.jsonl" \
+          --num-prompts 16 --tree-sizes 7,15 --out "$out/divergence_$set" 2>&1 | grep -v Loading | tee "$out/divergence_$set.txt"
+      done ;;
     tests)
       log "GPU tests"
       (cd "$root" && python -m pytest -q tests/gpu 2>&1 | tail -n 15) | tee "$out/pytest_gpu.txt" ;;
-    *) echo "unknown phase $phase (eval, speed, tests)"; exit 2 ;;
+    *) echo "unknown phase $phase (eval, speed, divergence, tests)"; exit 2 ;;
   esac
 done
 log "phases done: $*"
