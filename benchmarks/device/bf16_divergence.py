@@ -13,6 +13,7 @@ a tie that bf16 rounding can flip; a logic bug shows up as a large gap).
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 from pathlib import Path
@@ -42,8 +43,8 @@ def main() -> None:
     prompts = load_prompts(args.prompts, args.num_prompts)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     kw = dict(device=args.device, dtype="bfloat16", max_num_seqs=64, speculative_min_acceptance_length=None)
-    if sizes:  # an engine per arm: each takes a share of the memory
-        kw["kv_cache_memory_gb"] = 4
+    if sizes:  # an engine per arm, one request at a time: a small cache each
+        kw["kv_cache_memory_gb"] = 1
     llm = LLM(args.gguf, draft=args.draft, speculative_tree_size=None, **kw)
     ids = [llm.engine.apply_chat_template(p.messages) for p in prompts]
     plain = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, speculative=False)
@@ -54,11 +55,15 @@ def main() -> None:
             tree = LLM(args.gguf, draft=args.draft, speculative_tree_size=size, **kw)
             arms[f"tree{size}_one_by_one"] = one_by_one(tree, params)
             del tree
+            gc.collect()
     else:
         arms = {"plain_one_by_one": one_by_one(llm, plain),
                 "plain_batched": [o.token_ids for o in llm.generate(ids, plain)],
                 "dflash_batched": [o.token_ids for o in llm.generate(ids, params)]}
     del llm
+    gc.collect()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "tokens.json").write_text(json.dumps({"prompts": ids, "arms": arms}))
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(args.gguf)), dtype=torch.float32).to(args.device)
@@ -81,7 +86,6 @@ def main() -> None:
         report["pairs"][f"{a} vs {b}"] = {"identical": same, "divergences": rows}
         gaps = [round(abs(r["fp32_gap"]), 4) for r in rows]
         print(f"{a} vs {b}: {same}/{len(ids)} identical; |fp32 gap| at first divergence {sorted(gaps)}", flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "divergence.json").write_text(json.dumps(report, indent=1))
 
 
