@@ -96,7 +96,7 @@ class _Plan:
     row: int  # first row of this request in the flattened batch
     verify: bool  # the rows are [x_start, d_1 .. d_{n-1}]: a draft block under verification
     accepted: int = 0  # leading drafts the target agreed with
-    path: list[int] | None = None  # token trees: the verify rows of the accepted drafts, by depth
+    path: list[int] | None = None  # token trees: the verify rows of the accepted drafts to move, by depth
 
 
 class DFlashSpeculator:
@@ -389,12 +389,13 @@ class DFlashSpeculator:
         over every row (tree rows at their depths' positions, each seeing its ancestors), the
         target's token at every row, the accepted path of each tree; one device->host transfer;
         commit, moving the accepted rows' K/V to their positions' slots. A greedy step replayed as a
-        graph brings its acceptance along (_tree_graph_step)."""
+        graph brings its acceptance along (_tree_graph_step), and on the fused GPU path its K/V moves."""
         hidden, positions, trees, accepted = self._forward_tree(plans)
         verifying = [p for p in plans if p.verify]
         V, N = len(verifying), self.num_draft
+        moved = False  # the accepted rows' K/V already at their positions' slots
         if accepted is not None:
-            (a, path, committed), toks, owner = accepted, hidden.new_zeros(0, dtype=torch.long), []
+            (a, path, committed, moved), toks, owner = accepted, hidden.new_zeros(0, dtype=torch.long), []
         else:
             toks, owner = self._target_tokens(plans, hidden, positions)
             # each tree's target tokens as [V, 1 + N]; rows a short verify did not check never match
@@ -416,7 +417,7 @@ class DFlashSpeculator:
             if p.verify:
                 p.accepted = host[k]
                 rows = host[V + k * D1: V + (k + 1) * D1]
-                p.path = rows[1: p.accepted + 1]
+                p.path = None if moved else rows[1: p.accepted + 1]
                 chosen[i] = host[V + V * D1 + k * D1: V + V * D1 + k * D1 + p.accepted + 1]
                 k += 1
         for i, t in zip(owner, host[V + 2 * V * D1:]):
@@ -429,7 +430,8 @@ class DFlashSpeculator:
         its taps, tree rows at positions start + depth under their ancestor masks, then the context
         K/V of every row into the draft cache (written at the rows' slots: the accepted rows' move
         with the target's at commit). Returns the final hidden states, the rows' positions, the trees,
-        and for a greedy step replayed as a graph its acceptance (a, path, committed tokens; else None)."""
+        and for a greedy step replayed as a graph its acceptance (a, path, committed tokens, and whether
+        the graph moved the accepted rows' K/V already; else None)."""
         eng, runner = self.engine, self.engine.runner
         seqs = [p.seq for p in plans]
         verifying = [p for p in plans if p.verify]
@@ -446,7 +448,8 @@ class DFlashSpeculator:
                 out = g.replay()  # read before any other replay: graphs share one memory pool
                 n, rows = len(plans), len(plans) * plans[0].n
                 trees = Trees(*(t[:n] for t in out[2:6]), self.block_size - 1)
-                return out[0][:rows], out[1][:rows], trees, None if drawn else tuple(t[:n] for t in out[6:])
+                accepted = None if drawn else tuple(t[:n] for t in out[6:]) + (g.aux.get("moves_kv", False),)
+                return out[0][:rows], out[1][:rows], trees, accepted
         trees = self.propose_tree([p.seq for p in verifying])
         tokens = [p.seq.token_ids[-1:] + [self.mask_token_id] * (p.n - 1) if p.verify else
                   p.seq.token_ids[p.seq.num_computed_tokens:][:p.n] for p in plans]
@@ -509,7 +512,10 @@ class DFlashSpeculator:
                       positions=positions[: n * B].view(n, B)[:, 1:].flatten(), token_ids=token_ids)
         logp, cols = draw_candidates(logits, self.num_draft, **kw)
         cand = cols if token_ids is None else token_ids[cols]
-        return build_trees(logp.view(n, k, -1), cand.view(n, k, -1), self.num_draft)
+        build = build_trees
+        if fused_enabled(logp):  # one kernel instead of ~70 small ones (spec/tree_triton.py)
+            from flashdraft.spec.tree_triton import build_trees as build
+        return build(logp.view(n, k, -1), cand.view(n, k, -1), self.num_draft)
 
     def _setup_tree_graph(self, g: StepGraph) -> None:
         """A tree step's verify buffers beside the draft block's: input ids, positions and metadata
@@ -561,8 +567,18 @@ class DFlashSpeculator:
         if draw is not None:  # sampled steps choose the target's tokens after the replay
             return result
         target = greedy_tokens(runner.model.compute_logits(out, float32=False)).view(S, N1)
-        a, path = accept(trees, target)
-        return result + (a, path, target.gather(1, path))
+        if not fused_enabled(out):
+            a, path = accept(trees, target)
+            return result + (a, path, target.gather(1, path))
+        # the acceptance and the accepted rows' K/V moves in the graph too (padding requests move nothing)
+        from flashdraft.spec.tree_triton import accept_paths, move_slots
+
+        a, path, committed, src, dst = accept_paths(trees, target, torch.where(real, start, -1), m.block_tables,
+                                                    m.block_size)
+        move_slots(runner.k_cache, runner.v_cache, src, dst)
+        move_slots(self.k_cache, self.v_cache, src, dst)
+        g.aux["moves_kv"] = True
+        return result + (a, path, committed)
 
     def _path_moves(self, seq: Sequence, start: int, path: list[int]) -> list[tuple[int, int]]:
         """(from slot, to slot) of each accepted tree row whose K/V must move to its position's slot:

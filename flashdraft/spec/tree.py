@@ -32,13 +32,15 @@ MAX_TREE_SIZE = 63  # rows 0..63 of a verify block fit one int64 ancestor mask
 class Trees:
     """One tree per request, as device tensors [S, N]: node tokens, the verify row of each node's
     parent (0 = the root row), depth (1..max_depth), and valid (False: never accepted; a padding node
-    when fewer than N candidates exist). max_depth bounds every depth (static: no device read)."""
+    when fewer than N candidates exist). max_depth bounds every depth (static: no device read).
+    ancestors: their [S, N + 1] ancestor masks, when whoever built the trees made those too."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor
     valid: torch.Tensor
     max_depth: int
+    ancestors: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -46,7 +48,7 @@ class Trees:
 
     def masks(self) -> torch.Tensor:
         """[S, N + 1] int64 ancestor masks of the verify rows (ancestor_masks)."""
-        return ancestor_masks(self.parents, self.max_depth)
+        return self.ancestors if self.ancestors is not None else ancestor_masks(self.parents, self.max_depth)
 
 
 def build_trees(logp: torch.Tensor, tokens: torch.Tensor, size: int) -> Trees:

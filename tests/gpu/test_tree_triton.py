@@ -1,0 +1,172 @@
+"""The token-tree kernels (flashdraft/spec/tree_triton.py) against the torch reference (spec/tree.py,
+itself tested against brute force in tests/test_tree.py) and against the host's K/V moves.
+
+Runs on CUDA, or on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from flashdraft.spec import tree, tree_triton  # noqa: E402
+
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+
+
+def candidates(S: int, D: int, K: int, vocab: int, seed: int, peaked: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(S, D, vocab, generator=g) * (8 if peaked else 2)
+    logp, cand = logits.log_softmax(-1).topk(K, dim=-1)
+    return logp.to(DEVICE), cand.to(DEVICE)
+
+
+@pytest.mark.parametrize("S, D, N", [(3, 7, 15), (2, 7, 7), (4, 3, 6), (1, 15, 31), (2, 7, 63), (1, 1, 5)])
+@pytest.mark.parametrize("peaked", [False, True])
+def test_build_trees_equals_the_torch_reference(S, D, N, peaked):
+    logp, cand = candidates(S, D, N, 200, S * 1000 + D * 10 + N, peaked)
+    want = tree.build_trees(logp, cand, N)
+    got = tree_triton.build_trees(logp, cand, N)
+    for field in ("tokens", "parents", "depths", "valid"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    assert torch.equal(got.masks(), tree.ancestor_masks(want.parents, D))
+    assert got.max_depth == D and got.valid.all()
+
+
+def test_build_trees_with_fewer_candidates_than_nodes():
+    """K < N: only the 2 + 4 paths that exist are valid, laid out as the reference lays them out."""
+    logp, cand = candidates(2, 2, 2, 50, 3)
+    want, got = tree.build_trees(logp, cand, 9), tree_triton.build_trees(logp, cand, 9)
+    assert torch.equal(got.valid, want.valid) and got.valid.sum(1).tolist() == [6, 6]
+    for field in ("tokens", "parents", "depths"):
+        assert torch.equal(getattr(got, field)[got.valid], getattr(want, field)[want.valid]), field
+
+
+@pytest.mark.parametrize("follow", [0.3, 0.8, "deepest"])
+def test_accept_paths_equals_the_torch_walk(follow):
+    """Targets that follow each branch with probability `follow`, or the path to a deepest node."""
+    S, D, N = 6, 7, 15
+    logp, cand = candidates(S, D, N, 300, 11)
+    trees = tree_triton.build_trees(logp, cand, N)
+    g = torch.Generator().manual_seed(7)
+    target = torch.randint(0, 300, (S, N + 1), generator=g)
+    tok, par, dep = trees.tokens.cpu(), trees.parents.cpu(), trees.depths.cpu()
+    for s in range(S):
+        if follow == "deepest":
+            row = int(dep[s].argmax()) + 1
+            while row:
+                target[s, par[s, row - 1]] = tok[s, row - 1]
+                row = int(par[s, row - 1])
+            continue
+        for i in range(N):
+            if torch.rand((), generator=g) < follow:
+                target[s, par[s, i]] = tok[s, i]
+    target = target.to(DEVICE)
+    a, path = tree.accept(trees, target)
+    got_a, got_path, got_commit = tree_triton.accept_paths(trees, target)
+    assert torch.equal(got_a, a) and torch.equal(got_path, path)
+    assert torch.equal(got_commit, target.gather(1, path))
+    if follow == "deepest":
+        assert a.tolist() == dep.max(1).values.tolist()
+
+
+def test_moves_equal_the_host_moves():
+    """The accepted rows' (from slot, to slot) pairs of accept_paths are those the host computes from the
+    path and the block table; move_slots copies them with every read before any write (a row's source
+    can be another's destination); padding requests (start < 0) and unaccepted depths move nothing."""
+    S, D, N, page = 4, 7, 15, 4
+    logp, cand = candidates(S, D, N, 300, 5, peaked=True)
+    trees = tree_triton.build_trees(logp, cand, N)
+    target = torch.randint(0, 300, (S, N + 1))
+    t_host, p_host = trees.tokens.cpu(), trees.parents.cpu()
+    for s in range(S):
+        for i in range(N):
+            target[s, p_host[s, i]] = t_host[s, i]  # take the last sibling of each depth: rows move
+    target = target.to(DEVICE)
+    tables = torch.tensor([[3, 0, 7, 1, 9, 2], [4, 5, 6, 8, 10, 11], [0, 0, 0, 0, 0, 0], [12, 13, 14, 15, 16, 17]],
+                          dtype=torch.int32)
+    start = torch.tensor([2, 5, -1, 0])  # request 2: padding
+    a, path, _, src, dst = tree_triton.accept_paths(trees, target, start.to(DEVICE), tables.to(DEVICE), page)
+    slot = lambda s, q: int(tables[s, q // page]) * page + q % page  # noqa: E731
+    moves = []
+    for s in range(S):
+        want = {(slot(s, int(start[s]) + r), slot(s, int(start[s]) + d))
+                for d, r in enumerate(path[s, 1: int(a[s]) + 1].tolist(), start=1) if r != d and start[s] >= 0}
+        got = {(int(x), int(y)) for x, y in zip(src[s].tolist(), dst[s].tolist()) if x >= 0}
+        assert got == want
+        moves += sorted(want)
+    assert moves and any(m[0] in {d for _, d in moves} for m in moves)  # a source that is also a destination
+    L, H, Dh = 3, 2, 8
+    k = torch.randn(L, 18, page, H, Dh, device=DEVICE)
+    v = torch.randn(L, 18, page, H, Dh, device=DEVICE)
+    want_k, want_v = k.clone(), v.clone()
+    idx = torch.tensor(moves, device=DEVICE)
+    for c in (want_k, want_v):
+        flat = c.view(L, -1, H, Dh)
+        flat[:, idx[:, 1]] = flat[:, idx[:, 0]]
+    tree_triton.move_slots(k, v, src, dst)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU graph harness; on CUDA test_engine_graphs runs these kernels")
+@pytest.mark.parametrize("oracle", [False, True])
+def test_graphed_tree_steps_through_the_kernels(tiny_llama, tmp_path, monkeypatch, oracle):
+    """The engine's graphed tree step (CPU harness: eager replays of the static buffers) with the trees
+    built, accepted and their rows' K/V moved by these kernels: plain decoding's tokens and the eager
+    torch engine's counts; with oracle trees (the right path behind a wrong sibling) every verify
+    accepts to the full depth, so rows move and the next steps read them."""
+    from fixtures import build_random_drafter
+    from test_graphs import _graphed_llm
+    from test_tree import oracle_trees
+
+    import flashdraft.spec.dflash as dflash
+    from flashdraft import LLM, SamplingParams
+    from flashdraft.spec.dflash import DFlashSpeculator
+
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
+    kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8)
+    ref = LLM(str(tiny_llama), draft=None, **kw).generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    kw.update(draft=str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)), speculative_tree_size=6)
+    if oracle:
+        futures = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
+        current: list = []
+        real_forward = DFlashSpeculator._forward_tree
+
+        def forward_tree(self, plans):
+            current[:] = [p.seq for p in plans if p.verify]
+            return real_forward(self, plans)
+
+        def trees(self, hidden, num_seqs, draw=None):  # the real requests' trees, then a bucket's padding
+            t = oracle_trees(self, futures, 1)[0](current)
+            pad = num_seqs - t.tokens.shape[0]
+            cat = lambda x, v: torch.cat([x, x.new_full((pad, x.shape[1]), v)])  # noqa: E731
+            return type(t)(cat(t.tokens, 3), cat(t.parents, 0), cat(t.depths, 1), cat(t.valid, False), t.max_depth)
+
+        monkeypatch.setattr(DFlashSpeculator, "_forward_tree", forward_tree)
+        monkeypatch.setattr(DFlashSpeculator, "_trees", trees)
+    eager = LLM(str(tiny_llama), **kw)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    assert want == [o.token_ids[:24] for o in ref]
+    graphed, replays = _graphed_llm(str(tiny_llama), kw)
+    moved = []
+    real_move = tree_triton.move_slots
+    monkeypatch.setattr(tree_triton, "move_slots", lambda k, v, src, dst: moved.append(int((src >= 0).sum()))
+                        or real_move(k, v, src, dst))
+    monkeypatch.setattr(dflash, "fused_enabled", lambda x: True)  # the models stay on the torch path
+    outs = graphed.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert graphed.engine.spec_totals() == eager.engine.spec_totals()
+    assert replays["dflash-tree"] > 0 and moved, replays
+    if oracle:
+        assert sum(moved) > 0  # the right path sat behind a wrong sibling: its rows moved
+        depth = graphed.engine.spec.depth
+        for o in outs:
+            h = o.metrics["acceptance_histogram"]
+            assert h[depth] >= o.metrics["num_drafts"] - 1, h
