@@ -324,3 +324,17 @@ def test_graphed_tree_step_with_oracle_trees(tiny, monkeypatch):
     for o in outs:
         h = o.metrics["acceptance_histogram"]
         assert h[depth] >= o.metrics["num_drafts"] - 1, h
+
+
+def test_tree_kernels_switch(monkeypatch):
+    """FLASHDRAFT_TREE_KERNELS=off keeps tree work on torch ops; a bad value is named in the error."""
+    import flashdraft.spec.tree as tree
+
+    x = torch.zeros(2)
+    monkeypatch.setattr(tree, "KERNELS", "off")
+    assert tree.use_kernels(x) is False
+    monkeypatch.setattr(tree, "KERNELS", "yes")
+    with pytest.raises(ValueError, match="FLASHDRAFT_TREE_KERNELS"):
+        tree.use_kernels(x)
+    monkeypatch.setattr(tree, "KERNELS", "auto")
+    assert tree.use_kernels(x) is False  # a CPU tensor: no fused path

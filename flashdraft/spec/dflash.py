@@ -42,7 +42,7 @@ from flashdraft.models.transformer import fused_enabled
 from flashdraft.spec.formats import read_draft_spec
 from flashdraft.spec.gate import AcceptanceGate
 from flashdraft.spec.metrics import SpecStats
-from flashdraft.spec.tree import Trees, accept, build_trees
+from flashdraft.spec.tree import Trees, accept, build_trees, use_kernels
 from flashdraft.spec.verify import accepted_lengths
 
 if TYPE_CHECKING:
@@ -513,7 +513,7 @@ class DFlashSpeculator:
         logp, cols = draw_candidates(logits, self.num_draft, **kw)
         cand = cols if token_ids is None else token_ids[cols]
         build = build_trees
-        if fused_enabled(logp):  # one kernel instead of ~70 small ones (spec/tree_triton.py)
+        if use_kernels(logp):  # one kernel instead of ~70 small ones (spec/tree_triton.py)
             from flashdraft.spec.tree_triton import build_trees as build
         return build(logp.view(n, k, -1), cand.view(n, k, -1), self.num_draft)
 
@@ -567,7 +567,7 @@ class DFlashSpeculator:
         if draw is not None:  # sampled steps choose the target's tokens after the replay
             return result
         target = greedy_tokens(runner.model.compute_logits(out, float32=False)).view(S, N1)
-        if not fused_enabled(out):
+        if not use_kernels(out):
             a, path = accept(trees, target)
             return result + (a, path, target.gather(1, path))
         # the acceptance and the accepted rows' K/V moves in the graph too (padding requests move nothing)

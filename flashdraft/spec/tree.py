@@ -21,11 +21,15 @@ one accepted path exists; the request commits the target's tokens along it, bonu
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 MAX_TREE_SIZE = 63  # rows 0..63 of a verify block fit one int64 ancestor mask
+# FLASHDRAFT_TREE_KERNELS=auto (default): on the fused GPU path, trees are built, accepted and their K/V
+# moved by the Triton kernels of spec/tree_triton.py; off: by the torch ops below everywhere.
+KERNELS = os.environ.get("FLASHDRAFT_TREE_KERNELS", "auto")
 
 
 @dataclass
@@ -49,6 +53,15 @@ class Trees:
     def masks(self) -> torch.Tensor:
         """[S, N + 1] int64 ancestor masks of the verify rows (ancestor_masks)."""
         return self.ancestors if self.ancestors is not None else ancestor_masks(self.parents, self.max_depth)
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether tree work over tensors like `x` runs in spec/tree_triton.py's kernels (see KERNELS)."""
+    if KERNELS not in ("auto", "off"):
+        raise ValueError(f"FLASHDRAFT_TREE_KERNELS must be auto or off, got {KERNELS!r}")
+    from flashdraft.models.transformer import fused_enabled
+
+    return KERNELS == "auto" and fused_enabled(x)
 
 
 def build_trees(logp: torch.Tensor, tokens: torch.Tensor, size: int) -> Trees:

@@ -40,10 +40,12 @@ def test_build_trees_equals_the_torch_reference(S, D, N, peaked):
 
 
 def test_build_trees_with_fewer_candidates_than_nodes():
-    """K < N: only the 2 + 4 paths that exist are valid, laid out as the reference lays them out."""
+    """K < N: only the 2 + 4 paths that exist are valid, in the reference's order; the kernel puts the
+    padding nodes last (where the reference puts them depends on how its top-k breaks ties)."""
     logp, cand = candidates(2, 2, 2, 50, 3)
     want, got = tree.build_trees(logp, cand, 9), tree_triton.build_trees(logp, cand, 9)
-    assert torch.equal(got.valid, want.valid) and got.valid.sum(1).tolist() == [6, 6]
+    assert want.valid.sum(1).tolist() == [6, 6]
+    assert got.valid.tolist() == [[True] * 6 + [False] * 3] * 2
     for field in ("tokens", "parents", "depths"):
         assert torch.equal(getattr(got, field)[got.valid], getattr(want, field)[want.valid]), field
 
@@ -160,6 +162,7 @@ def test_graphed_tree_steps_through_the_kernels(tiny_llama, tmp_path, monkeypatc
     monkeypatch.setattr(tree_triton, "move_slots", lambda k, v, src, dst: moved.append(int((src >= 0).sum()))
                         or real_move(k, v, src, dst))
     monkeypatch.setattr(dflash, "fused_enabled", lambda x: True)  # the models stay on the torch path
+    monkeypatch.setattr(dflash, "use_kernels", lambda x: True)
     outs = graphed.generate(prompts, params)
     assert [o.token_ids for o in outs] == want
     assert graphed.engine.spec_totals() == eager.engine.spec_totals()
