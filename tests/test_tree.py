@@ -286,18 +286,11 @@ def test_graphed_tree_step_matches_the_eager_engine(tiny, temps):
     assert replays["dflash-tree-sampled" if any(temps) else "dflash-tree"] > 0, replays
 
 
-def test_graphed_tree_step_with_oracle_trees(tiny, monkeypatch):
-    """Through the graph too, trees whose right path sits behind a wrong sibling are accepted to their
-    depth, and the rows moved to their positions' slots are what the next steps read."""
-    from test_graphs import _graphed_llm
-
-    from flashdraft import SamplingParams
+def use_oracle_graph_trees(monkeypatch, prompts, ref) -> None:
+    """Make graphed tree steps verify oracle_trees (branch 1) built from the plain outputs `ref` of
+    `prompts`: the real requests' trees, then a batch bucket's padding trees."""
     from flashdraft.spec.dflash import DFlashSpeculator
 
-    model, drafter, plain = tiny
-    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    ref = plain.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True))
     futures = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
     current: list = []
     real_forward = DFlashSpeculator._forward_tree
@@ -307,13 +300,27 @@ def test_graphed_tree_step_with_oracle_trees(tiny, monkeypatch):
         return real_forward(self, plans)
 
     def trees(self, hidden, num_seqs, draw=None):
-        t = oracle_trees(self, futures, 1)[0](current)  # the real requests' trees, then a bucket's padding
+        t = oracle_trees(self, futures, 1)[0](current)
         pad = num_seqs - t.tokens.shape[0]
         cat = lambda x, v: torch.cat([x, x.new_full((pad, x.shape[1]), v)])  # noqa: E731
         return type(t)(cat(t.tokens, 3), cat(t.parents, 0), cat(t.depths, 1), cat(t.valid, False), t.max_depth)
 
     monkeypatch.setattr(DFlashSpeculator, "_forward_tree", forward_tree)
     monkeypatch.setattr(DFlashSpeculator, "_trees", trees)
+
+
+def test_graphed_tree_step_with_oracle_trees(tiny, monkeypatch):
+    """Through the graph too, trees whose right path sits behind a wrong sibling are accepted to their
+    depth, and the rows moved to their positions' slots are what the next steps read."""
+    from test_graphs import _graphed_llm
+
+    from flashdraft import SamplingParams
+
+    model, drafter, plain = tiny
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = plain.generate(prompts, SamplingParams(max_tokens=60, ignore_eos=True))
+    use_oracle_graph_trees(monkeypatch, prompts, ref)
     kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8,
               draft=str(drafter), speculative_tree_size=6)
     graphed, replays = _graphed_llm(str(model), kw)

@@ -125,11 +125,10 @@ def test_graphed_tree_steps_through_the_kernels(tiny_llama, tmp_path, monkeypatc
     accepts to the full depth, so rows move and the next steps read them."""
     from fixtures import build_random_drafter
     from test_graphs import _graphed_llm
-    from test_tree import oracle_trees
+    from test_tree import use_oracle_graph_trees
 
     import flashdraft.spec.dflash as dflash
     from flashdraft import LLM, SamplingParams
-    from flashdraft.spec.dflash import DFlashSpeculator
 
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
     kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8)
@@ -137,22 +136,7 @@ def test_graphed_tree_steps_through_the_kernels(tiny_llama, tmp_path, monkeypatc
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     kw.update(draft=str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)), speculative_tree_size=6)
     if oracle:
-        futures = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
-        current: list = []
-        real_forward = DFlashSpeculator._forward_tree
-
-        def forward_tree(self, plans):
-            current[:] = [p.seq for p in plans if p.verify]
-            return real_forward(self, plans)
-
-        def trees(self, hidden, num_seqs, draw=None):  # the real requests' trees, then a bucket's padding
-            t = oracle_trees(self, futures, 1)[0](current)
-            pad = num_seqs - t.tokens.shape[0]
-            cat = lambda x, v: torch.cat([x, x.new_full((pad, x.shape[1]), v)])  # noqa: E731
-            return type(t)(cat(t.tokens, 3), cat(t.parents, 0), cat(t.depths, 1), cat(t.valid, False), t.max_depth)
-
-        monkeypatch.setattr(DFlashSpeculator, "_forward_tree", forward_tree)
-        monkeypatch.setattr(DFlashSpeculator, "_trees", trees)
+        use_oracle_graph_trees(monkeypatch, prompts, ref)
     eager = LLM(str(tiny_llama), **kw)
     want = [o.token_ids for o in eager.generate(prompts, params)]
     assert want == [o.token_ids[:24] for o in ref]
