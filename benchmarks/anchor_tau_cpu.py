@@ -42,9 +42,9 @@ import torch.nn.functional as F
 from per_prompt_tau import pooled  # benchmarks/ is on the path when this script runs
 
 from flashdraft.models.loader import load_config, load_weights, resolve_model_dir
-from flashdraft.spec.dflash import load_drafter
+from flashdraft.speculative.loader import load_drafter
+from flashdraft.train.features import target_features
 from flashdraft.train.loss import block_attention_mask, draft_hidden
-from flashdraft.train.trainer import target_features
 
 BINS = (0.3, 0.5, 0.7, 0.9, 1.0)  # upper edges of the bins of the target's top-1 probability
 BEST_FIRST_WIDTH = 16  # a best-first tree picks among the drafter's most likely tokens of each slot

@@ -13,8 +13,9 @@ import time
 import torch
 
 from flashdraft.models.loader import load_config, resolve_model_dir
+from flashdraft.train.drafter import drafter_spec, init_drafter
 from flashdraft.train.loss import block_attention_mask, draft_hidden, sample_anchors
-from flashdraft.train.trainer import TrainConfig, drafter_spec, init_drafter
+from flashdraft.train.trainer import TrainConfig
 
 
 def main() -> None:

@@ -36,14 +36,14 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit KV budget in blocks (overrides kv_cache_memory_gb)
     kv_cache_memory_gb: float | None = None  # None: 2 GiB on cpu, 85% of free memory on cuda
     num_speculative_tokens: int | None = None  # None: block_size - 1 of the drafter
-    # verify a token tree of this many drafts per step instead of the drafter's chain (spec/tree.py):
+    # verify a token tree of this many drafts per step instead of the drafter's chain (speculative/tree.py):
     # the drafter's most likely continuations of its block, best first; None: the chain; "auto": CPU_TREE
     speculative_tree_size: int | str | None = "auto"
     # pause speculation for a step when at least this many requests are running (plain decode
     # steps, drafter context kept current); None: always speculate
     speculative_disable_batch_size: int | None = None
     # per request: decode without drafts for a while when its recent tau (tokens per verify) falls
-    # below this (spec/gate.py); "auto": CPU_BREAK_EVEN for sampled requests on a CPU, else never;
+    # below this (speculative/gate.py); "auto": CPU_BREAK_EVEN for sampled requests on a CPU, else never;
     # a number: that threshold for every request; None: never
     speculative_min_acceptance_length: float | str | None = "auto"
     seed: int = 0
@@ -79,7 +79,7 @@ class EngineConfig:
                              f"(tokens per verify step), got {m!r}")
         t = self.speculative_tree_size
         if t is not None and t != "auto":
-            from flashdraft.spec.tree import MAX_TREE_SIZE
+            from flashdraft.speculative.tree import MAX_TREE_SIZE
 
             if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= MAX_TREE_SIZE:
                 raise ValueError(f"speculative_tree_size must be 'auto', None or an integer in [1, {MAX_TREE_SIZE}] "

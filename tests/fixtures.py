@@ -170,7 +170,7 @@ class Served:
 def record_fed_drafts(monkeypatch) -> list:
     """Patch DFlashSpeculator._accept to record, at every step, the drafts each verifying request
     fed the target (the verify input rows after its first); returns the list it appends to."""
-    from flashdraft.spec.dflash import DFlashSpeculator
+    from flashdraft.speculative.dflash import DFlashSpeculator
 
     fed: list = []
     real_accept = DFlashSpeculator._accept

@@ -11,8 +11,8 @@ import torch
 from fixtures import build_random_drafter
 
 from flashdraft import LLM, SamplingParams
-from flashdraft.spec.formats import default_target_layer_ids
-from flashdraft.spec.verify import accepted_lengths
+from flashdraft.speculative.formats import default_target_layer_ids
+from flashdraft.speculative.verify import accepted_lengths
 
 MIXED = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12], [9], [250, 251] * 9,
          list(range(3, 60, 2)), [42, 43, 44], [12, 99, 12, 99, 12], [300, 1, 301], list(range(100, 140)),
@@ -371,7 +371,7 @@ def test_sampled_drafts_are_drawn_with_the_targets_noise(tiny_llama, drafter, pl
     from fixtures import hf_model
 
     from flashdraft.engine import sampler
-    from flashdraft.spec.dflash import DFlashSpeculator
+    from flashdraft.speculative.dflash import DFlashSpeculator
 
     ref = hf_model(tiny_llama).double()
     spec = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32")

@@ -1,4 +1,4 @@
-"""The per-request acceptance gate (flashdraft/spec/gate.py): a request whose drafts do not pay
+"""The per-request acceptance gate (flashdraft/speculative/gate.py): a request whose drafts do not pay
 decodes without them for a while, with the same tokens as plain decoding."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from test_dflash import MIXED, install_oracle
 import flashdraft.config
 from flashdraft import LLM, SamplingParams
 from flashdraft.config import CPU_BREAK_EVEN  # the shipped line (tests/conftest.py turns it off)
-from flashdraft.spec.gate import AcceptanceGate
+from flashdraft.speculative.gate import AcceptanceGate
 
 
 @pytest.fixture(scope="module")

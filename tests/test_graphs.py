@@ -20,7 +20,7 @@ from flashdraft.engine.sequence import Sequence
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.transformer import DecoderLM
 from flashdraft.sampling_params import SamplingParams
-from flashdraft.spec.formats import DraftSpec
+from flashdraft.speculative.formats import DraftSpec
 
 BS, N_BLOCKS, BUCKET, MAX_BLOCKS = 4, 96, 4, 16
 
@@ -166,7 +166,7 @@ def test_graphed_dflash_step_matches_eager_engine(tiny_llama, tmp_path, monkeypa
     from fixtures import build_random_drafter
 
     from flashdraft import LLM
-    from flashdraft.spec.dflash import DFlashSpeculator
+    from flashdraft.speculative.dflash import DFlashSpeculator
 
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200], [9, 8]]
     lens = [9, 30, 24, 17, 26]

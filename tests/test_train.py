@@ -102,9 +102,9 @@ def test_train_few_steps_and_roundtrip(tiny_llama, tmp_path):
 def test_tap_preconditioner_folds_into_saved_fc(tiny_llama, tmp_path):
     """Training feeds fc taps * scale; the saved checkpoint must give the same drafts from raw taps."""
     from flashdraft.models.loader import load_config
-    from flashdraft.spec.dflash import load_drafter
+    from flashdraft.speculative.loader import load_drafter
+    from flashdraft.train.drafter import drafter_spec, init_drafter, save_checkpoint
     from flashdraft.train.loss import draft_hidden
-    from flashdraft.train.trainer import drafter_spec, init_drafter, save_checkpoint
 
     target_cfg = load_config(tiny_llama)
     spec = drafter_spec(target_cfg, TrainConfig(num_layers=1, block_size=4, target_layer_ids=[0, 2]), 3)
@@ -376,8 +376,8 @@ def test_grouped_draft_attention_equals_dense(tiny_llama, window):
     gradients of every query over every key (float64), padded blocks and the curriculum window
     included."""
     from flashdraft.models.loader import load_config
+    from flashdraft.train.drafter import drafter_spec, init_drafter
     from flashdraft.train.loss import draft_hidden, key_groups
-    from flashdraft.train.trainer import drafter_spec, init_drafter
 
     cfg = load_config(tiny_llama)
     drafter = init_drafter(drafter_spec(cfg, TrainConfig(num_layers=2, block_size=4, target_layer_ids=[0, 2]), 3),
@@ -426,7 +426,7 @@ def _saved_drafter_run(tiny_llama, tmp_path, taps: list[int]) -> dict:
     """A random 1-layer drafter with these taps saved to tmp_path/start (bf16, as the trainer writes),
     and the TrainConfig options that continue it on two prompts."""
     from flashdraft.models.loader import load_config
-    from flashdraft.train.trainer import drafter_spec, init_drafter, save_checkpoint
+    from flashdraft.train.drafter import drafter_spec, init_drafter, save_checkpoint
 
     cfg = load_config(tiny_llama)
     saved = init_drafter(drafter_spec(cfg, TrainConfig(num_layers=1, block_size=4, target_layer_ids=taps), 3),
@@ -468,7 +468,7 @@ def test_init_drafter_with_more_taps_keeps_the_saved_function(tiny_llama, tmp_pa
     its place in the new order and the added ones start at zero, so the context features equal the saved
     drafter's on the same taps; a list that drops a saved tap is refused by name."""
     from flashdraft.models.loader import load_config
-    from flashdraft.spec.dflash import load_drafter
+    from flashdraft.speculative.loader import load_drafter
 
     cfg = load_config(tiny_llama)
     common = _saved_drafter_run(tiny_llama, tmp_path, [2, 0]) | dict(epochs=0)
@@ -516,7 +516,7 @@ def test_init_drafter_adds_layers_and_narrows_mlps(tiny_llama, tmp_path):
     channels carrying nothing (their down_proj columns zeroed here), the grown drafter drafts as the
     saved one; a wider MLP, or --add-layers without --init-drafter, is refused."""
     from flashdraft.models.loader import load_config
-    from flashdraft.spec.dflash import load_drafter
+    from flashdraft.speculative.loader import load_drafter
 
     cfg = load_config(tiny_llama)
     common = _saved_drafter_run(tiny_llama, tmp_path, [0, 2]) | dict(epochs=0)
@@ -552,8 +552,8 @@ def test_narrowing_keeps_the_channels_the_text_reaches(tiny_llama, tmp_path):
     are the ones dropped (weight norms alone would keep them), and the narrowed drafter drafts as the
     saved one."""
     from flashdraft.models.loader import load_config
-    from flashdraft.spec.dflash import load_drafter
-    from flashdraft.train.trainer import grow_layers
+    from flashdraft.speculative.loader import load_drafter
+    from flashdraft.train.drafter import grow_layers
 
     cfg = load_config(tiny_llama)
     common = _saved_drafter_run(tiny_llama, tmp_path, [0, 2]) | dict(epochs=0)
@@ -617,7 +617,7 @@ def test_target_features_taps_without_the_head_equal_the_full_forward(arch, requ
 
     from transformers import AutoModelForCausalLM
 
-    from flashdraft.train.trainer import target_features
+    from flashdraft.train.features import target_features
 
     folder = request.getfixturevalue(arch)
     target = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
@@ -684,7 +684,7 @@ def test_keep_every_keeps_a_loadable_drafter_per_step(tiny_llama, tmp_path):
     the engine loads, the last one the final drafter, the earlier ones different weights; N < 1 is
     refused before any answers are generated."""
     from flashdraft.models.loader import load_config
-    from flashdraft.spec.dflash import load_drafter
+    from flashdraft.speculative.loader import load_drafter
 
     common = _saved_drafter_run(tiny_llama, tmp_path, [0, 2])
     out = tmp_path / "kept"

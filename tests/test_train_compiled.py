@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import flashdraft.train.loss as L
-from flashdraft.train.trainer import TrainConfig, drafter_spec, init_drafter
+from flashdraft.train.drafter import drafter_spec, init_drafter
+from flashdraft.train.trainer import TrainConfig
 
 
 def _case(tiny_llama, dtype):

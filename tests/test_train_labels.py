@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from flashdraft.train.drafter import drafter_spec, init_drafter
 from flashdraft.train.loss import dflash_loss, head_cross_entropy, sample_anchors
-from flashdraft.train.trainer import LOG_EVERY, TrainConfig, drafter_spec, init_drafter, train
+from flashdraft.train.trainer import LOG_EVERY, TrainConfig, train
 
 
 def test_chunked_kl_matches_dense_float64():

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from flashdraft.train.drafter import drafter_spec, init_drafter
 from flashdraft.train.loss import block_attention_mask, dflash_loss, draft_hidden, sample_anchors, walk_anchors
-from flashdraft.train.trainer import TrainConfig, drafter_spec, init_drafter
+from flashdraft.train.trainer import TrainConfig
 
 
 def python_walk(anchors: list[int], runs: list[int]) -> set[int]:

@@ -1,4 +1,4 @@
-"""Token trees (flashdraft/spec/tree.py) against brute force in Python: the N best rank paths, their
+"""Token trees (flashdraft/speculative/tree.py) against brute force in Python: the N best rank paths, their
 ancestor masks, and the accepted path a walk with the target's tokens finds."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from flashdraft.spec.tree import accept, ancestor_masks, build_trees, chain
+from flashdraft.speculative.tree import accept, ancestor_masks, build_trees, chain
 
 
 def brute_best_paths(logp: list[list[float]], n: int) -> list[tuple[int, ...]]:
@@ -155,7 +155,7 @@ def oracle_trees(sp, futures, branch):
     """A propose_tree for speculator sp: each tree holds the target's continuation at depth-1 rank
     `branch` (wrong tokens at the ranks before it), as a chain under it. Returns it and the depth
     every verify should accept."""
-    from flashdraft.spec.tree import Trees
+    from flashdraft.speculative.tree import Trees
 
     N, D = sp.num_draft, sp.depth
 
@@ -289,7 +289,7 @@ def test_graphed_tree_step_matches_the_eager_engine(tiny, temps):
 def use_oracle_graph_trees(monkeypatch, prompts, ref) -> None:
     """Make graphed tree steps verify oracle_trees (branch 1) built from the plain outputs `ref` of
     `prompts`: the real requests' trees, then a batch bucket's padding trees."""
-    from flashdraft.spec.dflash import DFlashSpeculator
+    from flashdraft.speculative.dflash import DFlashSpeculator
 
     futures = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
     current: list = []
@@ -335,7 +335,7 @@ def test_graphed_tree_step_with_oracle_trees(tiny, monkeypatch):
 
 def test_tree_kernels_switch(monkeypatch):
     """FLASHDRAFT_TREE_KERNELS=off keeps tree work on torch ops; a bad value is named in the error."""
-    import flashdraft.spec.tree as tree
+    import flashdraft.speculative.tree as tree
 
     x = torch.zeros(2)
     monkeypatch.setattr(tree, "KERNELS", "off")

@@ -59,7 +59,7 @@ from flashdraft.engine.sampler import greedy_tokens  # noqa: E402
 from flashdraft.models.dflash_draft import DFlashDraftModel  # noqa: E402
 from flashdraft.models.launch import pdl_mode  # noqa: E402
 from flashdraft.models.transformer import DecoderLM, fused_mode, gemm_mode  # noqa: E402
-from flashdraft.spec.formats import DraftSpec, default_target_layer_ids  # noqa: E402
+from flashdraft.speculative.formats import DraftSpec, default_target_layer_ids  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936)

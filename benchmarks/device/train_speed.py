@@ -20,8 +20,10 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from flashdraft.train.drafter import drafter_spec, init_drafter
+from flashdraft.train.features import target_features
 from flashdraft.train.loss import dflash_loss, gamma_for
-from flashdraft.train.trainer import TrainConfig, drafter_spec, init_drafter, make_batch, target_features
+from flashdraft.train.trainer import TrainConfig, make_batch
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,

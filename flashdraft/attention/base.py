@@ -5,7 +5,7 @@ Query rows of sequence s are the last `query_lens[s]` positions of its `seq_lens
 tokens of this step are stored before attention runs). Causal: a row at position p sees keys
 [0, p]. Non-causal (the DFlash draft block): every row of s sees all `seq_lens[s]` keys.
 
-Token trees (spec/tree.py): `tree_mask[t]`, when given and non-zero for row t, replaces the causal
+Token trees (speculative/tree.py): `tree_mask[t]`, when given and non-zero for row t, replaces the causal
 rule for that row: it sees every key before its sequence's first query row (the context) and, of
 the step's own rows of its sequence, row j iff bit j of the mask is set. Zero keeps the causal rule
 (prefill chunks and decode rows beside tree verifies)."""

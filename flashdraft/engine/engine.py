@@ -81,7 +81,7 @@ class LLMEngine:
         self.spec = None
         draft = shipped_drafter(config.model) if config.draft == "auto" else config.draft
         if draft is not None:
-            from flashdraft.spec.dflash import load_speculator
+            from flashdraft.speculative.loader import load_speculator
 
             self.spec = load_speculator(draft, self)
         else:  # ragged steps (prefill chunks beside decodes) replay graphs too

@@ -84,11 +84,11 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits [..., V] -> argmax over V: on the fused GPU path the two Triton kernels of
-    fused.argmax (flashdraft/models/fused.py), else torch's argmax. Both break ties to the lowest id."""
+    fused_tokens.argmax (flashdraft/models/fused_tokens.py), else torch's argmax. Both break ties to the lowest id."""
     if logits.numel() and fused_enabled(logits):
-        from flashdraft.models import fused
+        from flashdraft.models import fused_tokens
 
-        return fused.argmax(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
+        return fused_tokens.argmax(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
     return logits.argmax(dim=-1)
 
 
@@ -148,7 +148,7 @@ def draw_candidates(logits: torch.Tensor, k: int, temperature: torch.Tensor | No
                     seeds: torch.Tensor | None = None,
                     positions: torch.Tensor | None = None,
                     token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A token tree's candidates for each draft slot (spec/tree.py): the k best columns of logits [N, V]
+    """A token tree's candidates for each draft slot (speculative/tree.py): the k best columns of logits [N, V]
     float32 with their log-probabilities, best first, ([N, k] float32, [N, k] int64). Greedy rows (no
     temperature, or T = 0) rank by the drafter's distribution; sampled rows by the draw draw_drafts makes
     (logits / T plus the noise the target will draw that position's token with), scored by the softmax

@@ -21,7 +21,7 @@ from flashdraft.models.transformer import (
     load_packed,
     step_slots,
 )
-from flashdraft.spec.formats import DraftSpec
+from flashdraft.speculative.formats import DraftSpec
 
 # tensors some checkpoints carry that serving does not use
 _IGNORED = ("t2d", "verifier_norm.weight", "verifier_lm_head.weight")

@@ -5,11 +5,6 @@ the K/V store, residual adds, silu * mul). With these a layer is 9 launches (10 
 splits K): add_rmsnorm, qkv GEMM, qk_norm_rope_store, attention, o GEMM, add_rmsnorm, gate_up GEMM,
 silu_mul, down GEMM. The DFlash context write of all drafter layers drops from ~17 per layer to 4.
 
-    embedding           weight[ids] (few rows: torch's index_select     (token, 1024 columns)
-                        takes ~14 us for 16 rows on an H100, this ~2)
-    argmax              greedy token of each logits row                 (row, part), then per row
-    accepted_lengths    DFlash acceptance: leading drafts equal to the    one program per request
-                        target's tokens (torch: eq, cast, cumprod, sum)
     add_rmsnorm         r = x + residual; weight * rmsnorm(r)            one program per row
     qk_norm_rope_store  packed qkv -> q (q_norm, RoPE) into a new tensor,  (token, group of heads)
                         K (k_norm, RoPE) and V straight into the cache
@@ -34,76 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.attention.triton_paged import _sm_count
 from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 SILU_BLOCK = 1024  # columns per silu_mul program
-EMBED_BLOCK = 1024  # columns per embedding program
-ARGMAX_BLOCK = 1024  # entries per argmax step (lanes x values per lane)
-ARGMAX_MAX_PARTS = 64
-ACCEPT_BLOCK = 16  # draft slots per program at least: one compiled variant for blocks up to 17
 HEAD_TILE = 2048  # elements (heads x padded head_dim) per q/k/context program
 
 
 def _heads_per_program(rows: int, block_d: int) -> int:
     return max(1, min(triton.next_power_of_2(rows), HEAD_TILE // block_d))
-
-
-@triton.jit
-def _embedding_kernel(ids_ptr, w_ptr, out_ptr, stride_w, stride_o, N, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (token, BLOCK columns): out[t] = w[ids[t]]."""
-    pdl_enter(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    tok = tl.load(ids_ptr + t).to(tl.int64)
-    row = tl.load(w_ptr + tok * stride_w + d, mask=d < N)
-    pdl_trigger(USE_PDL)
-    tl.store(out_ptr + t * stride_o + d, row, mask=d < N)
-
-
-@triton.jit(do_not_specialize=["n", "chunk"])
-def _argmax_part_kernel(x_ptr, val_ptr, idx_ptr, n, chunk, stride_x, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (row, part): the largest value of x[row, part * chunk : (part + 1) * chunk] and its
-    first index."""
-    pdl_enter(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    lo = tl.program_id(1) * chunk
-    hi = tl.minimum(lo + chunk, n)
-    c = tl.arange(0, BLOCK)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    where = tl.full([BLOCK], 2147483647, tl.int32)
-    for start in range(lo, hi, BLOCK):
-        v = tl.load(x_ptr + row * stride_x + start + c, mask=start + c < hi, other=float("-inf")).to(tl.float32)
-        take = v > best  # strictly: a lane keeps its first maximum
-        best = tl.where(take, v, best)
-        where = tl.where(take, start + c, where)
-    top = tl.max(best, 0)
-    pdl_trigger(USE_PDL)
-    at = row * tl.num_programs(1) + tl.program_id(1)
-    tl.store(val_ptr + at, top)
-    tl.store(idx_ptr + at, tl.min(tl.where(best == top, where, 2147483647), 0))
-
-
-@triton.jit(do_not_specialize=["parts"])
-def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, parts, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr):
-    """One row: the first index of the largest of its parts' maxima."""
-    pdl_enter(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    p = tl.arange(0, BLOCK_P)
-    v = tl.load(val_ptr + row * parts + p, mask=p < parts, other=float("-inf"))
-    i = tl.load(idx_ptr + row * parts + p, mask=p < parts, other=2147483647)
-    first = tl.min(tl.where(v == tl.max(v, 0), i, 2147483647), 0)
-    pdl_trigger(USE_PDL)
-    tl.store(out_ptr + row, tl.where(first == 2147483647, 0, first).to(tl.int64))
-
-
-@triton.jit(do_not_specialize=["d_ptr", "t_ptr", "k", "stride_d", "stride_t"])  # one variant: views at any offset
-def _accept_kernel(d_ptr, t_ptr, out_ptr, k, stride_d, stride_t, BLOCK: tl.constexpr):
-    s = tl.program_id(0)
-    j = tl.arange(0, BLOCK)
-    d = tl.load(d_ptr + s * stride_d + j, mask=j < k, other=-1)
-    t = tl.load(t_ptr + s * stride_t + j, mask=j < k, other=-2)
-    tl.store(out_ptr + s, tl.min(tl.where((j < k) & (d != t), j, k), 0).to(tl.int64))  # first mismatch, or k
 
 
 @triton.jit
@@ -273,61 +206,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, last dim] with a unit last stride (a view when possible)."""
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """weight[ids]: ids [...] of in-range token ids (the engine validates prompts; sampled and
-    drafted ids come from argmax/sampling over the vocabulary) -> [..., dim]."""
-    if weight.dim() != 2 or weight.stride(-1) != 1:
-        raise ValueError(f"embedding table must be 2-D with a unit last stride, got {tuple(weight.shape)}")
-    flat = ids.reshape(-1)
-    n = weight.shape[1]
-    out = torch.empty(flat.shape[0], n, device=weight.device, dtype=weight.dtype)
-    if flat.shape[0]:
-        block = min(EMBED_BLOCK, triton.next_power_of_2(n))
-        _embedding_kernel[(flat.shape[0], triton.cdiv(n, block))](flat, weight, out, weight.stride(0), out.stride(0), n,
-                                                                  BLOCK=block, num_warps=4, **launch_kwargs(weight))
-    return out.view(*ids.shape, n)
-
-
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1) for a 2-D x [rows, n] (any float dtype): each row cut into parts so that the
-    grid covers ~2 programs per SM, then one program per row over the parts' maxima. The part
-    count follows the row count, so it is a runtime argument: no compile per batch size. torch's
-    reduction takes 8-11 us for 16 rows of a 151,936-entry vocabulary on an H100, one program per
-    row 35-38 us (a serial walk of 300 KB). Ties go to the lowest index, as in torch; unlike
-    torch, NaNs are never chosen (a row of NaNs gives 0)."""
-    if x.dim() != 2:
-        raise ValueError(f"argmax takes [rows, n], got {tuple(x.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    rows, n = x.shape
-    out = torch.empty(rows, device=x.device, dtype=torch.int64)
-    if rows and not n:
-        raise ValueError("argmax of an empty row")
-    if rows:
-        parts = max(1, min(ARGMAX_MAX_PARTS, -(-2 * _sm_count(x.device) // rows), -(-n // ARGMAX_BLOCK)))
-        chunk = -(-n // parts)
-        parts = -(-n // chunk)
-        val = torch.empty(rows, parts, device=x.device, dtype=torch.float32)
-        idx = torch.empty(rows, parts, device=x.device, dtype=torch.int32)
-        kw = launch_kwargs(x)
-        _argmax_part_kernel[(rows, parts)](x, val, idx, n, chunk, x.stride(0), BLOCK=ARGMAX_BLOCK, num_warps=4, **kw)
-        _argmax_final_kernel[(rows,)](val, idx, out, parts, BLOCK_P=ARGMAX_MAX_PARTS, num_warps=1, **kw)
-    return out
-
-
-def accepted_lengths(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """drafts [S, k], target [S, >= k] (integer ids, rows of unit stride) -> [S] int64: the
-    number of leading drafts equal to the target's token at the same column."""
-    S, k = drafts.shape
-    if drafts.stride(-1) != 1 or target.stride(-1) != 1:
-        drafts, target = drafts.contiguous(), target.contiguous()
-    out = torch.empty(S, device=drafts.device, dtype=torch.int64)
-    if S:
-        _accept_kernel[(S,)](drafts, target, out, k, drafts.stride(0), target.stride(0),
-                             BLOCK=max(ACCEPT_BLOCK, triton.next_power_of_2(k)), num_warps=1)
-    return out
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -58,13 +58,13 @@ def fused_mode(mode: str):
 
 
 class Embedding(nn.Embedding):
-    """nn.Embedding; on the fused path the lookup is fused.embedding (one Triton kernel)."""
+    """nn.Embedding; on the fused path the lookup is fused_tokens.embedding (one Triton kernel)."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if fused_enabled(self.weight):
-            from flashdraft.models import fused
+            from flashdraft.models import fused_tokens
 
-            return fused.embedding(ids, self.weight)
+            return fused_tokens.embedding(ids, self.weight)
         return super().forward(ids)
 
 

@@ -6,24 +6,29 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field, replace
-from datetime import timedelta
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
-from torch.nn.attention import sdpa_kernel
 from tqdm import tqdm
 
-from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.loader import load_config, load_weights, resolve_model_dir
-from flashdraft.spec.formats import DraftSpec, default_target_layer_ids
-from flashdraft.train.loss import LABELS, TRAIN_SDPA, dflash_loss, gamma_for, sample_anchors
+from flashdraft.train.distributed import average, check_in_sync, init_distributed
+from flashdraft.train.drafter import (
+    drafter_spec,
+    grow_layers,
+    grown_spec,
+    init_drafter,
+    init_from_target,
+    save_checkpoint,
+    widen_fc,
+    wider_taps,
+)
+from flashdraft.train.features import mlp_channel_energy, tap_scale, target_features
+from flashdraft.train.loss import LABELS, dflash_loss, gamma_for, sample_anchors
 
 
 @dataclass
@@ -83,237 +88,6 @@ def _mask_token(tokenizer, explicit: int | None) -> int:
     raise ValueError("the tokenizer has no mask token: pass --mask-token-id (an id that never occurs in text)")
 
 
-def drafter_spec(target_cfg, cfg: TrainConfig, mask_token_id: int) -> DraftSpec:
-    n_taps = len(cfg.target_layer_ids) if cfg.target_layer_ids else max(cfg.num_layers, 2)
-    ids = cfg.target_layer_ids or default_target_layer_ids(target_cfg.num_hidden_layers, n_taps)
-    layer = SimpleNamespace(
-        hidden_size=target_cfg.hidden_size, intermediate_size=cfg.intermediate_size or target_cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=target_cfg.num_attention_heads,
-        num_key_value_heads=target_cfg.num_key_value_heads,
-        head_dim=getattr(target_cfg, "head_dim", None) or target_cfg.hidden_size // target_cfg.num_attention_heads,
-        rms_norm_eps=target_cfg.rms_norm_eps, attention_bias=False, rope_theta=_rope_theta(target_cfg),
-        rope_scaling=None, rope_parameters=None, max_position_embeddings=target_cfg.max_position_embeddings,
-        vocab_size=target_cfg.vocab_size, model_type="qwen3")
-    return DraftSpec(layer, cfg.block_size or 16, mask_token_id, list(ids), None, "z-lab")
-
-
-def _wider_taps(saved: list[int], wanted: list[int], n_target: int) -> list[int]:
-    """The tap list a continued drafter may take: every saved tap kept, new ones added (any order)."""
-    wanted = [int(i) for i in wanted]
-    if len(set(wanted)) != len(wanted):
-        raise ValueError(f"target_layer_ids {wanted} repeats a layer")
-    if not set(saved) <= set(wanted):
-        raise ValueError(f"target_layer_ids {wanted} drop tap(s) {sorted(set(saved) - set(wanted))} of the saved "
-                         f"drafter (taps {saved}); a continued drafter can add taps, not lose them")
-    bad = [i for i in wanted if not 0 <= i < n_target]
-    if bad:
-        raise ValueError(f"target_layer_ids {bad} outside the target's {n_target} layers")
-    return wanted
-
-
-def widen_fc(w: torch.Tensor, saved: list[int], wanted: list[int]) -> torch.Tensor:
-    """fc.weight [H, len(saved) * H] as fc over the taps `wanted` (a superset): each saved tap's columns
-    move to its place in the new order, the added taps' columns are zero, so fc(taps) is unchanged."""
-    if list(saved) == list(wanted):
-        return w
-    h = w.shape[1] // len(saved)
-    out = w.new_zeros(w.shape[0], h * len(wanted))
-    for j, layer in enumerate(saved):
-        k = wanted.index(layer)
-        out[:, k * h:(k + 1) * h] = w[:, j * h:(j + 1) * h]
-    return out
-
-
-def _grown_spec(spec: DraftSpec, add_layers: int, inter: int | None) -> DraftSpec:
-    """The spec of a saved drafter given `add_layers` more layers and MLPs narrowed to `inter` channels."""
-    c = spec.layer_config
-    if add_layers < 0:
-        raise ValueError(f"add_layers must be 0 or more, not {add_layers}")
-    if inter is not None and not 0 < inter <= c.intermediate_size:
-        raise ValueError(f"intermediate_size {inter}: a continued drafter can narrow its MLPs (the saved "
-                         f"drafter's is {c.intermediate_size}), not widen them")
-    if not add_layers and inter in (None, c.intermediate_size):
-        return spec
-    layer = SimpleNamespace(**vars(c))
-    layer.num_hidden_layers = c.num_hidden_layers + add_layers
-    layer.intermediate_size = inter or c.intermediate_size
-    return replace(spec, layer_config=layer)
-
-
-def grow_layers(state: dict[str, torch.Tensor], n_saved: int, add_layers: int, inter: int | None,
-                energy: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """A saved drafter's weights (DFlashDraftModel names) for a deeper and/or narrower drafter.
-    inter: each layer's MLP keeps the `inter` channels with the largest sqrt(energy[i, j]) * |down_j|,
-    energy from `mlp_channel_energy` (what each channel puts into the layer's output on real text), or
-    without it |gate_j| * |up_j| * |down_j| (row / column norms, blind to which inputs the layer meets);
-    the others are dropped, which changes the drafts a little, and training has to win that back.
-    add_layers: copies of the last layer appended with o_proj and down_proj at zero, so each adds nothing
-    to the residual stream (same drafts) until training moves them."""
-    state = dict(state)
-    for i in range(n_saved):
-        key = f"layers.{i}.mlp."
-        gate, up = state[key + "gate_up_proj.weight"].chunk(2)
-        down = state[key + "down_proj.weight"]
-        if inter is None or inter == gate.shape[0]:
-            continue
-        if energy is not None:
-            score = energy[i].to(down.device).sqrt() * down.float().norm(dim=0)
-        else:
-            score = gate.float().norm(dim=1) * up.float().norm(dim=1) * down.float().norm(dim=0)
-        keep = score.topk(inter).indices.sort().values
-        state[key + "gate_up_proj.weight"] = torch.cat([gate[keep], up[keep]])
-        state[key + "down_proj.weight"] = down[:, keep].contiguous()
-    last = f"layers.{n_saved - 1}."
-    for j in range(n_saved, n_saved + add_layers):
-        for name in [k for k in state if k.startswith(last)]:
-            t = state[name].clone()
-            if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
-                t.zero_()
-            state[f"layers.{j}." + name[len(last):]] = t
-    return state
-
-
-def _rope_theta(cfg) -> float:
-    params = getattr(cfg, "rope_parameters", None) or {}
-    return float(params.get("rope_theta") or getattr(cfg, "rope_theta", None) or 10000.0)
-
-
-def init_drafter(spec: DraftSpec, device, seed: int) -> DFlashDraftModel:
-    torch.manual_seed(seed)
-    model = DFlashDraftModel(spec).to(device)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.02)
-            else:
-                p.fill_(1.0)  # RMSNorm weights
-    return model
-
-
-@torch.no_grad()
-def hidden_states(model, ids: torch.Tensor, idx: list[int], **kwargs) -> tuple[object, list[torch.Tensor]]:
-    """A transformers forward of `model` (a causal LM or its base model) and its hidden states at HF
-    indices `idx` (l + 1 for the output of layer l), every one taken before the final norm, as the
-    engine taps them: transformers' last hidden state is the final norm's output (SmolLM2: RMS 1.8
-    against 36 before it), so a drafter trained on it would read other features when serving."""
-    raw = {}
-    hook = model.base_model.norm.register_forward_pre_hook(lambda module, args: raw.setdefault("x", args[0]))
-    try:
-        out = model(ids, output_hidden_states=True, **kwargs)
-    finally:
-        hook.remove()
-    last = len(out.hidden_states) - 1
-    return out, [raw["x"] if i == last else out.hidden_states[i] for i in idx]
-
-
-@torch.no_grad()
-def tap_scale(target, samples, tap_idx: list[int], device, max_samples: int = 64) -> torch.Tensor:
-    """1 / RMS of every tap dimension over real tokens (position 0, the attention sink, left out).
-    Targets carry a few "massive" dimensions (SmolLM2: RMS ~500 against a median of ~13, and
-    ~25,000 at the sink); fed raw, they dominate fc's random start and Adam's equal-sized steps
-    move the outputs of those columns 40x more than the rest. Training sees taps * scale; the
-    saved fc is fc * scale, so the checkpoint takes raw taps like every other z-lab drafter."""
-    acc, count = None, 0
-    for ids, _ in samples[:max_samples]:
-        _, hs = hidden_states(target, torch.tensor([ids], device=device), tap_idx)
-        taps = torch.cat([h[0, 1:] for h in hs], -1).float()
-        acc = taps.pow(2).sum(0) if acc is None else acc + taps.pow(2).sum(0)
-        count += taps.shape[0]
-    return (acc / max(count, 1)).sqrt().clamp_min(1e-3).reciprocal()
-
-
-@torch.no_grad()
-def mlp_channel_energy(drafter: DFlashDraftModel, target, embed: torch.Tensor, samples, device, dtype,
-                       max_samples: int = 16, max_response: int = 256) -> torch.Tensor:
-    """[layers, inter]: each MLP channel's summed squared activation (the input of its down_proj) over
-    the blocks anchored at the first `max_response` response positions of the first `max_samples`
-    training answers, run as training runs the drafter: which channels carry the text a drafter
-    meets. A channel can have large weights and still see no input along them; weight norms alone
-    cannot tell (on SmolLM2, run 18 narrowed from 1,536 to 1,512 channels by weight norms fell from
-    2.22 to 2.11 on 12 MT-Bench prompts on CPU, by this energy to 2.21)."""
-    from flashdraft.train.loss import block_attention_mask, draft_hidden
-
-    spec, block = drafter.spec, drafter.spec.block_size
-    energy = torch.zeros(len(drafter.layers), drafter.layers[0].mlp.down_proj.in_features, device=device)
-
-    def record(i: int):
-        return lambda module, args: energy[i].add_(args[0].float().pow(2).flatten(0, -2).sum(0))
-
-    hooks = [layer.mlp.down_proj.register_forward_pre_hook(record(i)) for i, layer in enumerate(drafter.layers)]
-    try:
-        for full, plen in samples[:max_samples]:
-            ids = torch.tensor([full[: plen + max_response]], device=device)
-            anchors = torch.arange(plen, ids.shape[1] - 1)[None]
-            if not anchors.numel():
-                continue
-            taps, _ = target_features(target, ids, torch.tensor([ids.shape[1]], device=device),
-                                      [i + 1 for i in spec.target_layer_ids], None, False)
-            blocks = torch.full((1, anchors.shape[1], block), spec.mask_token_id, device=device)
-            blocks[:, :, 0] = ids[0, anchors[0].to(device)]
-            mask = block_attention_mask(anchors.to(device), torch.ones(anchors.shape, dtype=torch.bool, device=device),
-                                        ids.shape[1], block)
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                draft_hidden(drafter, taps, torch.nn.functional.embedding(blocks.flatten(1), embed), anchors, mask)
-    finally:
-        for h in hooks:
-            h.remove()
-    return energy
-
-
-def init_from_target(drafter: DFlashDraftModel, weights: dict[str, torch.Tensor], first_layer: int) -> None:
-    """Start the drafter's layers from target layers first_layer.. (same shapes; q/k norms stay 1)."""
-    with torch.no_grad():
-        for j, layer in enumerate(drafter.layers):
-            src = f"model.layers.{first_layer + j}."
-            a, mlp = layer.self_attn, layer.mlp
-            a.qkv_proj.weight.copy_(torch.cat([weights[src + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
-            a.o_proj.weight.copy_(weights[src + "self_attn.o_proj.weight"])
-            mlp.gate_up_proj.weight.copy_(torch.cat([weights[src + "mlp.gate_proj.weight"],
-                                                     weights[src + "mlp.up_proj.weight"]]))
-            mlp.down_proj.weight.copy_(weights[src + "mlp.down_proj.weight"])
-            layer.input_layernorm.weight.copy_(weights[src + "input_layernorm.weight"])
-            layer.post_attention_layernorm.weight.copy_(weights[src + "post_attention_layernorm.weight"])
-
-
-def save_checkpoint(model: DFlashDraftModel, target_cfg, out: Path, dtype=torch.bfloat16,
-                    fc_scale: torch.Tensor | None = None) -> None:
-    """z-lab layout: unpacked projections, a Qwen3 config with the DFlash keys. fc_scale (the
-    training-time tap preconditioner) is folded into fc's input columns."""
-    spec, c = model.spec, model.spec.layer_config
-    tensors = {}
-    for name, t in model.state_dict().items():
-        if name == "d2t":
-            continue
-        if name == "fc.weight" and fc_scale is not None:
-            t = t.float() * fc_scale.to(t.device)[None, :]
-        t = t.detach().to("cpu", dtype)
-        if ".qkv_proj." in name:
-            a = model.layers[0].self_attn
-            for part, chunk in zip(("q_proj", "k_proj", "v_proj"), t.split([a.q_size, a.kv_size, a.kv_size])):
-                tensors[name.replace("qkv_proj", part)] = chunk.contiguous()
-        elif ".gate_up_proj." in name:
-            for part, chunk in zip(("gate_proj", "up_proj"), t.chunk(2)):
-                tensors[name.replace("gate_up_proj", part)] = chunk.contiguous()
-        else:
-            tensors[name] = t.contiguous()
-    config = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": spec.block_size,
-        "num_target_layers": target_cfg.num_hidden_layers,
-        "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": spec.target_layer_ids,
-                          "block_size": spec.block_size},
-        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "hidden_act": "silu",
-        "attention_bias": False, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_scaling": None,
-        "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
-        "tie_word_embeddings": False, "layer_types": ["full_attention"] * c.num_hidden_layers,
-        "use_sliding_window": False, "sliding_window": None, "dtype": str(dtype).removeprefix("torch."),
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-
-
 def _batches(samples, batch_size: int, rng: random.Random):
     order = list(range(len(samples)))
     rng.shuffle(order)
@@ -322,44 +96,6 @@ def _batches(samples, batch_size: int, rng: random.Random):
     groups = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
     rng.shuffle(groups)
     return groups
-
-
-def _init_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
-    """Data parallel when started by torchrun (WORLD_SIZE > 1): one process per GPU (cuda:LOCAL_RANK),
-    NCCL on CUDA and gloo on CPU. -> (rank, world size, device)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if world == 1:
-        return 0, 1, device
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():  # data generation can take hours before the first collective
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(hours=4))
-    return dist.get_rank(), world, device
-
-
-def _average(tensors: list[torch.Tensor], world: int) -> None:
-    """All-reduce and average in place (gradients, logged scalars) in one flat message."""
-    if world == 1:
-        return
-    flat = torch.cat([t.reshape(-1).float() for t in tensors])
-    dist.all_reduce(flat)
-    flat /= world
-    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(part.view_as(t))
-
-
-def _check_in_sync(params: list[torch.Tensor], world: int) -> None:
-    """Every rank must hold the same weights; a missed gradient reduction shows up here."""
-    if world == 1:
-        return
-    with torch.no_grad():
-        mine = torch.stack([p.double().sum() for p in params])
-        everyone = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(everyone, mine)
-    if any(not torch.allclose(e, everyone[0], rtol=1e-6, atol=1e-6) for e in everyone):
-        raise RuntimeError("data-parallel ranks hold different drafter weights")
 
 
 LOG_EVERY = 10  # steps between reads of the logged numbers from the GPU; the rate marks (10, 30, 100, 300) fall on them
@@ -380,26 +116,6 @@ def make_batch(seqs: list[tuple[list[int], int]], num_anchors: int, gen: torch.G
     anchors, valid = sample_anchors(loss_mask, lengths, num_anchors, gen)
     return (ids.to(device, non_blocking=True), lengths.to(device, non_blocking=True), anchors,
             valid.to(device, non_blocking=True))
-
-
-@torch.no_grad()
-def target_features(target, ids: torch.Tensor, lengths: torch.Tensor, tap_idx: list[int],
-                    scale: torch.Tensor | None, want_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The frozen target over ids: taps [b, S, n*H] (`hidden_states`, times the preconditioner
-    scale) and, when asked, its logits [b, S, vocab] (otherwise the head is not run). Its attention
-    takes the drafter's kernel list: cuDNN would plan a graph on the host for every new length. The
-    causal + padding mask is built here, additive [b, 1, S, S]: given a padding mask, transformers
-    first asks the GPU whether it could skip the mask, a wait for the GPU in every step."""
-    pos = torch.arange(ids.shape[1], device=ids.device)
-    keep = (pos[None, :] <= pos[:, None])[None, None] & (pos < lengths[:, None])[:, None, None, :]
-    dtype = target.get_input_embeddings().weight.dtype
-    mask = torch.zeros(keep.shape, dtype=dtype, device=ids.device).masked_fill_(~keep, torch.finfo(dtype).min)
-    with sdpa_kernel(TRAIN_SDPA):
-        out, hs = hidden_states(target if want_logits else target.base_model, ids, tap_idx, attention_mask=mask)
-    taps = torch.cat(hs, -1)
-    if scale is not None:
-        taps = (taps.float() * scale).to(taps.dtype)
-    return taps, out.logits if want_logits else None
 
 
 def train(cfg: TrainConfig) -> Path:
@@ -426,7 +142,7 @@ def train(cfg: TrainConfig) -> Path:
                          "(2 or more)")
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    rank, world, device = _init_distributed(cfg)
+    rank, world, device = init_distributed(cfg)
     main = rank == 0
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
     folder = resolve_model_dir(cfg.model)
@@ -436,7 +152,7 @@ def train(cfg: TrainConfig) -> Path:
     start = None
     if cfg.init_drafter:  # the saved drafter decides the shape (block size, layers, taps, mask token); taps,
         # add_layers and intermediate_size can grow it
-        from flashdraft.spec.dflash import load_drafter
+        from flashdraft.speculative.loader import load_drafter
 
         if cfg.init_layers_from is not None:
             raise ValueError("pass either init_drafter or init_layers_from, not both")
@@ -444,10 +160,10 @@ def train(cfg: TrainConfig) -> Path:
         spec = start.spec
         saved_taps = list(spec.target_layer_ids)
         if cfg.target_layer_ids and list(cfg.target_layer_ids) != saved_taps:  # more taps: fc widens (new ones at 0)
-            spec = replace(spec, target_layer_ids=_wider_taps(saved_taps, cfg.target_layer_ids,
+            spec = replace(spec, target_layer_ids=wider_taps(saved_taps, cfg.target_layer_ids,
                                                               target_cfg.num_hidden_layers))
         n_saved = spec.layer_config.num_hidden_layers
-        spec = _grown_spec(spec, cfg.add_layers, cfg.intermediate_size)  # deeper / narrower
+        spec = grown_spec(spec, cfg.add_layers, cfg.intermediate_size)  # deeper / narrower
         if cfg.block_size is not None:  # a longer (or shorter) block: same weights, more mask slots
             spec = replace(spec, block_size=cfg.block_size)
         cfg.block_size, cfg.num_layers = spec.block_size, spec.layer_config.num_hidden_layers
@@ -575,7 +291,7 @@ def train(cfg: TrainConfig) -> Path:
             loss.backward()
             logged = torch.stack([loss.detach().float(), stats["tau"].float(), stats["acc_per_slot"][0].float(),
                                   stats.get("walk_tau", stats["tau"]).float()])
-            _average([p.grad for p in params] + [logged], world)  # the all-ranks batch's gradient
+            average([p.grad for p in params] + [logged], world)  # the all-ranks batch's gradient
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             sched.step()
@@ -610,7 +326,7 @@ def train(cfg: TrainConfig) -> Path:
                 dist.broadcast(flag, 0)
                 stop = bool(flag.item())
             if step % cfg.save_every == 0 or step == plan["total"] or stop:
-                _check_in_sync(params, world)
+                check_in_sync(params, world)
                 if main:
                     torch.save({"model": drafter.state_dict(), "opt": opt.state_dict(),
                                 "sched": sched.state_dict(), "step": step, "epoch": epoch,

@@ -25,11 +25,11 @@ from fixtures import tiny_config  # noqa: E402
 
 from flashdraft.attention.base import AttentionBatch  # noqa: E402
 from flashdraft.attention.torch_ref import TorchAttention  # noqa: E402
-from flashdraft.models import fused, transformer  # noqa: E402
+from flashdraft.models import fused, fused_tokens, transformer  # noqa: E402
 from flashdraft.models.dflash_draft import DFlashDraftModel  # noqa: E402
 from flashdraft.models.rope import RotaryTable, apply_rope  # noqa: E402
 from flashdraft.models.transformer import MLP, DecoderLM, RMSNorm, fused_mode  # noqa: E402
-from flashdraft.spec.formats import DraftSpec  # noqa: E402
+from flashdraft.speculative.formats import DraftSpec  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 6e-2}
@@ -68,7 +68,7 @@ def test_add_rmsnorm(rows, n, with_residual, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape,dim", [((1,), 64), ((16,), 4096), ((3, 5), 100), ((0,), 64), ((2,), 2500)])
 def test_embedding(shape, dim, dtype):
-    """fused.embedding against nn.Embedding: exact copies of the rows, ids of any shape (int32 or
+    """fused_tokens.embedding against nn.Embedding: exact copies of the rows, ids of any shape (int32 or
     int64), the module switch routing through it."""
     g = torch.Generator().manual_seed(dim)
     emb = transformer.Embedding(777, dim).to(DEVICE, dtype)
@@ -78,12 +78,12 @@ def test_embedding(shape, dim, dtype):
     ids[..., :1] = 776  # the last row too
     want = torch.nn.functional.embedding(ids, emb.weight)
     for t in (ids, ids.to(torch.int32)):
-        got = fused.embedding(t, emb.weight)
+        got = fused_tokens.embedding(t, emb.weight)
         assert got.shape == (*shape, dim) and got.dtype == dtype and torch.equal(got, want)
     with fused_mode("on"), torch.no_grad():
         assert torch.equal(emb(ids), want)
     with pytest.raises(ValueError, match="embedding table"):
-        fused.embedding(ids, emb.weight.t())
+        fused_tokens.embedding(ids, emb.weight.t())
 
 
 QK_CASES = {  # (model kind -> rope table and q/k norm, head_dim, heads, kv heads)
@@ -288,7 +288,7 @@ def test_engine_tokens_match_torch_path(tiny_qwen3, tmp_path, monkeypatch, with_
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 60))]
     params = SamplingParams(max_tokens=7, ignore_eos=True)
     kw = dict(draft=draft, device=str(DEVICE), dtype="float32", max_num_batched_tokens=24, kv_block_size=8)
-    from flashdraft.spec.dflash import DFlashSpeculator
+    from flashdraft.speculative.dflash import DFlashSpeculator
 
     drafts = []  # every verify's drafts: tokens are lossless whatever the drafter does, the drafts show it agrees
     real_accept = DFlashSpeculator._accept
@@ -329,7 +329,7 @@ def test_engine_tokens_match_torch_path(tiny_qwen3, tmp_path, monkeypatch, with_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,n", [(1, 100), (16, 5000), (3, 2048), (2, 4097)])
 def test_argmax(rows, n, dtype):
-    """fused.argmax against torch.argmax: ties (bf16 has many) to the lowest index, rows whose
+    """fused_tokens.argmax against torch.argmax: ties (bf16 has many) to the lowest index, rows whose
     maximum sits in the first, a middle or the last entry; the sampler's greedy path through it."""
     from flashdraft.engine.sampler import greedy_tokens
 
@@ -340,19 +340,19 @@ def test_argmax(rows, n, dtype):
     if rows > 1:
         x[1, 0] = 100.0
     want = x.argmax(-1)
-    assert torch.equal(fused.argmax(x), want)
-    assert torch.equal(fused.argmax(x.t().contiguous().t()), want)  # strided rows
+    assert torch.equal(fused_tokens.argmax(x), want)
+    assert torch.equal(fused_tokens.argmax(x.t().contiguous().t()), want)  # strided rows
     with fused_mode("on"):
         assert torch.equal(greedy_tokens(x.view(rows, 1, n)), want.view(rows, 1))
     with pytest.raises(ValueError, match="argmax takes"):
-        fused.argmax(x.view(-1))
+        fused_tokens.argmax(x.view(-1))
 
 
 @pytest.mark.parametrize("S,k", [(1, 15), (5, 3), (32, 15), (3, 1), (2, 20)])
 def test_accepted_lengths(S, k):
     """The acceptance kernel against the torch rule on [S, k] drafts whose first mismatch sits
     anywhere (none included), on strided views like the engine's verify rows."""
-    from flashdraft.spec.verify import accepted_lengths
+    from flashdraft.speculative.verify import accepted_lengths
 
     g = torch.Generator().manual_seed(S * 100 + k)
     target = torch.randint(0, 50, (S, k + 1), generator=g)
@@ -364,7 +364,7 @@ def test_accepted_lengths(S, k):
         rows[s, 2 + j:] = torch.randint(0, 50, (max(0, k - 1 - j),), generator=g)
     want = (rows[:, 1:] == target[:, :-1]).long().cumprod(1).sum(1)
     assert want.tolist() == [s % (k + 1) for s in range(S)]
-    got = fused.accepted_lengths(rows.to(DEVICE)[:, 1:], target.to(DEVICE))
+    got = fused_tokens.accepted_lengths(rows.to(DEVICE)[:, 1:], target.to(DEVICE))
     assert got.dtype == torch.int64 and got.tolist() == want.tolist()
     with fused_mode("on"), torch.inference_mode():
         assert accepted_lengths(rows.to(DEVICE)[:, 1:], target.to(DEVICE)).tolist() == want.tolist()

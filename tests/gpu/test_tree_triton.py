@@ -1,4 +1,4 @@
-"""The token-tree kernels (flashdraft/spec/tree_triton.py) against the torch reference (spec/tree.py,
+"""The token-tree kernels (flashdraft/speculative/tree_triton.py) against the torch reference (speculative/tree.py,
 itself tested against brute force in tests/test_tree.py) and against the host's K/V moves.
 
 Runs on CUDA, or on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1)."""
@@ -15,7 +15,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from flashdraft.spec import tree, tree_triton  # noqa: E402
+from flashdraft.speculative import tree, tree_triton  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 
@@ -127,7 +127,8 @@ def test_graphed_tree_steps_through_the_kernels(tiny_llama, tmp_path, monkeypatc
     from test_graphs import _graphed_llm
     from test_tree import use_oracle_graph_trees
 
-    import flashdraft.spec.dflash as dflash
+    import flashdraft.speculative.graphed as graphed_mod
+    import flashdraft.speculative.tree_step as tree_step
     from flashdraft import LLM, SamplingParams
 
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
@@ -145,8 +146,8 @@ def test_graphed_tree_steps_through_the_kernels(tiny_llama, tmp_path, monkeypatc
     real_move = tree_triton.move_slots
     monkeypatch.setattr(tree_triton, "move_slots", lambda k, v, src, dst: moved.append(int((src >= 0).sum()))
                         or real_move(k, v, src, dst))
-    monkeypatch.setattr(dflash, "fused_enabled", lambda x: True)  # the models stay on the torch path
-    monkeypatch.setattr(dflash, "use_kernels", lambda x: True)
+    monkeypatch.setattr(graphed_mod, "fused_enabled", lambda x: True)  # the models stay on the torch path
+    monkeypatch.setattr(tree_step, "use_kernels", lambda x: True)
     outs = graphed.generate(prompts, params)
     assert [o.token_ids for o in outs] == want
     assert graphed.engine.spec_totals() == eager.engine.spec_totals()

@@ -125,10 +125,10 @@ def test_draft_and_verify_mixed_with_decode_bf16(causal):
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_token_tree_rows(dtype, num_splits):
-    """Token-tree verify blocks (rows see the context and their ancestors' rows: spec/tree.py) beside
+    """Token-tree verify blocks (rows see the context and their ancestors' rows: speculative/tree.py) beside
     a causal verify, a prefill chunk and a decode row, against the torch backend (itself checked
     against float64 in tests/test_attention.py)."""
-    from flashdraft.spec.tree import ancestor_masks
+    from flashdraft.speculative.tree import ancestor_masks
 
     c = make_case([16, 8, 16, 40, 1], [70, 3, 20, 9, 33], n_kv=2, group=3, hd=64, dtype=dtype, seed=5)
     parents = [[0, 0, 1, 1, 2, 2, 3, 4, 5, 3, 9, 10, 6, 12, 7], [0, 1, 1, 0, 4, 2, 6]]

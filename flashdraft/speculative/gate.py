@@ -53,3 +53,10 @@ class AcceptanceGate:
         self.resume_at = -(-(step + pause) // pause) * pause
         self.pause = min(2 * pause, self.max_pause)
         return True
+
+
+def gate_record(seq, committed: int, step: int, min_tau: float) -> None:
+    """A request's verify committed `committed` tokens: update its gate (made on its first verify)."""
+    if not hasattr(seq, "spec_gate"):
+        seq.spec_gate = AcceptanceGate()
+    seq.spec_gate.record(committed, step, min_tau)

@@ -1,4 +1,4 @@
-"""Token trees in three Triton kernels, for graphed tree steps on the GPU (spec/tree.py is the torch
+"""Token trees in three Triton kernels, for graphed tree steps on the GPU (speculative/tree.py is the torch
 reference and defines what these compute). In torch a tree's construction, ancestor masks and
 acceptance are ~130 small kernels (per depth a top-k, gathers, a scatter; per generation of the masks
 and of the acceptance walk a gather and a concatenation): on a latency-bound 135M target they made a
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.spec.tree import Trees
+from flashdraft.speculative.tree import Trees
 
 NEG = tl.constexpr(-3.0e38)  # below any log-probability sum; a frontier entry at NEG is empty
 

@@ -30,7 +30,7 @@ from flashdraft.models.transformer import fused_enabled
 
 MAX_TREE_SIZE = 63  # rows 0..63 of a verify block fit one int64 ancestor mask
 # FLASHDRAFT_TREE_KERNELS=auto (default): on the fused GPU path, trees are built, accepted and their K/V
-# moved by the Triton kernels of spec/tree_triton.py; off: by the torch ops below everywhere.
+# moved by the Triton kernels of speculative/tree_triton.py; off: by the torch ops below everywhere.
 KERNELS = os.environ.get("FLASHDRAFT_TREE_KERNELS", "auto")
 
 
@@ -58,7 +58,7 @@ class Trees:
 
 
 def use_kernels(x: torch.Tensor) -> bool:
-    """Whether tree work over tensors like `x` runs in spec/tree_triton.py's kernels (see KERNELS)."""
+    """Whether tree work over tensors like `x` runs in speculative/tree_triton.py's kernels (see KERNELS)."""
     if KERNELS not in ("auto", "off"):
         raise ValueError(f"FLASHDRAFT_TREE_KERNELS must be auto or off, got {KERNELS!r}")
     return KERNELS == "auto" and fused_enabled(x)

@@ -1,0 +1,320 @@
+"""The DFlash step, for a continuously batched set of requests. Read top to bottom:
+
+1. schedule: a decoding request with speculation on asks for B slots (its last committed token,
+   still without K/V, plus B-1 drafts); prefill chunks and plain requests ask as usual, and so do
+   requests whose acceptance gate has paused their drafts (speculative/gate.py).
+2. draft: one non-causal drafter forward over `[x_start, MASK x (B-1)]` per verifying request,
+   attending to the context K/V of every committed position; argmax of slots 1..B-1 (sampled
+   requests: drawn with the noise the target will draw that position's token with, see
+   speculative/drafts.py), written straight into the verify's input ids on the device.
+3. verify: one causal target forward over everything scheduled, returning the tapped layers.
+4. context: K/V of every verify row goes into the draft cache, from its taps. Rows of drafts
+   that turn out rejected are written too: they lie at or past the new committed length, where
+   the next draft block (B scratch slots) or verify rewrites them before anything reads them.
+5. accept, on the device: the target's token at every verify slot (same sampler as plain
+   decoding, same (seed, position) noise), a = leading drafts equal to the target's token one
+   slot earlier. The step's one device->host transfer reads every a and the tokens; the host
+   commits t_0..t_a one by one (stops end the request exactly where plain decoding would) and
+   frees target pages past the committed length.
+
+Beside this file: graphed.py (steps 2-4 as CUDA graphs), tree_step.py (token trees instead of
+chains), drafts.py (the drafter's hidden states -> drafts), loader.py (a drafter checked and loaded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from flashdraft.attention.base import AttentionBatch
+from flashdraft.engine.graphs import to_device
+from flashdraft.engine.model_runner import make_backend
+from flashdraft.engine.sampler import sample
+from flashdraft.engine.sequence import Sequence
+from flashdraft.models.dflash_draft import DFlashDraftModel
+from flashdraft.speculative.drafts import DraftTokens
+from flashdraft.speculative.gate import gate_record
+from flashdraft.speculative.graphed import GraphedSteps
+from flashdraft.speculative.kv_slots import poison_slots, position_slots
+from flashdraft.speculative.metrics import SpecStats
+from flashdraft.speculative.tree_step import TreeSteps
+from flashdraft.speculative.verify import accepted_lengths, ragged_accepted_lengths
+
+if TYPE_CHECKING:
+    from flashdraft.engine.engine import LLMEngine
+
+
+@dataclass
+class Plan:
+    """One scheduled request's part of a step."""
+    seq: Sequence
+    n: int  # rows the target computes this step
+    row: int  # first row of this request in the flattened batch
+    verify: bool  # the rows are [x_start, d_1 .. d_{n-1}]: a draft block under verification
+    accepted: int = 0  # leading drafts the target agreed with
+    path: list[int] | None = None  # token trees: the verify rows of the accepted drafts to move, by depth
+
+
+class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
+    def __init__(self, drafter: DFlashDraftModel, engine: LLMEngine):
+        self.drafter = drafter
+        self.engine = engine
+        self.block_size = drafter.spec.block_size
+        k = engine.config.num_speculative_tokens
+        if k is not None and not 1 <= k <= self.block_size - 1:
+            raise ValueError(f"num_speculative_tokens must be in [1, {self.block_size - 1}], got {k}")
+        # token trees (speculative/tree.py): tree_size drafts per verify, at depths up to block_size - 1
+        self.tree_size = engine.config.tree_size(engine.device, self.block_size)
+        self.num_draft = self.tree_size or k or self.block_size - 1
+        self.depth = min(self.num_draft, self.block_size - 1)  # the deepest draft a verify can accept
+        # slots a verifying request holds from its last committed token: the draft block, or the tree's rows
+        self.span = max(self.block_size, self.num_draft + 1)
+        self.mask_token_id = drafter.spec.mask_token_id
+        self.tap_layers = tuple(drafter.spec.target_layer_ids)
+        drafter.setup(engine.max_model_len + 2 * self.block_size)
+        runner, c = engine.runner, drafter.config
+        shape = (c.num_hidden_layers, runner.k_cache.shape[1], runner.block_size, c.num_key_value_heads,
+                 drafter.head_dim)
+        self.k_cache = torch.zeros(shape, device=engine.device, dtype=engine.dtype)
+        self.v_cache = torch.zeros(shape, device=engine.device, dtype=engine.dtype)
+        self.kv = [(self.k_cache[i], self.v_cache[i]) for i in range(c.num_hidden_layers)]
+        self.attn = make_backend(runner.backend_name)
+        self.embed = drafter.embed_tokens or runner.model.embed_tokens
+        self.stats = SpecStats(self.depth)
+        self.poison_rejected = False  # tests: fill every slot a rejected draft touched with NaN
+        self.draw_sampled = True  # False: sampled requests draft the argmax too (A/B measurements)
+        self.pause_at = engine.config.speculative_disable_batch_size
+        self.paused = False  # this step decodes without drafts (too many requests running)
+        # the per-request acceptance gate: its threshold given (running requests, temperature), its clock
+        self.min_tau_rule = engine.config.min_acceptance_length(engine.device)
+        self.num_running = 0
+        self.steps = 0
+        self._compile_and_capture()
+
+    # ---- hooks the engine calls -----------------------------------------------------------
+    def totals(self) -> dict:
+        return self.stats.as_dict()
+
+    def request_metrics(self, seq: Sequence) -> dict:
+        st = getattr(seq, "spec_stats", None)
+        return st.as_dict() if st is not None else {}
+
+    def release(self, seq: Sequence) -> None:
+        """Nothing to free: draft K/V lives in the target's pages, freed with them."""
+
+    def lookahead(self, seq: Sequence) -> int:
+        """Draft slots a decoding request verifies this step (0: a plain decode step)."""
+        if self.paused or not seq.params.speculative or \
+                seq.num_tokens - 1 + self.span > self.engine.max_model_len:
+            return 0
+        gate = getattr(seq, "spec_gate", None)
+        if gate is not None and not gate.drafts(self.steps):
+            for st in (self._stats(seq), self.stats):
+                st.gated_steps += 1
+            return 0
+        return self.num_draft
+
+    def _stats(self, seq: Sequence) -> SpecStats:
+        if not hasattr(seq, "spec_stats"):
+            seq.spec_stats = SpecStats(self.depth)
+        return seq.spec_stats
+
+    # ---- the step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        eng = self.engine
+        self.steps += 1
+        self.num_running = len(eng.scheduler.running)
+        self.paused = self.pause_at is not None and self.num_running >= self.pause_at
+        self.stats.paused_steps += self.paused
+        batch = eng.scheduler.schedule(self.lookahead)
+        eng.stats["num_preemptions"] += len(batch.preempted)
+        if not batch.seqs:
+            return []
+        plans = []
+        bm = eng.block_manager
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            verify = seq.num_tokens - seq.num_computed_tokens == 1 and n > 1
+            if verify:  # the draft block spans B positions even when fewer are verified
+                need = seq.num_computed_tokens + self.span
+                if bm.can_fit(seq.seq_id, need):
+                    bm.allocate(seq.seq_id, need)
+                else:  # no page for the block: plain decoding for this request this step
+                    verify, n = False, 1
+            plans.append(Plan(seq, n, 0, verify))
+        row = 0
+        for p in plans:
+            p.row = row
+            row += p.n
+        if self.tree_size is not None and any(p.verify for p in plans):
+            return self._tree_step(plans)
+        # drafts never leave the device: drafted, fed to the verify, compared with the target's
+        # tokens there; one device->host transfer reads the accepted lengths and the tokens
+        hidden, ids = self._forward(plans)
+        toks, owner = self._target_tokens(plans, hidden)
+        accepted = self._accept(plans, ids, toks)
+        host = [] if toks is None else (toks if accepted is None else torch.cat([accepted, toks])).tolist()
+        verifying = [p for p in plans if p.verify]
+        for p, a in zip(verifying, host):
+            p.accepted = a
+        chosen: dict[int, list[int]] = {}
+        for i, t in zip(owner, host[len(verifying):]):
+            chosen.setdefault(i, []).append(t)
+        return self._commit(plans, chosen)
+
+    def _forward(self, plans: list[Plan]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft (for verifying requests), then the target over every scheduled row with its taps,
+        then the context K/V of every row into the draft cache. Returns the target's final hidden
+        states and the verify's input ids on the device (None when no request verifies).
+
+        Every row's context is written, rejected drafts' rows included: those positions lie at or
+        past the new committed length, so the next step's draft block (B scratch slots from there)
+        or verify rewrites them before anything reads them. Acceptance is thus not needed until the
+        step's end, and a step where every request verifies B rows (or every request decodes) is
+        one graph replay."""
+        eng, runner = self.engine, self.engine.runner
+        seqs = [p.seq for p in plans]
+        verifying = [p for p in plans if p.verify]
+        tokens = [p.seq.token_ids[-1:] + [self.mask_token_id] * (p.n - 1) if p.verify else
+                  p.seq.token_ids[p.seq.num_computed_tokens:][:p.n] for p in plans]
+        if not self.poison_rejected:
+            out = self._graphed_forward(plans, tokens)
+            if out is not None:
+                return out
+        drafts = self.propose([p.seq for p in verifying]) if verifying else None
+        g = None
+        if not self.poison_rejected and runner.ragged_graphs:
+            g = runner.ragged_graph(("decode", self.tap_layers), seqs, tokens, eng.block_manager)
+        if g is not None:
+            ids = g.input_ids
+        else:
+            ids, positions, batch = runner.build_batch(seqs, tokens, eng.block_manager)
+        if verifying:  # the drafts into the verify rows, on the device
+            if not isinstance(drafts, torch.Tensor):  # tests propose host lists
+                drafts = to_device(drafts, torch.long, eng.device)
+            w = drafts.shape[1]
+            dst = [r for p in verifying for r in range(p.row + 1, p.row + p.n)]
+            src = [k * w + i for k, p in enumerate(verifying) for i in range(p.n - 1)]
+            idx = to_device([dst, src], torch.long, eng.device)
+            ids[idx[0]] = drafts.flatten()[idx[1]]
+        if g is not None:
+            return g.replay()[: sum(p.n for p in plans)], ids if verifying else None
+        hidden, taps = runner.run(ids, positions, batch, self.tap_layers)
+        store = AttentionBatch(batch.slot_mapping, [], [], [], batch.block_size)  # store-only: slots
+        self.drafter.write_context(taps, positions, self.kv, self.attn, store)
+        return hidden, ids if verifying else None
+
+    def propose(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Draft B-1 tokens per request in one non-causal drafter forward: [S, B-1] on the device.
+        Greedy requests draft the argmax; sampled ones draw with their temperature and the noise of
+        their (seed, position), as the target will (speculative/drafts.py)."""
+        eng, B = self.engine, self.block_size
+        blocks = [[s.token_ids[-1]] + [self.mask_token_id] * (B - 1) for s in seqs]
+        sampled = any(self._draws(s) for s in seqs)
+        if not self.poison_rejected:
+            drafts = self._graphed_drafts(seqs, blocks, sampled)
+            if drafts is not None:
+                return drafts
+        ids, pos, batch = eng.runner.build_batch(seqs, blocks, eng.block_manager, causal=False)
+        self.attn.prepare(batch, eng.device)
+        n = len(seqs)
+        hidden = self.drafter(self.embed(ids), pos, self.kv, self.attn, batch)[: n * B]  # no padding rows
+        draw = None
+        if sampled:  # greedy steps need neither temperatures nor seeds
+            draw = (to_device([float(s.params.temperature) for s in seqs], torch.float32, eng.device),
+                    to_device([s.seed for s in seqs], torch.int64, eng.device), pos[: n * B])
+        draft = self._draft_tokens(hidden, n, draw)
+        if self.poison_rejected:  # the block's scratch K/V must never be read again
+            poison_slots((self.k_cache, self.v_cache), batch.slot_mapping)
+        return draft
+
+    # ---- choose and accept ------------------------------------------------------------------
+    def _target_tokens(self, plans: list[Plan], hidden: torch.Tensor,
+                       row_positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, list[int]]:
+        """The target's tokens on the device (every verify slot of a verifying request, the last
+        row of other requests that reach their end) and the plan index of each. row_positions: every
+        row's position on the device (token trees: a row's token is drawn for its position + 1)."""
+        rows, seqs, positions, owner = [], [], [], []
+        for i, p in enumerate(plans):
+            s, start = p.seq, p.seq.num_computed_tokens
+            if p.verify:
+                width = p.n
+            elif start + p.n == s.num_tokens:
+                width = 1
+            else:
+                continue  # a prefill chunk that does not reach the end samples nothing
+            first = p.row + p.n - width
+            rows.extend(range(first, first + width))
+            positions.extend(range(start + p.n - width + 1, start + p.n + 1))
+            seqs.extend([s] * width)
+            owner.extend([i] * width)
+        if not rows:
+            return None, owner
+        eng = self.engine
+        sb = eng.runner.sampling_batch(seqs, positions)
+        if len(rows) < hidden.shape[0]:  # rows ascend: as many as hidden has means all of them
+            picked = to_device(rows, torch.long, eng.device)
+            hidden = hidden[picked]
+        else:
+            picked = slice(None)
+        if row_positions is not None and not sb.all_greedy:
+            sb.positions = row_positions[picked][: len(rows)] + 1
+        return sample(eng.runner.model.compute_logits(hidden, float32=not sb.all_greedy), sb), owner
+
+    def _accept(self, plans: list[Plan], ids: torch.Tensor | None, toks: torch.Tensor) -> torch.Tensor | None:
+        """Accepted drafts of each verifying request, [V] on the device: the leading verify inputs
+        (the drafts the target was fed) equal to the target's token one slot earlier."""
+        verifying = [p for p in plans if p.verify]
+        if not verifying:
+            return None
+        if len(verifying) == len(plans) and all(p.n == plans[0].n for p in plans):  # rows [S, n], all sampled
+            n = plans[0].n
+            return accepted_lengths(ids[: len(plans) * n].view(-1, n)[:, 1:], toks.view(-1, n))
+        rows, first = [], 0  # ragged: (first draft row in ids, first target token in toks, drafts) each
+        for p in plans:
+            if p.verify:
+                rows.append((p.row + 1, first, p.n - 1))
+            first += p.n if p.verify else int(p.seq.num_computed_tokens + p.n == p.seq.num_tokens)
+        return ragged_accepted_lengths(ids, toks, rows)
+
+    def _commit(self, plans: list[Plan], chosen: dict[int, list[int]]) -> list[Sequence]:
+        eng = self.engine
+        advanced, kept, moves = [], [], []
+        for i, p in enumerate(plans):
+            s = p.seq
+            if not p.verify:
+                s.num_computed_tokens += p.n
+                if i in chosen:
+                    eng.append_tokens(s, chosen[i])
+                    advanced.append(s)
+                continue
+            target, a = chosen[i], p.accepted
+            for st in (self._stats(s), self.stats):
+                st.record(a, p.n - 1)
+            start = s.num_computed_tokens
+            s.num_computed_tokens = start + a + 1
+            eng.append_tokens(s, target[: a + 1])
+            advanced.append(s)
+            if not s.is_finished:
+                if p.path:
+                    moves += self._path_moves(s, start, p.path)
+                kept.append((s, start + p.n, a))
+        if moves:  # before poisoning or freeing what lies past the committed length
+            self._move_kv(moves)
+        for s, end, a in kept:
+            min_tau = self.min_tau_rule and self.min_tau_rule(max(self.num_running, 1), s.params.temperature)
+            if min_tau is not None:
+                gate_record(s, a + 1, self.steps, min_tau)
+            if self.poison_rejected:
+                self._poison_tail(s, end)
+            eng.block_manager.truncate(s.seq_id, s.num_computed_tokens)
+        eng.stats["num_steps"] += 1
+        return advanced
+
+    def _poison_tail(self, seq: Sequence, end: int) -> None:
+        """Tests: NaN into the target's and the drafter's K/V at every slot past the committed length."""
+        slots = position_slots(self.engine.block_manager, seq.seq_id, range(seq.num_computed_tokens, end))
+        r, idx = self.engine.runner, to_device(slots, torch.long, self.engine.device)
+        poison_slots((r.k_cache, r.v_cache, self.k_cache, self.v_cache), idx)

@@ -1,0 +1,190 @@
+"""The DFlash step as CUDA graphs (a mixin of DFlashSpeculator).
+
+At start, every kernel variant an eager step can meet is compiled and, per batch bucket, captured as
+graphs: the whole step (draft, drafts into the verify input, verify, context write) when every request
+verifies, the decode step that still writes the context (paused speculation, requests near
+max_model_len), the draft blocks alone for ragged steps (prefill chunks beside verify blocks), and the
+target with the context write over (sequences, rows) buckets. Nothing compiles or captures mid-serving.
+A step the graphs do not cover runs the same functions eagerly (speculative/dflash.py). On a CPU the
+"graphs" run eagerly over the same static buffers, so all of this is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from flashdraft.engine.graphs import StepGraph
+from flashdraft.engine.model_runner import WARM_ROWS
+from flashdraft.engine.sequence import Sequence
+from flashdraft.models.transformer import fused_enabled
+from flashdraft.speculative.verify import accepted_lengths
+
+if TYPE_CHECKING:
+    from flashdraft.speculative.dflash import Plan
+
+
+class GraphedSteps:
+    def _compile_and_capture(self) -> None:
+        """Compile every kernel variant eager steps use, then capture the step's graphs."""
+        engine, runner, c = self.engine, self.engine.runner, self.drafter.config
+        if runner.backend_name == "triton" and engine.device.type == "cuda":  # ragged steps draft eagerly
+            from flashdraft.attention.triton_paged import compile_variants
+
+            compile_variants(c.num_attention_heads, c.num_key_value_heads, self.drafter.head_dim, runner.block_size,
+                             engine.dtype, engine.device, causal=False)
+            if self.tree_size is not None:  # the target's attention under tree masks
+                t = engine.model_config
+                compile_variants(t.num_attention_heads, t.num_key_value_heads, runner.model.head_dim,
+                                 runner.block_size, engine.dtype, engine.device, tree=True)
+        with torch.inference_mode():  # the acceptance kernel is compiled now, not mid-serving
+            z = torch.zeros(1, self.num_draft + 1, dtype=torch.long, device=engine.device)
+            accepted_lengths(z[:, 1:], z)
+            if fused_enabled(z):  # every kernel variant of eager drafts and context writes
+                self._warm_eager()
+        self.capture_graphs()
+
+    def _warm_eager(self) -> None:
+        """Placeholder steps (nothing stored) through the context write, the draft and its head."""
+        runner, B = self.engine.runner, self.block_size
+        for n in WARM_ROWS:
+            ids, pos, batch = runner.placeholder_batch(n)
+            self.drafter.write_context(runner.run(ids, pos, batch, self.tap_layers)[1], pos, self.kv, self.attn,
+                                       batch)
+            if n < B:
+                continue
+            ids, pos, batch = runner.placeholder_batch(n // B * B, causal=False)
+            self.attn.prepare(batch, self.engine.device)
+            hidden = self.drafter(self.embed(ids), pos, self.kv, self.attn, batch)
+            self._draft_tokens(hidden, n // B)
+            ones = torch.ones(n // B, device=pos.device)
+            self._draft_tokens(hidden, n // B, (ones, ones.long(), pos))
+
+    def capture_graphs(self) -> None:
+        """Capture before serving, at every batch bucket: the whole DFlash step (draft, drafts into
+        the verify input, verify, context write) as one graph, and the decode step that still
+        writes the context (paused speculation, one-token prompts, requests near max_model_len),
+        and for ragged steps (prefill chunks beside verify blocks) the draft blocks alone and the
+        target with the context write over (sequences, rows) buckets."""
+        runner, n = self.engine.runner, self.engine.config.max_num_seqs
+        if self.tree_size is not None:  # whole tree steps; ragged ones (prefill chunks beside trees) run eagerly
+            runner.capture_graphs(("dflash-tree", self.tap_layers), self.block_size, False, self.attn,
+                                  self._tree_graph_step, n, setup=self._setup_tree_graph)
+            runner.capture_graphs(("dflash-tree-sampled", self.tap_layers), self.block_size, False, self.attn,
+                                  self._tree_graph_step, n, setup=self._setup_sampled_tree_graph)
+            runner.capture_graphs(("decode", self.tap_layers), 1, True, runner.attn, self._decode_step, n)
+            runner.capture_ragged_graphs(("decode", self.tap_layers), self._decode_step, n,
+                                         self.engine.config.max_num_batched_tokens)
+            return
+        runner.capture_graphs(("dflash", self.tap_layers), self.block_size, False, self.attn, self._graph_step, n,
+                              setup=self._setup_graph)
+        runner.capture_graphs(("dflash-sampled", self.tap_layers), self.block_size, False, self.attn,
+                              self._graph_step, n, setup=self._setup_sampled_graph)
+        runner.capture_graphs(("decode", self.tap_layers), 1, True, runner.attn, self._decode_step, n)
+        runner.capture_ragged_graphs(("decode", self.tap_layers), self._decode_step, n,
+                                     self.engine.config.max_num_batched_tokens)
+        runner.capture_graphs(("draft", self.tap_layers), self.block_size, False, self.attn, self._draft_step, n)
+        runner.capture_graphs(("draft-sampled", self.tap_layers), self.block_size, False, self.attn,
+                              self._sampled_draft_step, n, setup=self._setup_draw)
+
+    def _graphed_forward(self, plans: list[Plan], tokens: list[list[int]]) -> tuple | None:
+        """A step where every request verifies its whole draft block, or every request decodes, as one
+        graph replay: (the target's final hidden states, the verify's input ids or None); None when no
+        graph covers the step."""
+        eng, runner = self.engine, self.engine.runner
+        seqs = [p.seq for p in plans]
+        verifying = [p for p in plans if p.verify]
+        if verifying and len(verifying) == len(plans) and all(p.n == self.num_draft + 1 for p in plans):
+            blocks = [t + [self.mask_token_id] * (self.block_size - len(t)) for t in tokens]
+            drawn = any(self._draws(s) for s in seqs)  # the same step with drafts drawn in the graph
+            g = runner.filled_graph(("dflash-sampled" if drawn else "dflash", self.tap_layers), seqs, blocks,
+                                    eng.block_manager, False, self.attn, self._graph_step,
+                                    setup=self._setup_sampled_graph if drawn else self._setup_graph)
+            if g is not None:
+                if drawn:
+                    g.fill(draft_temp=[float(s.params.temperature) for s in seqs], draft_seed=[s.seed for s in seqs])
+                return g.replay()[: len(plans) * plans[0].n], g.extra["verify_ids"]
+        elif not verifying:
+            out = runner.graphed(("decode", self.tap_layers), seqs, tokens, eng.block_manager, True,
+                                 runner.attn, self._decode_step)
+            if out is not None:
+                return out[0], None
+        return None
+
+    def _graphed_drafts(self, seqs: list[Sequence], blocks: list[list[int]], sampled: bool) -> torch.Tensor | None:
+        """The draft blocks alone as a graph replay: [S, B-1] drafts, or None when no graph covers them."""
+        eng = self.engine
+        if sampled:
+            g = eng.runner.filled_graph(("draft-sampled", self.tap_layers), seqs, blocks, eng.block_manager,
+                                        False, self.attn, self._sampled_draft_step, setup=self._setup_draw)
+            if g is not None:
+                g.fill(draft_temp=[float(s.params.temperature) for s in seqs], draft_seed=[s.seed for s in seqs])
+        else:
+            g = eng.runner.filled_graph(("draft", self.tap_layers), seqs, blocks, eng.block_manager, False,
+                                        self.attn, self._draft_step)
+        # read before any other replay: graphs share one memory pool
+        return None if g is None else g.replay()[: len(seqs)]
+
+    # ---- functions of a StepGraph's static buffers ------------------------------------------
+    def _setup_graph(self, g: StepGraph) -> None:
+        """The verify's own buffers beside the draft block's: its input ids, and positions and
+        metadata that are the draft's when it verifies all B rows (else derived in the graph)."""
+        S, B, k1, dev = g.num_seqs, self.block_size, self.num_draft + 1, g.device
+        g.extra["verify_ids"] = torch.zeros(S * k1, dtype=torch.long, device=dev)
+        if k1 == B:
+            g.extra["verify_positions"] = g.positions
+            meta = replace(g.meta, causal=True)
+        else:
+            g.extra["verify_positions"] = torch.zeros(S * k1, dtype=torch.long, device=dev)
+            meta = replace(g.meta, slot_mapping=torch.full((S * k1,), -1, dtype=torch.long, device=dev),
+                           query_start_loc=torch.zeros_like(g.meta.query_start_loc),
+                           seq_lens=torch.zeros_like(g.meta.seq_lens), max_query_len=k1, causal=True)
+        g.aux["verify_meta"] = meta
+        g.attn = [(self.attn, g.meta), (self.engine.runner.attn, meta)]
+
+    def _graph_step(self, g: StepGraph) -> torch.Tensor:
+        """One DFlash step over a graph's buffers: g.input_ids holds the draft blocks
+        [x_start, MASK ...]; returns the verify's final hidden states [S * (k+1), H]."""
+        S, B, k1 = g.num_seqs, self.block_size, self.num_draft + 1
+        vm, pos, ids = g.aux["verify_meta"], g.extra["verify_positions"], g.extra["verify_ids"]
+        if k1 < B:  # the verify reads the first k+1 rows of every block
+            m = g.meta
+            pos.copy_(g.positions.view(S, B)[:, :k1].flatten())
+            vm.slot_mapping.copy_(m.slot_mapping.view(S, B)[:, :k1].flatten())
+            vm.seq_lens.copy_((m.seq_lens - (B - k1)).clamp_min(0))
+            vm.query_start_loc.copy_(m.query_start_loc // B * k1)
+        drafts = self._sampled_draft_step(g) if "draft_temp" in g.extra else self._draft_step(g)
+        ids.view(S, k1)[:, 0] = g.input_ids.view(S, B)[:, 0]
+        ids.view(S, k1)[:, 1:] = drafts[:, : k1 - 1]
+        runner = self.engine.runner
+        hidden, taps = runner.model(ids, pos, runner.kv, runner.attn, vm, self.tap_layers)
+        self.drafter.write_context(taps, pos, self.kv, self.attn, vm)
+        return hidden
+
+    def _draft_step(self, g: StepGraph) -> torch.Tensor:
+        """The draft blocks alone over a graph's buffers: [S, B-1] drafts."""
+        return self._draft_tokens(self.drafter(self.embed(g.input_ids), g.positions, self.kv, self.attn, g.meta),
+                                  g.num_seqs)
+
+    def _setup_sampled_graph(self, g: StepGraph) -> None:
+        self._setup_graph(g)
+        self._setup_draw(g)
+
+    def _setup_draw(self, g: StepGraph) -> None:
+        """The sampled draft graph's per-sequence temperature and seed buffers."""
+        g.extra["draft_temp"] = torch.zeros(g.num_seqs, dtype=torch.float32, device=g.device)
+        g.extra["draft_seed"] = torch.zeros(g.num_seqs, dtype=torch.int64, device=g.device)
+
+    def _sampled_draft_step(self, g: StepGraph) -> torch.Tensor:
+        """The draft blocks of sampled requests over a graph's buffers: [S, B-1] drawn drafts."""
+        hidden = self.drafter(self.embed(g.input_ids), g.positions, self.kv, self.attn, g.meta)
+        return self._draft_tokens(hidden, g.num_seqs, (g.extra["draft_temp"], g.extra["draft_seed"], g.positions))
+
+    def _decode_step(self, g: StepGraph) -> torch.Tensor:
+        """A step without drafts over a graph's buffers: the target, then every row's context."""
+        runner = self.engine.runner
+        hidden, taps = runner.model(g.input_ids, g.positions, runner.kv, runner.attn, g.meta, self.tap_layers)
+        self.drafter.write_context(taps, g.positions, self.kv, self.attn, g.meta)
+        return hidden

@@ -1,0 +1,58 @@
+"""Loading a DFlash drafter for a target: its config read (speculative/formats.py), checked against
+the target (hidden size, tap layers, mask token, vocabulary; errors name the mismatch), its weights
+loaded, and the speculator that runs it built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from flashdraft.models.dflash_draft import DFlashDraftModel
+from flashdraft.models.loader import load_weights
+from flashdraft.speculative.dflash import DFlashSpeculator
+from flashdraft.speculative.formats import read_draft_spec
+
+if TYPE_CHECKING:
+    from flashdraft.engine.engine import LLMEngine
+
+
+def load_drafter(folder: str | Path, target_config, device: torch.device, dtype: torch.dtype) -> DFlashDraftModel:
+    """Load and validate a drafter against its target; errors name the mismatch."""
+    folder = Path(folder).expanduser()
+    if not folder.exists():
+        raise FileNotFoundError(f"drafter path {str(folder)!r} does not exist")
+    if not folder.is_dir():
+        raise ValueError(f"drafter path {str(folder)!r} must be a folder with config.json and safetensors")
+    n_target = target_config.num_hidden_layers
+    spec = read_draft_spec(folder, n_target)
+    h_draft, h_target = spec.layer_config.hidden_size, target_config.hidden_size
+    if h_draft != h_target:
+        raise ValueError(f"drafter hidden_size {h_draft} does not match the target's {h_target}")
+    bad = [i for i in spec.target_layer_ids if not 0 <= i < n_target]
+    if bad:
+        raise ValueError(f"drafter tap layer id(s) {bad} outside the target's {n_target} layers")
+    if not 0 <= spec.mask_token_id < target_config.vocab_size:
+        raise ValueError(f"drafter mask_token_id {spec.mask_token_id} is outside the target vocabulary "
+                         f"[0, {target_config.vocab_size})")
+    spec.layer_config.vocab_size = target_config.vocab_size
+    weights = load_weights(folder)
+    has_embed = "embed_tokens.weight" in weights
+    has_head = "lm_head.weight" in weights
+    if spec.draft_vocab_size and not has_head:
+        raise ValueError(f"drafter declares draft_vocab_size {spec.draft_vocab_size} but ships no lm_head")
+    if has_embed and weights["embed_tokens.weight"].shape[0] != target_config.vocab_size:
+        raise ValueError("drafter embed_tokens rows do not match the target vocabulary")
+    with torch.device("meta"):
+        model = DFlashDraftModel(spec, has_embed, has_head)
+    model = model.to_empty(device=device).to(dtype)
+    if model.d2t is not None:
+        model.d2t = torch.zeros_like(model.d2t, dtype=torch.long)
+    model.load(weights)
+    return model.eval().requires_grad_(False)
+
+
+def load_speculator(draft: str | Path, engine: LLMEngine) -> DFlashSpeculator:
+    model = load_drafter(draft, engine.model_config, engine.device, engine.dtype)
+    return DFlashSpeculator(model, engine)

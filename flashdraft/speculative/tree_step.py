@@ -1,0 +1,232 @@
+"""Token-tree steps (a mixin of DFlashSpeculator; the trees themselves are speculative/tree.py).
+
+A chain verifies each draft slot's first choice; a tree of N drafts verifies the N rank paths with the
+highest summed log-probability over the block's slot distributions, in one target forward: each row
+sits at position start + depth and sees the context and its ancestors' rows. The target's own token
+picks, row by row, the child that continues the accepted path (the chain's rule), so the output is
+plain decoding's; the accepted rows' K/V then move to their positions' slots. On the fused GPU path a
+greedy tree step's construction, acceptance and K/V moves run inside its graph (speculative/tree_triton.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from flashdraft.attention.base import AttentionBatch
+from flashdraft.engine.graphs import StepGraph, to_device
+from flashdraft.engine.sampler import draw_candidates, greedy_tokens
+from flashdraft.engine.sequence import Sequence
+from flashdraft.speculative.kv_slots import copy_slots, poison_slots, position_slots
+from flashdraft.speculative.tree import Trees, accept, build_trees, use_kernels
+
+if TYPE_CHECKING:
+    from flashdraft.speculative.dflash import Plan
+    from flashdraft.speculative.drafts import Draw
+
+
+class TreeSteps:
+    def _tree_step(self, plans: list[Plan]) -> list[Sequence]:
+        """A step where requests verify token trees: draft and build the trees, one target forward
+        over every row (tree rows at their depths' positions, each seeing its ancestors), the
+        target's token at every row, the accepted path of each tree; one device->host transfer;
+        commit, moving the accepted rows' K/V to their positions' slots. A greedy step replayed as a
+        graph brings its acceptance along (_tree_graph_step), and on the fused GPU path its K/V moves."""
+        hidden, positions, trees, accepted = self._forward_tree(plans)
+        verifying = [p for p in plans if p.verify]
+        V, N = len(verifying), self.num_draft
+        moved = False  # the accepted rows' K/V already at their positions' slots
+        if accepted is not None:
+            (a, path, committed, moved), toks, owner = accepted, hidden.new_zeros(0, dtype=torch.long), []
+        else:
+            toks, owner = self._target_tokens(plans, hidden, positions)
+            # each tree's target tokens as [V, 1 + N]; rows a short verify did not check never match
+            t_idx, first = [], 0
+            for p in plans:
+                if p.verify:
+                    t_idx.append([first + i if i < p.n else toks.shape[0] for i in range(N + 1)])
+                first += p.n if p.verify else int(p.seq.num_computed_tokens + p.n == p.seq.num_tokens)
+            idx = to_device([i for row in t_idx for i in row] + [int(i < p.n - 1) for p in verifying
+                                                                 for i in range(N)], torch.long, toks.device)
+            target = torch.cat([toks, toks.new_full((1,), -2)])[idx[: V * (N + 1)]].view(V, N + 1)
+            a, path = accept(replace(trees, valid=trees.valid & idx[V * (N + 1):].view(V, N).bool()), target)
+            committed = target.gather(1, path)
+        D1 = path.shape[1]
+        host = torch.cat([a, path.flatten(), committed.flatten(), toks]).tolist()
+        chosen: dict[int, list[int]] = {}
+        k = 0
+        for i, p in enumerate(plans):
+            if p.verify:
+                p.accepted = host[k]
+                rows = host[V + k * D1: V + (k + 1) * D1]
+                p.path = None if moved else rows[1: p.accepted + 1]
+                chosen[i] = host[V + V * D1 + k * D1: V + V * D1 + k * D1 + p.accepted + 1]
+                k += 1
+        for i, t in zip(owner, host[V + 2 * V * D1:]):
+            if not plans[i].verify:
+                chosen.setdefault(i, []).append(t)
+        return self._commit(plans, chosen)
+
+    def _forward_tree(self, plans: list[Plan]) -> tuple[torch.Tensor, torch.Tensor, Trees, tuple | None]:
+        """The trees of the verifying requests (propose_tree), then the target over every row with
+        its taps, tree rows at positions start + depth under their ancestor masks, then the context
+        K/V of every row into the draft cache (written at the rows' slots: the accepted rows' move
+        with the target's at commit). Returns the final hidden states, the rows' positions, the trees,
+        and for a greedy step replayed as a graph its acceptance (a, path, committed tokens, and whether
+        the graph moved the accepted rows' K/V already; else None)."""
+        eng, runner = self.engine, self.engine.runner
+        seqs = [p.seq for p in plans]
+        verifying = [p for p in plans if p.verify]
+        if not self.poison_rejected and len(verifying) == len(plans) and all(p.n == self.num_draft + 1 for p in plans):
+            blocks = [p.seq.token_ids[-1:] + [self.mask_token_id] * (self.block_size - 1) for p in plans]
+            drawn = any(self._draws(s) for s in seqs)
+            g = runner.filled_graph(("dflash-tree-sampled" if drawn else "dflash-tree", self.tap_layers), seqs, blocks,
+                                    eng.block_manager, False, self.attn, self._tree_graph_step,
+                                    setup=self._setup_sampled_tree_graph if drawn else self._setup_tree_graph)
+            if g is not None:
+                if drawn:
+                    g.fill(draft_temp=[float(s.params.temperature) if self._draws(s) else 0.0 for s in seqs],
+                           draft_seed=[s.seed for s in seqs])
+                out = g.replay()  # read before any other replay: graphs share one memory pool
+                n, rows = len(plans), len(plans) * plans[0].n
+                trees = Trees(*(t[:n] for t in out[2:6]), self.block_size - 1)
+                accepted = None if drawn else tuple(t[:n] for t in out[6:]) + (g.aux.get("moves_kv", False),)
+                return out[0][:rows], out[1][:rows], trees, accepted
+        trees = self.propose_tree([p.seq for p in verifying])
+        tokens = [p.seq.token_ids[-1:] + [self.mask_token_id] * (p.n - 1) if p.verify else
+                  p.seq.token_ids[p.seq.num_computed_tokens:][:p.n] for p in plans]
+        ids, positions, batch = runner.build_batch(seqs, tokens, eng.block_manager)
+        N = trees.size
+        dst = [p.row + 1 + i for p in verifying for i in range(p.n - 1)]
+        src = [k * N + i for k, p in enumerate(verifying) for i in range(p.n - 1)]
+        start = [p.seq.num_computed_tokens for p in verifying for _ in range(p.n - 1)]
+        idx = to_device([dst, src, start, [p.row for p in verifying] + [0] * (len(dst) - len(verifying))],
+                        torch.long, eng.device)
+        ids[idx[0]] = trees.tokens.flatten()[idx[1]]
+        positions[idx[0]] = idx[2] + trees.depths.flatten()[idx[1]]
+        tree_mask = torch.zeros(ids.shape[0], dtype=torch.long, device=eng.device)
+        tree_mask[idx[3, : len(verifying)]] = 1  # the root row sees the context and itself
+        tree_mask[idx[0]] = trees.masks()[:, 1:].flatten()[idx[1]]
+        batch.tree_mask = tree_mask
+        hidden, taps = runner.run(ids, positions, batch, self.tap_layers)
+        store = AttentionBatch(batch.slot_mapping, [], [], [], batch.block_size)  # store-only: slots
+        self.drafter.write_context(taps, positions, self.kv, self.attn, store)
+        return hidden, positions, trees, None
+
+    def propose_tree(self, seqs: list[Sequence]) -> Trees:
+        """One non-causal drafter forward over each request's block, then its tree of tree_size
+        drafts from every slot's tree_size best candidates (sampler.draw_candidates; sampled
+        requests rank them by the draw the target will make)."""
+        eng, B = self.engine, self.block_size
+        blocks = [[s.token_ids[-1]] + [self.mask_token_id] * (B - 1) for s in seqs]
+        ids, pos, batch = eng.runner.build_batch(seqs, blocks, eng.block_manager, causal=False)
+        self.attn.prepare(batch, eng.device)
+        n = len(seqs)
+        hidden = self.drafter(self.embed(ids), pos, self.kv, self.attn, batch)[: n * B]
+        draw = None
+        if any(self._draws(s) for s in seqs):
+            draw = (to_device([float(s.params.temperature) if self._draws(s) else 0.0 for s in seqs], torch.float32,
+                              eng.device), to_device([s.seed for s in seqs], torch.int64, eng.device), pos[: n * B])
+        trees = self._trees(hidden, n, draw)
+        if self.poison_rejected:  # the block's scratch K/V must never be read again
+            poison_slots((self.k_cache, self.v_cache), batch.slot_mapping)
+        return trees
+
+    def _trees(self, hidden: torch.Tensor, num_seqs: int, draw: Draw | None = None) -> Trees:
+        """The drafter's final hidden [S * B, H] -> a tree of tree_size drafts per request, from each
+        slot's tree_size best candidates; draw = (temperature [S], seed [S], positions of the block
+        rows [S * B]) ranks sampled requests' candidates by the target's draw (sampler.draw_candidates).
+        Nothing here reads a value back to the host (graph-safe)."""
+        n, B, k = num_seqs, self.block_size, self.block_size - 1
+        rows = hidden.view(n, B, -1)[:, 1:].reshape(n * k, -1)
+        logits, token_ids = self._slot_logits(rows, float32=True)
+        kw = {}
+        if draw is not None:
+            temp, seeds, positions = draw
+            kw = dict(temperature=temp[:n].repeat_interleave(k), seeds=seeds[:n].repeat_interleave(k),
+                      positions=positions[: n * B].view(n, B)[:, 1:].flatten(), token_ids=token_ids)
+        logp, cols = draw_candidates(logits, self.num_draft, **kw)
+        cand = cols if token_ids is None else token_ids[cols]
+        build = build_trees
+        if use_kernels(logp):  # one kernel instead of ~70 small ones (speculative/tree_triton.py)
+            from flashdraft.speculative.tree_triton import build_trees as build
+        return build(logp.view(n, k, -1), cand.view(n, k, -1), self.num_draft)
+
+    def _setup_tree_graph(self, g: StepGraph) -> None:
+        """A tree step's verify buffers beside the draft block's: input ids, positions and metadata
+        of tree_size + 1 rows per sequence (derived from the block's inside the graph), the tree masks."""
+        S, N1, dev = g.num_seqs, self.num_draft + 1, g.device
+        g.extra["verify_ids"] = torch.zeros(S * N1, dtype=torch.long, device=dev)
+        g.extra["verify_positions"] = torch.zeros(S * N1, dtype=torch.long, device=dev)
+        m = g.meta
+        meta = replace(m, slot_mapping=torch.full((S * N1,), -1, dtype=torch.long, device=dev),
+                       query_start_loc=torch.zeros_like(m.query_start_loc), seq_lens=torch.zeros_like(m.seq_lens),
+                       max_query_len=N1, causal=True, tree_mask=torch.zeros(S * N1, dtype=torch.long, device=dev))
+        g.aux["verify_meta"] = meta
+        g.attn = [(self.attn, m), (self.engine.runner.attn, meta)]
+
+    def _setup_sampled_tree_graph(self, g: StepGraph) -> None:
+        self._setup_tree_graph(g)
+        self._setup_draw(g)
+
+    def _tree_graph_step(self, g: StepGraph) -> tuple[torch.Tensor, ...]:
+        """One tree step over a graph's buffers: g.input_ids holds the draft blocks [x_start, MASK ...]
+        at positions start..start+B-1. The verify's slots, lengths and row offsets follow from the
+        block's (start = seq_len - B; padding sequences, seq_len 0, get no rows and store nothing).
+        Returns the verify's final hidden states and positions [S * (N + 1)] and the trees' tokens,
+        parents, depths and valid flags [S, N]; greedy graphs also the acceptance (tree.accept): a [S],
+        path [S, D + 1] and the target's tokens along the path [S, D + 1]."""
+        m, vm = g.meta, g.aux["verify_meta"]
+        S, B, N1 = g.num_seqs, self.block_size, self.num_draft + 1
+        real = m.seq_lens > 0
+        start = (m.seq_lens.long() - B).clamp_min(0)
+        q = start[:, None] + torch.arange(N1, device=g.device)
+        tables = m.block_tables.long()
+        page = tables.gather(1, (q // m.block_size).clamp(max=tables.shape[1] - 1))
+        vm.slot_mapping.copy_(torch.where(real[:, None], page * m.block_size + q % m.block_size, -1).flatten())
+        vm.seq_lens.copy_(torch.where(real, start + N1, 0))
+        vm.query_start_loc[1:].copy_(torch.cumsum(real * N1, 0))
+        hidden = self.drafter(self.embed(g.input_ids), g.positions, self.kv, self.attn, m)
+        draw = (g.extra["draft_temp"], g.extra["draft_seed"], g.positions) if "draft_temp" in g.extra else None
+        trees = self._trees(hidden, S, draw)
+        ids, pos = g.extra["verify_ids"].view(S, N1), g.extra["verify_positions"].view(S, N1)
+        ids[:, 0] = g.input_ids.view(S, B)[:, 0]
+        ids[:, 1:] = trees.tokens
+        pos[:, 0] = start
+        pos[:, 1:] = start[:, None] + trees.depths
+        vm.tree_mask.copy_(trees.masks().flatten())
+        runner = self.engine.runner
+        out, taps = runner.model(ids.flatten(), pos.flatten(), runner.kv, runner.attn, vm, self.tap_layers)
+        self.drafter.write_context(taps, pos.flatten(), self.kv, self.attn, vm)
+        result = (out, pos.flatten(), trees.tokens, trees.parents, trees.depths, trees.valid)
+        if draw is not None:  # sampled steps choose the target's tokens after the replay
+            return result
+        target = greedy_tokens(runner.model.compute_logits(out, float32=False)).view(S, N1)
+        if not use_kernels(out):
+            a, path = accept(trees, target)
+            return result + (a, path, target.gather(1, path))
+        # the acceptance and the accepted rows' K/V moves in the graph too (padding requests move nothing)
+        from flashdraft.speculative.tree_triton import accept_paths, move_slots
+
+        a, path, committed, src, dst = accept_paths(trees, target, torch.where(real, start, -1), m.block_tables,
+                                                    m.block_size)
+        move_slots(runner.k_cache, runner.v_cache, src, dst)
+        move_slots(self.k_cache, self.v_cache, src, dst)
+        g.aux["moves_kv"] = True
+        return result + (a, path, committed)
+
+    def _path_moves(self, seq: Sequence, start: int, path: list[int]) -> list[tuple[int, int]]:
+        """(from slot, to slot) of each accepted tree row whose K/V must move to its position's slot:
+        the row at depth d lies at slot start + row, and belongs at slot start + d."""
+        moves = [(start + r, start + d) for d, r in enumerate(path, start=1) if r != d]
+        src = position_slots(self.engine.block_manager, seq.seq_id, [m[0] for m in moves])
+        dst = position_slots(self.engine.block_manager, seq.seq_id, [m[1] for m in moves])
+        return list(zip(src, dst))
+
+    def _move_kv(self, moves: list[tuple[int, int]]) -> None:
+        """Copy K/V of every target and draft layer between slots (all reads before any write)."""
+        idx = to_device([m[0] for m in moves] + [m[1] for m in moves], torch.long, self.engine.device)
+        r = self.engine.runner
+        copy_slots((r.k_cache, r.v_cache, self.k_cache, self.v_cache), idx[: len(moves)], idx[len(moves):])
