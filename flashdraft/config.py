@@ -11,14 +11,14 @@ import torch
 
 # The acceptance gate's threshold for sampled requests on a CPU with n requests running: a + b * (n - 1).
 # Drafts stop paying at tau ~1.8-1.9 with one request and ~3.1-3.9 with 12 on a 2-core CPU (fp32,
-# MT-Bench, T=0-1; benchmarks/RESULTS.md section 4): verify rows are real work there. The line starts
+# MT-Bench, T=0-1; docs/performance.md section 4): verify rows are real work there. The line starts
 # lower, since a request's recent tau dips under its mean. Greedy requests are not gated by default:
 # the shipped drafter's greedy tau is over the break-even one at a time, and gating them lost there.
 CPU_BREAK_EVEN: tuple[float, float] | None = (1.5, 0.15)
 # speculative_tree_size="auto" on a CPU: a token tree of as many drafts as the drafter's chain (B - 1), so a
 # verify checks the chain's rows and commits more (the shipped drafter, 2-core CPU, fp32, 6 prompts x 96 tokens:
 # HumanEval tau 3.82 against 3.40, 39.5-39.9 against 32.7-37.0 tok/s one at a time; MT-Bench 2.48 against 2.14,
-# 28.1-29.7 against 19.5-26.5 tok/s; benchmarks/RESULTS.md section 4). On CUDA the chain: a tree step there
+# 28.1-29.7 against 19.5-26.5 tok/s; docs/performance.md section 4). On CUDA the chain: a tree step there
 # still costs ~0.8 ms more than the chain's, more than its extra tokens save.
 CPU_TREE = True
 

@@ -314,7 +314,7 @@ def test_shipped_drafter_follows_the_embedded_gguf_under_any_name(tmp_path):
 
 
 def test_shipped_drafter_is_under_25_mb_in_the_published_files():
-    """The issue's cap on the shipped drafter (decimal megabytes, as the README and RESULTS give sizes):
+    """The issue's cap on the shipped drafter (decimal megabytes, as the README and docs give sizes):
     config.json and model.safetensors, nothing else in the package folder."""
     from pathlib import Path
 

@@ -117,7 +117,7 @@ def test_auto_is_the_cpu_default_and_off_on_cuda(monkeypatch):
     from flashdraft.config import EngineConfig
 
     monkeypatch.setattr(flashdraft.config, "CPU_BREAK_EVEN", CPU_BREAK_EVEN)
-    assert CPU_BREAK_EVEN == (1.5, 0.15)  # RESULTS section 4 measures these
+    assert CPU_BREAK_EVEN == (1.5, 0.15)  # docs/performance.md section 4 measures these
     c = EngineConfig()
     assert c.speculative_min_acceptance_length == "auto"
     rule = c.min_acceptance_length(torch.device("cpu"))

@@ -89,7 +89,7 @@ def test_train_phase_hands_its_seed_and_taps_to_the_trainer(tmp_path, monkeypatc
         with pytest.raises(Stop):
             dp.main()
     assert seen == [(0, [1, 14, 27]), (13, [1, 14, 27]), (0, None), (0, [1, 8, 14, 20, 27]),
-                    (2, [1, 8, 14, 20, 27, 29])]  # spaces too: an arm of train_arms.sh turns its commas into spaces
+                    (2, [1, 8, 14, 20, 27, 29])]  # spaces too
     # bad --eval-temps and --keep-every are refused by the parser, before any answers or training
     for extra, msg in ((["--eval-temps", "0,hot"], "is not a comma-separated list of temperatures"),
                        (["--eval-temps", "0,-1"], "temperatures must be 0 or more"),
@@ -129,51 +129,3 @@ def test_eval_compare_pooled_tau_and_paired_intervals():
     assert 0 < lo <= exact <= hi
     with pytest.raises(ValueError, match="different prompt counts"):
         ec.compare([base, {"s@T0": {"per_prompt": rows[:-1]}}])
-
-
-def test_mtbench_categories_pool_by_category():
-    mc = _script("mtbench_categories")
-    cats = {"a": "writing", "b": "writing", "c": "math"}
-    rows = [{"prompt": p, "metrics": {"num_drafts": d, "num_accepted_tokens": a}}
-            for p, d, a in (("a", 10, 20), ("b", 30, 10), ("c", 5, 15))]
-    got = mc.by_category(rows, cats)
-    assert got == {"writing": (30 + 40) / 40, "math": 20 / 5, "pooled": (30 + 40 + 20) / 45}
-
-
-def test_repeat_fraction_counts_ngrams_seen_earlier_in_the_answer():
-    rf = _script("repeat_fraction")
-    loop = [1, 2, 3, 4] * 5  # from position 6 on (after the wrap-around 3-grams) every 3-gram repeats
-    assert rf.repeated_tokens(loop, n=3) == 20 - 6
-    assert rf.repeated_tokens(list(range(30)), n=3) == 0
-    import random
-
-    ids = [random.Random(0).randrange(3) for _ in range(200)]
-    brute = sum(tuple(ids[i - 2: i + 1]) in {tuple(ids[j - 2: j + 1]) for j in range(2, i)} for i in range(2, 200))
-    assert rf.repeated_tokens(ids, n=3) == brute
-
-
-def test_kind_prompts_picks_weak_kinds_by_last_turn_and_leaves_code_out(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("kind_prompts", ROOT / "benchmarks/device/kind_prompts.py")
-    kp = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kp)
-    assert kp.kind_of("Solve the equation 3x + 2 = 11.") == "math"
-    assert kp.kind_of("Compose a short poem about autumn.") == "writing"
-    assert kp.kind_of("Explain how vaccines train the immune system.") == "explain"
-    assert kp.kind_of("Write a Python function that reverses a list.") is None  # code: left out
-    assert kp.kind_of("Translate 'good morning' into French.") is None  # none of the kinds
-    convs = [[{"role": "user", "content": "Write a poem."}],
-             [{"role": "user", "content": "Explain gravity."}, {"role": "assistant", "content": "..."},
-              {"role": "user", "content": "Now show it in code."}],  # judged by its last turn
-             [{"role": "user", "content": "List three colours."}]]
-    src = tmp_path / "convs.jsonl"
-    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
-    out = tmp_path / "kinds.jsonl.gz"
-    monkeypatch.setattr(sys, "argv", ["kind_prompts.py", str(out), str(src)])
-    kp.main()
-    from flashdraft.train.data import read_prompt_file
-
-    assert read_prompt_file(out) == convs[:1]
-    missing = tmp_path / "missing.jsonl"
-    monkeypatch.setattr(sys, "argv", ["kind_prompts.py", str(tmp_path / "none.jsonl.gz"), str(missing)])
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        kp.main()

@@ -13,7 +13,7 @@ carry the launch attribute, and order as usual.
 
 FLASHDRAFT_PDL=auto (default: on for CUDA devices of compute capability >= 9 when this Triton has
 grid dependency control) or off. CUDA graphs record the launches with the attribute. Measured on
-an H100 (benchmarks/device/gpu_roofline.py, Qwen3-8B shape, RESULTS section 5): it made a one-row
+an H100 (benchmarks/device/gpu_roofline.py, Qwen3-8B shape): it made a one-row
 decode 2% faster (6.07 -> 5.95 ms) and the batch-1 DFlash step 1% (7.89 -> 7.80 ms). Two variants
 measured worse and are gone: signalling at the start of each kernel (one-row decode 3% faster than
 without PDL, but the 16-row verify 7% slower; at the start of add_rmsnorm and the split-K merge

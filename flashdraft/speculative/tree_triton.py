@@ -2,7 +2,7 @@
 reference and defines what these compute). In torch a tree's construction, ancestor masks and
 acceptance are ~130 small kernels (per depth a top-k, gathers, a scatter; per generation of the masks
 and of the acceptance walk a gather and a concatenation): on a latency-bound 135M target they made a
-tree step ~0.8 ms slower than a chain's (H100, benchmarks/RESULTS.md section 4). Here:
+tree step ~0.8 ms slower than a chain's (H100, docs/performance.md section 4, kernels off). Here:
 
     build_trees     one program per request: the best `size` nodes, best first (a frontier of   (request)
                     first children and next siblings: the slots' candidates come sorted, so the
@@ -15,8 +15,8 @@ tree step ~0.8 ms slower than a chain's (H100, benchmarks/RESULTS.md section 4).
                     a row's source can be another row's destination)                              layer)
 
 Nodes equal build_trees' up to exact ties of scores. Grids depend on shapes only: CUDA-graph safe.
-On an H100 they took a tree-of-15 step from 2.2-2.3 ms to 1.6-1.7 ms (benchmarks/RESULTS.md section 4,
-"Token trees in Triton kernels"); FLASHDRAFT_TREE_KERNELS=off runs the torch ops instead."""
+On an H100 they took a tree-of-15 step from 2.2-2.3 ms to 1.6-1.7 ms (docs/performance.md section 4);
+FLASHDRAFT_TREE_KERNELS=off runs the torch ops instead."""
 
 from __future__ import annotations
 

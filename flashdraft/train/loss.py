@@ -83,8 +83,9 @@ def key_groups(anchors: torch.Tensor, groups: int) -> list[tuple[int, int, int]]
 
 # The drafter's norms and RoPE run in float32 (as at inference) between bf16 matmuls: eagerly that is
 # a dozen float32 passes over every q/k row and their backward, most of a training step's GPU time
-# after the matmuls (benchmarks/device/train_speed.py). Compiled, each norm (+ RoPE) is one kernel
-# forward and one backward with the same float32 arithmetic. "auto": compiled for CUDA tensors.
+# after the matmuls (a profile of the step, docs/performance.md section 7). Compiled, each norm
+# (+ RoPE) is one kernel forward and one backward with the same float32 arithmetic. "auto": compiled
+# for CUDA tensors.
 COMPILE = os.environ.get("FLASHDRAFT_TRAIN_COMPILE", "auto")
 
 
@@ -125,7 +126,7 @@ def _heads(t: torch.Tensor, b: int, n_kv: int, head_dim: int, rep: int) -> torch
 
 # Not cuDNN's attention: it plans a graph on the host for every new shape (each anchor group's key
 # count is new), ~7 ms forward and ~15 ms backward per call on an H200, most of a training step
-# (benchmarks/device/train_speed.py)
+# (measured with a profile of the training step)
 TRAIN_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
