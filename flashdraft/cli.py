@@ -7,71 +7,8 @@ import os
 import sys
 import time
 
+from flashdraft.config import add_engine_args, engine_kwargs
 from flashdraft.sampling_params import SamplingParams
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2-135M)")
-    p.add_argument("--draft", default="auto", help="DFlash drafter folder (default: the shipped one, if any)")
-    p.add_argument("--no-spec", action="store_true", help="plain decoding, no drafter")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on cuda, fp32 on cpu)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: triton on CUDA when it imports, else torch")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                   help="drafts verified per step, 1 to the drafter's block size - 1 (default: all of them)")
-    p.add_argument("--speculative-tree-size", type=_tree_size, default="auto", metavar="N",
-                   help="verify a token tree of N drafts per step, the drafter's N most likely continuations of "
-                        "its block, instead of its chain (1-63; off: the chain; default auto: on a CPU a tree of "
-                        "as many drafts as the chain, on CUDA the chain)")
-    p.add_argument("--speculative-disable-batch-size", type=int, default=None, metavar="N",
-                   help="decode without drafts in steps where at least N requests are running")
-    p.add_argument("--speculative-min-acceptance-length", type=_min_tau, default="auto", metavar="TAU",
-                   help="a request whose recent tokens per verify fall below TAU decodes without drafts for a "
-                        "while, then tries again (default auto: sampled requests on a CPU, at 1.5 + 0.15 per "
-                        "further running request; nothing on CUDA; 0 or off: never)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, draft=None if args.no_spec else args.draft, device=args.device,
-                dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-                kv_cache_memory_gb=args.kv_cache_memory_gb, attention_backend=args.attention_backend,
-                cuda_graphs=not args.no_cuda_graphs, num_speculative_tokens=args.num_speculative_tokens,
-                speculative_tree_size=args.speculative_tree_size,
-                speculative_disable_batch_size=args.speculative_disable_batch_size,
-                speculative_min_acceptance_length=args.speculative_min_acceptance_length)
-
-
-def _tree_size(text: str) -> int | str | None:
-    if text == "auto":
-        return text
-    if text in ("0", "off", "none"):
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of drafts, auto or off, got {text!r}") from None
-
-
-def _min_tau(text: str) -> float | str | None:
-    if text in ("auto",):
-        return text
-    if text in ("0", "off", "none"):
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto, off or a number >= 1, got {text!r}") from None
-    if not 1.0 <= value <= 1e6:
-        raise argparse.ArgumentTypeError(f"expected auto, off or a number >= 1, got {text!r}")
-    return value
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

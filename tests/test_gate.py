@@ -138,7 +138,7 @@ def test_bad_min_acceptance_length_is_refused(bad):
 
 
 def test_cli_min_acceptance_length():
-    from flashdraft.cli import add_engine_args, engine_kwargs
+    from flashdraft.config import add_engine_args, engine_kwargs
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from flashdraft.bench.datasets import DATASETS, Prompt, load_prompts
 from flashdraft.bench.runner import ARMS, Workload, run_sweep
+from flashdraft.config import add_engine_args, engine_kwargs
 
 if TYPE_CHECKING:
     from flashdraft.engine.engine import LLMEngine
@@ -21,8 +22,6 @@ EMBEDDED_MODEL = "SmolLM2-135M-Instruct"
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    from flashdraft.cli import add_engine_args
-
     add_engine_args(p)
     p.add_argument("--dataset", default="mt-bench",
                    help=f"{' | '.join(DATASETS)} | a .jsonl file with 'prompt' or 'messages' per line")
@@ -183,8 +182,6 @@ def cmd_bench(args: argparse.Namespace, engine: LLMEngine | None = None) -> int:
         else:
             if engine is None:
                 from flashdraft import LLM
-                from flashdraft.cli import engine_kwargs
-
                 engine = LLM(**engine_kwargs(args)).engine
             arms = parse_arms(args.arms, engine.spec is not None)
             prompts, ids, skipped = tokenize(engine, prompts, args.chat, args.max_tokens)

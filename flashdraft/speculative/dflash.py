@@ -23,7 +23,6 @@ chains), drafts.py (the drafter's hidden states -> drafts), loader.py (a drafter
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,22 +38,12 @@ from flashdraft.speculative.gate import gate_record
 from flashdraft.speculative.graphed import GraphedSteps
 from flashdraft.speculative.kv_slots import poison_slots, position_slots
 from flashdraft.speculative.metrics import SpecStats
+from flashdraft.speculative.plan import Plan
 from flashdraft.speculative.tree_step import TreeSteps
 from flashdraft.speculative.verify import accepted_lengths, ragged_accepted_lengths
 
 if TYPE_CHECKING:
     from flashdraft.engine.engine import LLMEngine
-
-
-@dataclass
-class Plan:
-    """One scheduled request's part of a step."""
-    seq: Sequence
-    n: int  # rows the target computes this step
-    row: int  # first row of this request in the flattened batch
-    verify: bool  # the rows are [x_start, d_1 .. d_{n-1}]: a draft block under verification
-    accepted: int = 0  # leading drafts the target agreed with
-    path: list[int] | None = None  # token trees: the verify rows of the accepted drafts to move, by depth
 
 
 class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):

@@ -23,7 +23,7 @@ from flashdraft.models.transformer import fused_enabled
 from flashdraft.speculative.verify import accepted_lengths
 
 if TYPE_CHECKING:
-    from flashdraft.speculative.dflash import Plan
+    from flashdraft.speculative.plan import Plan
 
 
 class GraphedSteps:

@@ -23,8 +23,8 @@ from flashdraft.speculative.kv_slots import copy_slots, poison_slots, position_s
 from flashdraft.speculative.tree import Trees, accept, build_trees, use_kernels
 
 if TYPE_CHECKING:
-    from flashdraft.speculative.dflash import Plan
     from flashdraft.speculative.drafts import Draw
+    from flashdraft.speculative.plan import Plan
 
 
 class TreeSteps:

@@ -17,7 +17,7 @@ from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.speculative.formats import DraftSpec, default_target_layer_ids
 
 if TYPE_CHECKING:
-    from flashdraft.train.trainer import TrainConfig
+    from flashdraft.train.config import TrainConfig
 
 
 def drafter_spec(target_cfg, cfg: TrainConfig, mask_token_id: int) -> DraftSpec:
