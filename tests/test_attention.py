@@ -13,8 +13,9 @@ from flashdraft.attention.base import AttentionBatch, DeviceMeta
 from flashdraft.attention.torch_ref import StaticTorchAttention, TorchAttention
 
 
-def reference(q, keys, vals, q_lens, seq_lens, causal, scale, tree_mask=None):
-    """tree_mask: per row, None (the causal rule) or the set of the step's own rows it sees."""
+def reference(q, keys, vals, q_lens, seq_lens, causal, scale, tree_mask=None, window=None):
+    """tree_mask: per row, None (the causal rule) or the set of the step's own rows it sees; window: a
+    sliding window (keys p - k >= window hidden, and k - p >= window when non-causal)."""
     out = []
     row = 0
     for k, v, ql, sl in zip(keys, vals, q_lens, seq_lens):
@@ -28,16 +29,21 @@ def reference(q, keys, vals, q_lens, seq_lens, causal, scale, tree_mask=None):
                 s[:, hidden] = float("-inf")
             elif causal:
                 s[:, sl - ql + i + 1:] = float("-inf")
+            if window is not None:
+                p = sl - ql + i
+                far = [k for k in range(sl) if p - k >= window or (not causal and k - p >= window)]
+                s[:, far] = float("-inf")
             out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), vv))
         row += ql
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("window", [None, 3, 9])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("padded_limit", [0, 1 << 22])
 @pytest.mark.parametrize("q_lens, ctx", [([1, 1, 1], [5, 17, 33]), ([4, 4], [0, 21]), ([7, 1, 4], [0, 30, 9]),
                                          ([16], [40]), ([1, 40, 1, 3], [20, 0, 9, 50])])
-def test_backend_matches_float64(causal, padded_limit, q_lens, ctx):
+def test_backend_matches_float64(causal, padded_limit, q_lens, ctx, window):
     torch.manual_seed(0)
     bs, n_blocks, n_kv, group, hd = 4, 64, 2, 3, 8
     k_cache = torch.randn(n_blocks, bs, n_kv, hd)
@@ -64,13 +70,13 @@ def test_backend_matches_float64(causal, padded_limit, q_lens, ctx):
     qsl = [0]
     for ql in q_lens:
         qsl.append(qsl[-1] + ql)
-    batch = AttentionBatch(torch.tensor(slots), qsl, seq_lens, tables, bs, causal)
+    batch = AttentionBatch(torch.tensor(slots), qsl, seq_lens, tables, bs, causal, window=window)
     be = TorchAttention(padded_max_elements=padded_limit)
     be.prepare(batch, torch.device("cpu"))
     assert be.padded == (padded_limit > 0 and sum(q <= 32 for q in q_lens) > 1)
     be.store_kv(k_cache, v_cache, new_k, new_v, batch)
     got = be.forward(q, k_cache, v_cache, batch, hd**-0.5)
-    want = reference(q, keys, vals, q_lens, seq_lens, causal, hd**-0.5)
+    want = reference(q, keys, vals, q_lens, seq_lens, causal, hd**-0.5, window=window)
     assert (got.double() - want).abs().max() < 1e-5
 
 
@@ -120,7 +126,7 @@ def test_backend_token_trees_match_float64(padded_limit):
     assert (got.double() - causal)[:14].abs().max() > 1e-2  # the tree rows differ from a causal read
 
 
-def _paged_case(q_lens, ctx, causal, bs=4, n_blocks=64, n_kv=2, group=3, hd=8, seed=0):
+def _paged_case(q_lens, ctx, causal, bs=4, n_blocks=64, n_kv=2, group=3, hd=8, seed=0, window=None):
     """Random caches with shuffled pages, and a ragged step over them."""
     torch.manual_seed(seed)
     k_cache = torch.randn(n_blocks, bs, n_kv, hd)
@@ -137,18 +143,19 @@ def _paged_case(q_lens, ctx, causal, bs=4, n_blocks=64, n_kv=2, group=3, hd=8, s
         qsl.append(qsl[-1] + ql)
     T = sum(q_lens)
     q, k, v = torch.randn(T, n_kv * group, hd), torch.randn(T, n_kv, hd), torch.randn(T, n_kv, hd)
-    batch = AttentionBatch(torch.tensor(slots, dtype=torch.long), qsl, seq_lens, tables, bs, causal)
+    batch = AttentionBatch(torch.tensor(slots, dtype=torch.long), qsl, seq_lens, tables, bs, causal, window=window)
     return k_cache, v_cache, q, k, v, batch, free
 
 
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("q_lens, ctx", [([1, 1, 1], [5, 17, 33]), ([16, 16], [0, 21]), ([16, 16, 16], [40, 3, 9]),
                                          ([7, 1, 4], [0, 30, 9])])
-def test_static_backend_matches_torch(causal, q_lens, ctx):
+def test_static_backend_matches_torch(causal, q_lens, ctx, window):
     """Bucketed static shapes: a padding sequence (seq_len 0, no rows) in the middle and at the end,
     padding rows (slot -1) after the real ones, more pages per table than needed, and padding table
     entries pointing at a NaN page that no real sequence owns."""
-    k_cache, v_cache, q, k, v, batch, free = _paged_case(q_lens, ctx, causal)
+    k_cache, v_cache, q, k, v, batch, free = _paged_case(q_lens, ctx, causal, window=window)
     hd = q.shape[-1]
     poison = free.pop()
     k_cache[poison] = float("nan")
@@ -172,7 +179,7 @@ def test_static_backend_matches_torch(causal, q_lens, ctx):
     extra = [torch.randn(pad_rows, *x.shape[1:]) for x in (q, k, v)]
     slots = torch.cat([batch.slot_mapping, torch.full((pad_rows,), -1, dtype=torch.long)])
     meta = DeviceMeta(slots, torch.tensor(qsl, dtype=torch.int32), lens, tables, max_query_len=Q,
-                      max_seq_len=n_blk * 4, block_size=4, causal=causal)
+                      max_seq_len=n_blk * 4, block_size=4, causal=causal, window=window)
     be = StaticTorchAttention()
     be.set_meta(meta)
     be.store_kv(k_cache, v_cache, torch.cat([k, extra[1]]), torch.cat([v, extra[2]]), meta)

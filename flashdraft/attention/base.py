@@ -8,12 +8,16 @@ tokens of this step are stored before attention runs). Causal: a row at position
 Token trees (speculative/tree.py): `tree_mask[t]`, when given and non-zero for row t, replaces the causal
 rule for that row: it sees every key before its sequence's first query row (the context) and, of
 the step's own rows of its sequence, row j iff bit j of the mask is set. Zero keeps the causal rule
-(prefill chunks and decode rows beside tree verifies)."""
+(prefill chunks and decode rows beside tree verifies).
+
+Sliding window: with `window` W set, a row at position p sees key k only when p - k < W, and, when
+non-causal, k - p < W too (the DFlash reference's sliding drafter layers)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,6 +31,7 @@ class AttentionBatch:
     block_size: int
     causal: bool = True
     tree_mask: torch.Tensor | None = None  # [T] int64 ancestor bits per row (module docstring)
+    window: int | None = None  # sliding window (module docstring)
 
     @property
     def num_seqs(self) -> int:
@@ -48,6 +53,7 @@ class DeviceMeta:
     block_size: int
     causal: bool = True
     tree_mask: torch.Tensor | None = None  # [T] int64, as in AttentionBatch
+    window: int | None = None  # as in AttentionBatch
 
     @classmethod
     def from_batch(cls, batch: AttentionBatch, device: torch.device, max_blocks: int | None = None) -> DeviceMeta:
@@ -69,7 +75,7 @@ class DeviceMeta:
                    block_tables=packed[a_tables:].view(S, width),
                    max_query_len=max([qsl[s + 1] - qsl[s] for s in range(S)] + [1]),
                    max_seq_len=max(list(batch.seq_lens) + [1]), block_size=batch.block_size, causal=batch.causal,
-                   tree_mask=None if batch.tree_mask is None else batch.tree_mask.to(device))
+                   tree_mask=None if batch.tree_mask is None else batch.tree_mask.to(device), window=batch.window)
 
 
 class AttentionBackend(ABC):
@@ -87,3 +93,39 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 batch: AttentionBatch, scale: float) -> torch.Tensor:
         """q: [T, n_heads, head_dim] -> [T, n_heads, head_dim]."""
+
+
+class LayerMasks(AttentionBackend):
+    """Backends for a layer stack whose layers attend under different masks (a DFlash drafter with
+    causal or sliding-window layers): one backend per distinct (causal, window), each prepared with
+    (or installed) the step's batch under that mask. Keys are stored the same way by all of them."""
+
+    def __init__(self, make: Callable[[], AttentionBackend], masks: list[tuple[bool, int | None]]):
+        self.masks = list(masks)
+        self.by_mask = {m: make() for m in dict.fromkeys(self.masks)}
+
+    def layer(self, i: int) -> AttentionBackend:
+        return self.by_mask[self.masks[i]]
+
+    @property
+    def meta(self):
+        return next(iter(self.by_mask.values())).meta
+
+    def prepare(self, batch: AttentionBatch, device: torch.device) -> None:
+        for (causal, window), backend in self.by_mask.items():
+            backend.prepare(replace(batch, causal=causal, window=window), device)
+
+    def set_meta(self, meta: DeviceMeta) -> None:
+        for (causal, window), backend in self.by_mask.items():
+            backend.set_meta(replace(meta, causal=causal, window=window))
+
+    def store_kv(self, k_cache, v_cache, k, v, batch) -> None:
+        next(iter(self.by_mask.values())).store_kv(k_cache, v_cache, k, v, batch)
+
+    def forward(self, q, k_cache, v_cache, batch, scale):
+        raise TypeError("LayerMasks attends through layer(i)")
+
+
+def layer_backend(attn: AttentionBackend, i: int) -> AttentionBackend:
+    """The backend layer i of a stack attends with: LayerMasks' per-layer choice, else attn itself."""
+    return attn.layer(i) if isinstance(attn, LayerMasks) else attn

@@ -20,6 +20,32 @@ PADDED_MAX_ELEMENTS = 1 << 24  # S * Q * L of the padded group above this: loop 
 SHORT_QUERY = 32  # sequences with at most this many query rows this step may be padded together
 
 
+def store_plan(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(src, dst, keep) for storing rows at `slots` where rows with slot -1 store nothing, with no
+    data-dependent shapes (graph-safe): such rows rewrite a real row's value to that row's slot
+    (identical duplicate writes), or, when no row is real, slot 0's own value back to it."""
+    T = slots.shape[0]
+    valid = slots >= 0
+    first = valid.to(torch.int32).argmax()  # first real row, 0 when there is none
+    src = torch.where(valid, torch.arange(T, device=slots.device), first)
+    dst = slots[src].clamp(min=0)
+    return src, dst, valid[src][:, None, None]
+
+
+def store_rows(k_cache, v_cache, k, v, plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+    src, dst, keep = plan
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        flat = cache.view(-1, *cache.shape[2:])
+        flat.index_copy_(0, dst, torch.where(keep, new[src].to(flat.dtype), flat[dst]))
+
+
+def window_visible(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
+    """[..., Q, L] keys inside a sliding window of rows at q_pos [..., Q] (base.py): p - k < window,
+    and k - p < window too when the rows are non-causal."""
+    d = q_pos[..., :, None] - key_pos
+    return (d < window) if causal else (d < window) & (-d < window)
+
+
 def tree_visible(tree_mask: torch.Tensor, key_pos: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
     """[S, Q, L] visibility of keys key_pos [L] to rows of token trees: tree_mask [S, Q] ancestor bits,
     context [S] keys before each sequence's first query row (all visible); key context + j is
@@ -36,6 +62,8 @@ class TorchAttention(AttentionBackend):
 
     def prepare(self, batch: AttentionBatch, device: torch.device) -> None:
         # everything is built on the device from one host->device copy of the tables and lengths
+        if batch.window is not None and batch.tree_mask is not None:
+            raise NotImplementedError("sliding-window attention under token-tree masks")
         bs = batch.block_size
         qsl = batch.query_start_loc
         S = batch.num_seqs
@@ -68,9 +96,11 @@ class TorchAttention(AttentionBackend):
             q_idx = torch.arange(q_max, device=device)
             self.key_valid = key_pos[None, :] < g_lens[:, None]
             visible = self.key_valid[:, None, :].expand(len(short), q_max, l_max)
+            q_pos = g_lens[:, None] - g_ql[:, None] + q_idx[None, :]  # [S, Q]
             if batch.causal:
-                q_pos = g_lens[:, None] - g_ql[:, None] + q_idx[None, :]  # [S, Q]
                 visible = visible & (key_pos[None, None, :] <= q_pos[:, :, None])
+            if batch.window is not None:
+                visible = visible & window_visible(q_pos, key_pos, batch.window, batch.causal)
             valid = q_idx[None, :] < g_ql[:, None]
             self.q_gather = torch.where(valid, g_off[:, None] + q_idx[None, :], 0).flatten()
             if batch.tree_mask is not None:
@@ -78,7 +108,7 @@ class TorchAttention(AttentionBackend):
                 visible = torch.where(tm[:, :, None] != 0,
                                       self.key_valid[:, None, :] & tree_visible(tm, key_pos, g_lens - g_ql), visible)
             # padded query rows attend to key 0; their output is dropped
-            self.mask = ~(visible | (key_pos == 0)[None, None, :])
+            self.mask = ~(visible | (~valid[:, :, None] & (key_pos == 0)[None, None, :]))
             self.out_rows = (torch.arange(len(short), device=device)[:, None] * q_max + q_idx[None, :])[valid]
             self.dest_rows = (g_off[:, None] + q_idx[None, :])[valid]
             self.key_slots, self.q_max = key_slots[idx], q_max
@@ -86,19 +116,25 @@ class TorchAttention(AttentionBackend):
         for s in self.looped:
             seq_len, q_len = batch.seq_lens[s], q_lens[s]
             self.slots[s] = key_slots[s, :seq_len]
+            pos = torch.arange(seq_len, device=device)
+            self.masks[s] = None
             if batch.causal and q_len > 1:
-                pos = torch.arange(seq_len, device=device)
                 self.masks[s] = pos[None, :] > pos[seq_len - q_len:, None]
                 if batch.tree_mask is not None:
                     tm = batch.tree_mask[qsl[s]: qsl[s + 1]][None]
                     tree = ~tree_visible(tm, pos, torch.tensor([seq_len - q_len], device=device))[0]
                     self.masks[s] = torch.where(tm[0, :, None] != 0, tree, self.masks[s])
-            else:
-                self.masks[s] = None
+            if batch.window is not None:
+                hidden = ~window_visible(pos[seq_len - q_len:], pos, batch.window, batch.causal)
+                self.masks[s] = hidden if self.masks[s] is None else self.masks[s] | hidden
 
     def store_kv(self, k_cache, v_cache, k, v, batch):
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, batch.slot_mapping, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, batch.slot_mapping, v)
+        slots = batch.slot_mapping
+        if slots.device.type == "cpu" and bool((slots >= 0).all()):
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+        else:  # padding rows (slot -1: placeholder steps, padded eager steps on a GPU) store nothing
+            store_rows(k_cache, v_cache, k, v, store_plan(slots))
 
     def forward(self, q, k_cache, v_cache, batch, scale):
         out = torch.empty_like(q)
@@ -172,26 +208,11 @@ class StaticTorchAttention(AttentionBackend):
         self._store = None
 
     # ---- store -----------------------------------------------------------------------------------
-    def _store_plan(self, slots: torch.Tensor) -> tuple:
-        if self._store is not None and self._store[0] is slots:
-            return self._store[1:]
-        # rows with slot -1 rewrite a real row's value to that row's slot (identical duplicate
-        # writes), or, when no row is real, slot 0's own value back to it: no data-dependent shapes
-        T = slots.shape[0]
-        valid = slots >= 0
-        first = valid.to(torch.int32).argmax()  # first real row, 0 when there is none
-        src = torch.where(valid, torch.arange(T, device=slots.device), first)
-        dst = slots[src].clamp(min=0)
-        keep = valid[src][:, None, None]
-        self._store = (slots, src, dst, keep)
-        return src, dst, keep
-
     def store_kv(self, k_cache, v_cache, k, v, batch):
         slots = (batch if batch is not None else self.meta).slot_mapping
-        src, dst, keep = self._store_plan(slots)
-        for cache, new in ((k_cache, k), (v_cache, v)):
-            flat = cache.view(-1, *cache.shape[2:])
-            flat.index_copy_(0, dst, torch.where(keep, new[src].to(flat.dtype), flat[dst]))
+        if self._store is None or self._store[0] is not slots:  # planned once per slot tensor
+            self._store = (slots, store_plan(slots))
+        store_rows(k_cache, v_cache, k, v, self._store[1])
 
     # ---- attention -------------------------------------------------------------------------------
     def _build_plan(self, device: torch.device, group: int) -> dict:
@@ -208,9 +229,13 @@ class StaticTorchAttention(AttentionBackend):
         key_valid = key_pos[None, :] < lens[:, None]  # [S, L]
         q_idx = torch.arange(Q, device=device)
         visible = key_valid[:, None, :].expand(S, Q, L)
+        q_pos = lens[:, None] - q_lens[:, None] + q_idx[None, :]  # [S, Q]
         if m.causal:
-            q_pos = lens[:, None] - q_lens[:, None] + q_idx[None, :]  # [S, Q]
             visible = visible & (key_pos[None, None, :] <= q_pos[:, :, None])
+        if m.window is not None:
+            if m.tree_mask is not None:
+                raise NotImplementedError("sliding-window attention under token-tree masks")
+            visible = visible & window_visible(q_pos, key_pos, m.window, m.causal)
         q_gather = (qsl[:-1, None] + q_idx[None, :]).clamp(max=max(T - 1, 0)).flatten()
         if m.causal and m.tree_mask is not None:
             tm = torch.where(q_idx[None, :] < q_lens[:, None], m.tree_mask[q_gather].view(S, Q), 0)

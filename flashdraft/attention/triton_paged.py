@@ -117,10 +117,11 @@ def _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP: tl.constexpr, BLOCK_M: tl.con
 
 @triton.jit
 def _attend(q, k, v, key, key_ok, pos, tree, ctx, m_i, l_i, acc, scale_log2, CAUSAL: tl.constexpr,
-            TREE: tl.constexpr, F32_DOT: tl.constexpr):
+            TREE: tl.constexpr, WINDOW: tl.constexpr, F32_DOT: tl.constexpr):
     """One key tile of the online softmax (base 2): the updated (running max, running sum, acc).
     TREE: rows with a non-zero ancestor mask `tree` see the keys before `ctx` and key ctx + j iff
-    bit j is set (token trees, base.py), instead of the causal rule."""
+    bit j is set (token trees, base.py), instead of the causal rule. WINDOW > 0: a sliding window
+    (base.py)."""
     s = _dot(q, tl.trans(k), F32_DOT) * scale_log2
     visible = key_ok[None, :]
     if CAUSAL:
@@ -130,6 +131,10 @@ def _attend(q, k, v, key, key_ok, pos, tree, ctx, m_i, l_i, acc, scale_log2, CAU
             bit = (tree[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)) & 1
             seen = tl.where(tree[:, None] != 0, (rel < 0) | ((bit != 0) & (rel < 64)), seen)
         visible = visible & seen
+    if WINDOW > 0:
+        visible = visible & (pos[:, None] - key[None, :] < WINDOW)
+        if not CAUSAL:
+            visible = visible & (key[None, :] - pos[:, None] < WINDOW)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -149,7 +154,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
                  stride_ot, stride_oh, stride_bt,
                  N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
-                 TREE: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+                 TREE: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     """Grid (query tile, sequence * n_kv, partition). One split: normalised output straight to
     `out`. Several: unnormalised partials to the workspace, merged by `_reduce_kernel`.
 
@@ -175,6 +181,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
         kv_end = seq_len
     lo = split * part
     hi = tl.where(split == num_splits - 1, kv_end, tl.minimum(kv_end, lo + part))  # the last takes the rest
+    if WINDOW > 0:  # keys before every row's window are skipped (their partitions write neutral partials)
+        lo = tl.maximum(lo, tl.min(tl.where(valid, pos, seq_len)) - WINDOW + 1)
     n = tl.arange(0, BLOCK_N)
     key = lo + n
     key_ok = key < hi
@@ -200,7 +208,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
         k = tl.where(late, tl.load(k_ptr + k_off, mask=late, other=0.0), k)
         v = tl.where(late, tl.load(v_ptr + v_off, mask=late, other=0.0), v)
         m_i, l_i, acc = _attend(q, k, v, key, key_ok, pos, tree, ctx, m_i, l_i, acc, scale_log2, CAUSAL, TREE,
-                                F32_DOT)
+                                WINDOW, F32_DOT)
     for start in range(lo + BLOCK_N, hi, BLOCK_N):
         key = start + n
         key_ok = key < hi
@@ -211,7 +219,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
         v = tl.load(v_ptr + (page * stride_vb + (key % PAGE) * stride_vs + kv_head * stride_vh)[:, None] + d[None, :],
                     mask=kv_mask, other=0.0)
         m_i, l_i, acc = _attend(q, k, v, key, key_ok, pos, tree, ctx, m_i, l_i, acc, scale_log2, CAUSAL, TREE,
-                                F32_DOT)
+                                WINDOW, F32_DOT)
 
     pdl_trigger(USE_PDL)
     mask = valid[:, None] & d_ok[None, :]
@@ -340,12 +348,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     ws = _workspace(q.device, num_splits, T, H, hd) if num_splits > 1 else (out, out, out)
     consts = dict(N_KV=n_kv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_M=block_m)
     tree = meta.tree_mask is not None and meta.causal
+    if tree and meta.window is not None:
+        raise NotImplementedError("sliding-window attention under token-tree masks")
     _attn_kernel[(tiles, S * n_kv, num_splits)](
         q, k_cache, v_cache, out, *ws, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         meta.tree_mask if tree else meta.seq_lens, scale * 1.4426950408889634, T, H, num_splits, part,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         out.stride(0), out.stride(1), meta.block_tables.stride(0), **consts, BLOCK_N=block_n,
-        PAGE=k_cache.shape[1], CAUSAL=meta.causal, TREE=tree, SPLIT=num_splits > 1,
+        PAGE=k_cache.shape[1], CAUSAL=meta.causal, TREE=tree, WINDOW=meta.window or 0, SPLIT=num_splits > 1,
         F32_DOT=INTERPRET or q.dtype == torch.float32, num_warps=warps, **launch_kwargs(q))
     if num_splits > 1:
         _reduce_kernel[(T, n_kv)](out, *ws, meta.query_start_loc, S, T, H, num_splits, out.stride(0), out.stride(1),
@@ -356,7 +366,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: torch.dtype, device: torch.device,
-                     causal: bool = True, tree: bool = False) -> int:
+                     causal: bool = True, tree: bool = False, window: int | None = None) -> int:
     """Compile, before serving, every attention variant an eager step (prefill, mixed prefill +
     decode) can pick: each query-tile height (from the step's longest query, 16 to the cap rows)
     with and without split-K (tree: the variants with token-tree masks, for steps that verify
@@ -372,7 +382,8 @@ def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: t
     for q_len in heights.values():
         batch = AttentionBatch(slot_mapping=torch.full((q_len,), -1, dtype=torch.long), query_start_loc=[0, q_len],
                                seq_lens=[pages * page], block_tables=[list(range(pages))], block_size=page,
-                               causal=causal, tree_mask=torch.zeros(q_len, dtype=torch.long) if tree else None)
+                               causal=causal, tree_mask=torch.zeros(q_len, dtype=torch.long) if tree else None,
+                               window=window)
         meta = DeviceMeta.from_batch(batch, device)
         q = torch.zeros(q_len, n_heads, head_dim, device=device, dtype=dtype)
         for splits in (1, 2):

@@ -32,7 +32,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
 def make_case(q_lens, ctx, *, n_kv=2, group=2, hd=64, page=16, dtype=torch.float32, causal=True, pad_rows=0,
-              seed=0, n_blocks=None):
+              seed=0, n_blocks=None, window=None):
     """Random caches with shuffled pages; sequence s has ctx[s] cached keys and q_lens[s] new rows.
     A (0, 0) entry is a padding sequence; pad_rows extra rows at the end have slot -1."""
     g = torch.Generator().manual_seed(seed)
@@ -55,7 +55,7 @@ def make_case(q_lens, ctx, *, n_kv=2, group=2, hd=64, page=16, dtype=torch.float
         k_cache=rand(n_blocks, page, n_kv, hd), v_cache=rand(n_blocks, page, n_kv, hd),
         q=rand(T, n_kv * group, hd), k=rand(T, n_kv, hd), v=rand(T, n_kv, hd),
         batch=AttentionBatch(torch.tensor(slots + [-1] * pad_rows, device=DEVICE), qsl, seq_lens, tables, page,
-                             causal),
+                             causal, window=window),
         rows=qsl[-1], scale=hd**-0.5,
     )
 
@@ -66,7 +66,7 @@ def reference(c):
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
     keep = b.slot_mapping >= 0
     ref_batch = AttentionBatch(b.slot_mapping[keep], b.query_start_loc, b.seq_lens, b.block_tables, b.block_size,
-                               b.causal, b.tree_mask)
+                               b.causal, b.tree_mask, b.window)
     be = TorchAttention()
     be.prepare(ref_batch, DEVICE)
     be.store_kv(kc, vc, c["k"][keep], c["v"][keep], ref_batch)
@@ -114,6 +114,16 @@ def test_matches_torch(scenario, config):
     n_kv, group, hd, page, dtype = config
     check(make_case(q_lens, ctx, n_kv=n_kv, group=group, hd=hd, page=page, dtype=dtype, causal=causal,
                     pad_rows=pad_rows))
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("window", [7, 40])
+@pytest.mark.parametrize("causal", [True, False])
+def test_sliding_window(causal, window, num_splits):
+    """Sliding-window rows (the DFlash reference's sliding drafter layers, sliding-window targets):
+    decode, verify or draft blocks and a prefill chunk, with split-K partitions wholly before a window."""
+    check(make_case([1, 16, 40, 16], [90, 37, 20, 3], n_kv=2, group=3, hd=64, causal=causal, window=window,
+                    seed=7), num_splits=num_splits)
 
 
 @pytest.mark.parametrize("causal", [True, False])
