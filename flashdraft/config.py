@@ -4,11 +4,14 @@ build this one dataclass."""
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+
+log = logging.getLogger("flashdraft")
 
 # The acceptance gate's threshold for sampled requests on a CPU with n requests running: a + b * (n - 1).
 # Drafts stop paying at tau ~1.8-1.9 with one request and ~3.1-3.9 with 12 on a 2-core CPU (fp32,
@@ -102,10 +105,16 @@ class EngineConfig:
             return lambda num_running, temperature: a + b * (num_running - 1) if temperature > 0 else None
         return None if m is None else lambda num_running, temperature, m=float(m): m
 
-    def tree_size(self, device: torch.device, block_size: int) -> int | None:
+    def tree_size(self, device: torch.device, block_size: int, dflash2: bool = False) -> int | None:
         """Drafts of the token tree a verify checks, or None for the drafter's chain: "auto" is a tree of
-        block_size - 1 on a CPU (CPU_TREE) unless num_speculative_tokens shortens the chain, else the chain."""
+        block_size - 1 on a CPU (CPU_TREE) unless num_speculative_tokens shortens the chain, else the chain.
+        A DFlash2 drafter verifies its chain: its selector picks each slot given the one before, which
+        a tree of independent per-slot candidates would not follow."""
         t = self.speculative_tree_size
+        if dflash2:
+            if t not in ("auto", None):
+                log.warning("speculative_tree_size %s: a DFlash2 drafter verifies its chain", t)
+            return None
         if t == "auto":
             cpu = device.type == "cpu" and CPU_TREE and self.num_speculative_tokens is None
             return block_size - 1 if cpu and block_size > 1 else None

@@ -80,13 +80,14 @@ def hf_model(folder: Path):
 def build_random_drafter(folder: Path, target_folder: Path, fmt: str = "z-lab", block_size: int = 4,
                          num_layers: int = 2, target_layer_ids: list[int] | None = None, mask_token_id: int = 3,
                          seed: int = 0, block_in_dflash_config: bool = False, own_head: bool = False,
-                         **overrides) -> Path:
-    """A random-weight DFlash drafter for the target in `target_folder`, in either published layout."""
+                         dflash2: dict | None = None, **overrides) -> Path:
+    """A random-weight DFlash drafter for the target in `target_folder`, in either published layout;
+    dflash2 = {conv_kernel_size, conv_group_size, selector_rank, selector_top_k} makes it a DFlash2."""
     from safetensors.torch import save_file
 
     target = json.loads((target_folder / "config.json").read_text())
     h, vocab = target["hidden_size"], target["vocab_size"]
-    ids = target_layer_ids if target_layer_ids is not None else [0, target["num_hidden_layers"] - 1]
+    ids = target_layer_ids if target_layer_ids is not None else [0, target["num_hidden_layers"] - 2]
     layer = dict(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=num_layers, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, attention_bias=False,
                  max_position_embeddings=target.get("max_position_embeddings", 512), vocab_size=vocab,
@@ -111,6 +112,17 @@ def build_random_drafter(folder: Path, target_folder: Path, fmt: str = "z-lab", 
               p + "self_attn.k_norm.weight": 1 + rnd(hd, scale=0.1),
               p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
               p + "mlp.down_proj.weight": rnd(h, inter)}
+    if dflash2:
+        k, group, rank = dflash2["conv_kernel_size"], dflash2["conv_group_size"], dflash2["selector_rank"]
+        for i in range(num_layers):
+            for conv in ("attention_conv", "mlp_conv"):
+                base = rnd(2, k, h, scale=0.3)
+                base[:, 0] += 1
+                w[f"layers.{i}.{conv}.base_kernel"] = base
+                w[f"layers.{i}.{conv}.kernel_projection.weight"] = rnd(2 * k * (h // group), h)
+        w |= {"candidate_selector.predecessor_codebook": rnd(vocab, rank, scale=0.5),
+              "candidate_selector.successor_codebook": rnd(vocab, rank, scale=0.5),
+              "candidate_selector.hidden_projection.weight": rnd(rank, h)}
     folder.mkdir(parents=True, exist_ok=True)
     if fmt == "z-lab":
         cfg = {**layer, "architectures": ["DFlashDraftModel"], "num_target_layers": target["num_hidden_layers"],
@@ -119,11 +131,16 @@ def build_random_drafter(folder: Path, target_folder: Path, fmt: str = "z-lab", 
             cfg["dflash_config"]["block_size"] = block_size
         else:
             cfg["block_size"] = block_size
+        if dflash2:
+            cfg["architectures"] = ["DFlash2DraftModel"]
+            cfg["dflash_config"].update(dflash2)
     elif fmt == "speculators":
         cfg = {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
                "transformer_layer_config": layer, "draft_vocab_size": vocab, "block_size": block_size,
                "target_hidden_size": h, "aux_hidden_state_layer_ids": [i + 1 for i in ids],
                "mask_token_id": mask_token_id}
+        if dflash2:
+            cfg |= {"speculators_model_type": "dflash2", **dflash2}
         if own_head:
             emb = target_state(target_folder)
             w["embed_tokens.weight"] = emb["model.embed_tokens.weight"]

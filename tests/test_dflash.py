@@ -237,7 +237,7 @@ def test_formats_load_and_agree(tiny_llama, tmp_path):
     runs = [_drafts(LLM(str(tiny_llama), draft=str(x), device="cpu", dtype="float32")) for x in (a, b, c, d)]
     assert all(r == runs[0] for r in runs[1:])
     llm = LLM(str(tiny_llama), draft=str(c), device="cpu", dtype="float32")
-    assert llm.engine.spec.tap_layers == (0, 2) and llm.engine.spec.block_size == 4
+    assert llm.engine.spec.tap_layers == (0, 1) and llm.engine.spec.block_size == 4
 
 
 def test_default_taps_when_missing(tiny_llama, tmp_path):
@@ -271,6 +271,71 @@ def test_validation_errors(tiny_llama, tmp_path, change, message):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=message):
         LLM(str(tiny_llama), draft=str(d), device="cpu", dtype="float32")
+
+
+@pytest.mark.parametrize("fmt, change, message", [
+    ("z-lab", lambda c, w: c["dflash_config"].update(sample_from_anchor=True), "sample_from_anchor=True changes the"),
+    ("z-lab", lambda c, w: c.update(use_swa=True), "use_swa=True changes the drafts"),
+    ("z-lab", lambda c, w: c["dflash_config"].update(projector_type="domino"), "projector_type='domino'"),
+    ("z-lab", lambda c, w: c.update(mlp_bias=True), "mlp_bias=True"),
+    ("z-lab", lambda c, w: c.update(layer_types=["chunked_attention", "full_attention"]), "layer_types"),
+    ("z-lab", lambda c, w: c.update(hidden_act="swishglu9"), "hidden_act 'swishglu9'"),
+    ("z-lab", lambda c, w: c["dflash_config"].update(output_multiplier=0), "output_multiplier must be > 0"),
+    ("z-lab", lambda c, w: c.update(architectures=["DFlash2DraftModel"]), "conv_kernel_size must be an integer"),
+    ("z-lab", lambda c, w: w.update({"prefix_gru.weight_ih_l0": torch.zeros(3, 3)}), "Domino drafter"),
+    ("speculators", lambda c, w: c.update(sample_from_anchor=True), "sample_from_anchor=True"),
+    ("speculators", lambda c, w: c.update(draft_vocab_size=100), "ships no lm_head"),
+    ("speculators", lambda c, w: c.update(aux_hidden_state_layer_ids=[1, 3]), "aux_hidden_state_layer_ids 3"),
+    ("speculators", lambda c, w: c.update(target_hidden_size=32), "target_hidden_size 32"),
+    ("speculators", lambda c, w: c.update(speculators_model_type="eagle3"), "unknown speculators_model_type"),
+])
+def test_unsupported_fields_are_refused_by_name(tiny_llama, tmp_path, fmt, change, message):
+    """A field that would change the drafts and is not implemented is refused, never ignored."""
+    from safetensors.torch import load_file, save_file
+
+    d = build_random_drafter(tmp_path / "d", tiny_llama, fmt=fmt)
+    cfg = json.loads((d / "config.json").read_text())
+    w = load_file(str(d / "model.safetensors"))
+    change(cfg, w)
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_llama), draft=str(d), device="cpu", dtype="float32")
+
+
+def test_reduced_vocabulary_needs_its_map(tiny_llama, tmp_path):
+    """A speculators drafter with its own head over a reduced vocabulary and no d2t map is refused (an
+    identity map would draft the wrong tokens); with the map it drafts through it."""
+    from safetensors.torch import load_file, save_file
+
+    d = build_random_drafter(tmp_path / "d", tiny_llama, fmt="speculators", own_head=True)
+    cfg = json.loads((d / "config.json").read_text())
+    w = load_file(str(d / "model.safetensors"))
+    keep = torch.arange(0, cfg["transformer_layer_config"]["vocab_size"], 2)
+    w["lm_head.weight"] = w["lm_head.weight"][keep].contiguous()
+    cfg["draft_vocab_size"] = len(keep)
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match="ships no d2t map"):
+        LLM(str(tiny_llama), draft=str(d), device="cpu", dtype="float32")
+    w["d2t"] = keep - torch.arange(len(keep))
+    save_file(w, str(d / "model.safetensors"))
+    llm = LLM(str(tiny_llama), draft=str(d), device="cpu", dtype="float32")
+    fed = []
+    real = llm.engine.spec._draft_tokens
+    llm.engine.spec._draft_tokens = lambda *a, **k: fed.append(real(*a, **k)) or fed[-1]
+    llm.generate(MIXED[:2], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert fed and all(bool((f % 2 == 0).all()) for f in fed)  # only kept (even) target ids are drafted
+
+
+def test_extension_fields_are_logged(tiny_llama, tmp_path, caplog):
+    d = build_random_drafter(tmp_path / "d", tiny_llama)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["my_training_note"] = "run 7"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level("INFO", logger="flashdraft"):
+        LLM(str(tiny_llama), draft=str(d), device="cpu", dtype="float32")
+    assert "ignoring fields that do not change the drafts: my_training_note" in caplog.text
 
 
 def test_missing_drafter_path(tiny_llama, tmp_path):
@@ -382,7 +447,7 @@ def test_sampled_drafts_are_drawn_with_the_targets_noise(tiny_llama, drafter, pl
         current[:] = seqs
         return real_propose(self, seqs)
 
-    def draft_tokens(self, hidden, num_seqs, draw=None):
+    def draft_tokens(self, hidden, num_seqs, draw=None, blocks=None):
         model = self.engine.runner.model
         real_logits = model.compute_logits
 
@@ -396,7 +461,7 @@ def test_sampled_drafts_are_drawn_with_the_targets_noise(tiny_llama, drafter, pl
 
         model.compute_logits = oracle_logits
         try:
-            return real_draft(self, hidden, num_seqs, draw if coupled else None)
+            return real_draft(self, hidden, num_seqs, draw if coupled else None, blocks)
         finally:
             del model.compute_logits
 
@@ -413,3 +478,18 @@ def test_sampled_drafts_are_drawn_with_the_targets_noise(tiny_llama, drafter, pl
     print(f"coupled={coupled}: slot-1 acceptance {first:.3f} over {tot['num_drafts']} verifies")
     assert tot["num_drafts"] >= 20
     assert first == 1.0 if coupled else first < 0.6
+
+
+def test_dflash2_verifies_its_chain_even_when_trees_are_asked(tiny_llama, tmp_path, caplog):
+    """A DFlash2 drafter's selector picks each slot given the one before it, so token trees (independent
+    per-slot candidates) are not built from it: an explicit tree size falls back to the chain, said in
+    the log; the tokens are plain decoding's."""
+    d2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 6}
+    d = build_random_drafter(tmp_path / "d", tiny_llama, dflash2=d2)
+    with caplog.at_level("WARNING", logger="flashdraft"):
+        llm = LLM(str(tiny_llama), draft=str(d), device="cpu", dtype="float32", speculative_tree_size=5)
+    assert llm.engine.spec.tree_size is None and "a DFlash2 drafter verifies its chain" in caplog.text
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+    assert [o.token_ids for o in llm.generate(MIXED[:3], params)] == \
+        [o.token_ids for o in plain.generate(MIXED[:3], params)]

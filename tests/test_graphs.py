@@ -133,7 +133,10 @@ def _graphed_llm(model: str, kw: dict):
     runner.attn = StaticTorchAttention()
     runner.use_graphs = True
     if sp is not None:
-        sp.attn = StaticTorchAttention()
+        from flashdraft.attention.base import LayerMasks
+
+        masked = isinstance(sp.attn, LayerMasks)
+        sp.attn = LayerMasks(StaticTorchAttention, sp.attn.masks) if masked else StaticTorchAttention()
         sp.capture_graphs()
         # an eager replay (CPU) installs metadata only into the backends a graph lists; the ragged
         # graphs' context write also stores through the drafter's static backend, whose store plan is
@@ -183,7 +186,7 @@ def test_graphed_dflash_step_matches_eager_engine(tiny_llama, tmp_path, monkeypa
         current[:] = [p.seq for p in plans if p.verify]
         return real_forward(self, plans)
 
-    def oracle(self, hidden, num_seqs, draw=None):
+    def oracle(self, hidden, num_seqs, draw=None, blocks=None):
         rows = []
         for s in current:
             prompt = tuple(s.token_ids[: s.num_prompt_tokens])
@@ -301,3 +304,38 @@ def test_ragged_graph_placeholders_stay_inside_the_model(tiny_llama, tmp_path):
         g._install()
         hidden = g._call()
         assert hidden.shape[0] == rows and torch.isfinite(hidden[: sum(lens)]).all()
+
+
+D2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 6}
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "sliding", "dflash2-sliding"])
+@pytest.mark.parametrize("temps", [(0, 0, 0), (1.0, 0, 0.7)])
+def test_graphed_steps_of_dflash2_and_masked_drafters(tiny_llama, tmp_path, monkeypatch, kind, temps):
+    """DFlash2 drafters (convolutions, the candidate selector; sampled slots drawn with the target's noise)
+    and drafters with causal sliding-window layers (a LayerMasks backend per mask) through the graphed
+    step feed the eager step's drafts, step for step, and give plain decoding's tokens, greedy and seeded."""
+    from fixtures import build_random_drafter, record_fed_drafts
+
+    from flashdraft import LLM
+
+    fed = record_fed_drafts(monkeypatch)
+    extra = {}
+    if "sliding" in kind:
+        extra = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5, use_sliding_window=True)
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4, dflash2=D2 if "dflash2" in kind
+                                     else None, **extra))
+    kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8, draft=draft)
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=40 + i)
+              for i, (n, t) in enumerate(zip((8, 20, 14), temps))]
+    eager = LLM(str(tiny_llama), **kw)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    assert eager.engine.spec_totals()["num_drafts"] > 0
+    want_fed, fed[:] = list(fed), []
+    graphed, replays = _graphed_llm(str(tiny_llama), kw)
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
+    assert replays["dflash-sampled" if any(temps) else "dflash"] > 0, replays
+    assert fed == want_fed
+    plain = LLM(str(tiny_llama), **{**kw, "draft": None})
+    assert [o.token_ids for o in plain.generate(prompts, params)] == want

@@ -118,8 +118,13 @@ def target_config(shape: dict) -> SimpleNamespace:
                            max_position_embeddings=40960, tie_word_embeddings=False, attention_bias=False, **shape)
 
 
-def drafter_spec(tcfg, num_layers: int, block: int) -> DraftSpec:
-    """The z-lab Qwen3-8B DFlash shape: target-sized Qwen3 layers, taps spread over the target."""
+# DFlash2's convolutions (kernel size, group size) and selector (rank, top-k): the speculators defaults
+DFLASH2 = dict(conv=(2, 16), selector=(256, 16))
+
+
+def drafter_spec(tcfg, num_layers: int, block: int, kind: str = "dflash") -> DraftSpec:
+    """The z-lab Qwen3-8B DFlash shape: target-sized Qwen3 layers, taps spread over the target;
+    DFlash2 adds its convolutions and candidate selector."""
     layer = SimpleNamespace(
         hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size, num_hidden_layers=num_layers,
         num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
@@ -127,7 +132,7 @@ def drafter_spec(tcfg, num_layers: int, block: int) -> DraftSpec:
         rope_scaling=None, rope_parameters=None, max_position_embeddings=tcfg.max_position_embeddings,
         vocab_size=tcfg.vocab_size, model_type="qwen3")
     ids = default_target_layer_ids(tcfg.num_hidden_layers, num_layers)
-    return DraftSpec(layer, block, tcfg.vocab_size - 1, ids, None, "z-lab")
+    return DraftSpec(layer, block, tcfg.vocab_size - 1, ids, None, "z-lab", **(DFLASH2 if kind == "dflash2" else {}))
 
 
 def random_module(make, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
@@ -274,9 +279,14 @@ class Roofline:
         t = time.perf_counter()
         self.target = random_module(lambda: DecoderLM(self.tcfg), self.dev, self.dtype, 0)
         self.target.setup_rope(self.ctx + 2 * self.block + 8)
-        self.spec = drafter_spec(self.tcfg, a.drafter_layers or (5 if not self.tiny else 2), self.block)
-        self.drafter = random_module(lambda: DFlashDraftModel(self.spec), self.dev, self.dtype, 1)
-        self.drafter.setup(self.ctx + 2 * self.block + 8)
+        self.kinds = a.drafter_kinds.split(",")
+        self.drafters = {}
+        for kind in self.kinds:
+            spec = drafter_spec(self.tcfg, a.drafter_layers or (5 if not self.tiny else 2), self.block, kind)
+            drafter = random_module(lambda spec=spec: DFlashDraftModel(spec), self.dev, self.dtype, 1)
+            drafter.setup(self.ctx + 2 * self.block + 8)
+            self.drafters[kind] = (spec, drafter)
+        self.spec, self.drafter = self.drafters[self.kinds[0]]
         # pages: every sequence owns ctx + block + 1 positions' worth, in a random order
         self.pages = -(-(self.ctx + self.block + 1) // self.bs)
         max_b = max(self.batches)
@@ -301,11 +311,15 @@ class Roofline:
         self.w_target = nbytes(self.target)
         self.w_embed = emb.numel() * emb.element_size()
         self.w_lm_head = self.target.lm_head_weight.numel() * emb.element_size()
-        self.w_drafter = nbytes(self.drafter)
+        # a step reads the drafter's weights but, of DFlash2's codebooks, only its candidates' rows
+        self.w_drafters = {k: nbytes(d) - sum(p.numel() * p.element_size() for n, p in d.named_parameters()
+                                               if "_codebook" in n) for k, (_, d) in self.drafters.items()}
+        self.w_drafter = self.w_drafters[self.kinds[0]]
         info = {"target_config": shape, "context": self.ctx, "block": self.block, "kv_block_size": self.bs,
                 "batches": self.batches, "drafter_layers": dc.num_hidden_layers,
                 "drafter_taps": list(self.spec.target_layer_ids), "target_weight_bytes": self.w_target,
                 "embed_bytes": self.w_embed, "lm_head_bytes": self.w_lm_head, "drafter_weight_bytes": self.w_drafter,
+                "drafter_kinds": self.kinds, "drafter_step_bytes": self.w_drafters,
                 "kv_bytes_per_token_target": self.kv_tok_target, "kv_bytes_per_token_drafter": self.kv_tok_drafter,
                 "kv_cache_bytes": 2 * (self.tk.numel() + self.dk.numel()) * emb.element_size(),
                 "build_s": self.sync_build_s}
@@ -367,14 +381,14 @@ class Roofline:
                                                    self.ctx + 1)
         return self.roofline(w + kv, flops)
 
-    def dflash_roofline(self, S: int) -> dict:
+    def dflash_roofline(self, S: int, kind: str = "dflash") -> dict:
         tc, dc, B = self.tcfg, self.spec.layer_config, self.block
         el = self.target.embed_tokens.weight.element_size()
         keys = self.ctx + B
         t_params = (self.w_target - self.w_embed) / el
-        d_params = self.w_drafter / el
+        d_params = self.w_drafters[kind] / el
         lm = self.w_lm_head / el
-        bytes_ = (self.w_target - self.w_embed + self.w_drafter + self.w_lm_head
+        bytes_ = (self.w_target - self.w_embed + self.w_drafters[kind] + self.w_lm_head
                   + S * keys * (self.kv_tok_target + self.kv_tok_drafter))
         flops = (2 * S * B * t_params + attn_flops(tc.num_hidden_layers, tc.num_attention_heads, tc.head_dim,
                                                     S * B, keys)
@@ -461,20 +475,21 @@ class Roofline:
     def dflash(self) -> None:
         out = self.res["dflash"] = []
         decode_ms = {(r["backend"], r["batch"]): r.get("ms") for r in self.res.get("decode", [])}
-        for name, cls in self.backends.items():
+        for name, cls, kind in [(n, c, k) for k in self.kinds for n, c in self.backends.items()]:
             for S in self.batches:
-                row = {"backend": name, "batch": S, "graph": self.cuda, "step_roofline": self.dflash_roofline(S),
+                row = {"backend": name, "kind": kind, "batch": S, "graph": self.cuda,
+                       "step_roofline": self.dflash_roofline(S, kind),
                        "decode_roofline_ms": self.decode_roofline(S)["mem_ms"]}
                 try:
                     with modes(name):
-                        row |= self._dflash_one(cls, S)
+                        row |= self._dflash_one(cls, S, kind)
                     ms = row["step_ms"] = row["step"]["ms"]
                     row["step_vs_roofline"] = ms / row["step_roofline"]["roofline_ms"]
                     # tokens per step needed to beat an ideal plain decoder / our own graph decode
                     row["break_even_tokens_vs_decode_roofline"] = ms / row["decode_roofline_ms"]
                     if decode_ms.get((name, S)):
                         row["break_even_tokens_vs_measured_decode"] = ms / decode_ms[(name, S)]
-                    log(f"dflash {name} b={S}: draft {row['draft']['ms']:.3f} verify {row['verify']['ms']:.3f} "
+                    log(f"{kind} {name} b={S}: draft {row['draft']['ms']:.3f} verify {row['verify']['ms']:.3f} "
                         f"context {row['context']['ms']:.3f} step {ms:.3f} ms; step roofline "
                         f"{row['step_roofline']['roofline_ms']:.3f} ms ({row['step_roofline']['bound']}); "
                         f"break-even {row['break_even_tokens_vs_decode_roofline']:.2f} tok/step vs decode roofline")
@@ -483,20 +498,22 @@ class Roofline:
                 out.append(row)
                 self.free()
 
-    def _dflash_one(self, cls, S: int) -> dict:
+    def _dflash_one(self, cls, S: int, kind: str = "dflash") -> dict:
         """Graphs per part; the whole step adds the glue between them, on the device: the drafts
         copied into the verify input, then (on CUDA one Triton kernel, else torch ops) acceptance,
         the context slots of the accepted rows and the next block's first token. The context
         graph reads the taps where the captured verify left them."""
         B, H = self.block, self.tcfg.hidden_size
         taps = tuple(self.spec.target_layer_ids)
-        target, drafter = self.target, self.drafter
+        target, drafter = self.target, self.drafters[kind][1]
         da, va, ca = cls(), cls(), cls()
 
         def draft_fn(g):
-            h = drafter(target.embed_tokens(g.input_ids), g.positions, self.dkv, da, g.meta)
-            # [S, B-1], as the engine
-            return greedy_tokens(target.compute_logits(h.view(S, B, -1)[:, 1:], float32=False))
+            h = drafter(target.embed_tokens(g.input_ids), g.positions, self.dkv, da, g.meta).view(S, B, -1)[:, 1:]
+            logits = target.compute_logits(h, float32=False)
+            if drafter.candidate_selector is not None:  # DFlash2: the selector's slot-by-slot choice
+                return drafter.candidate_selector.select(logits, h, g.input_ids.view(S, B)[:, 0])
+            return greedy_tokens(logits)  # [S, B-1], as the engine
 
         def verify_fn(g):
             hidden, tapped = target(g.input_ids, g.positions, self.tkv, va, g.meta, taps)
@@ -748,16 +765,18 @@ def markdown(r: dict) -> str:
     if r.get("dflash"):
         lines += ["## One DFlash step (draft 16 non-causal + lm_head 15 rows, verify 16 causal + taps + lm_head, "
                   "context write), graphs per part", "",
-                  "| backend | batch | draft ms | verify ms | context ms | step ms | step roofline ms (bound) | "
-                  "x step roofline | decode mem roofline ms | break-even tok/step vs decode roofline | "
-                  "vs measured decode |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| drafter | backend | batch | draft ms | verify ms | context ms | step ms | "
+                  "step roofline ms (bound) | x step roofline | decode mem roofline ms | "
+                  "break-even tok/step vs decode roofline | vs measured decode |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for d in r["dflash"]:
             sr = d["step_roofline"]
 
             def part(p, d=d):
                 return fmt(d[p]["ms"]) if isinstance(d.get(p), dict) else "-"
 
-            lines.append(f"| {d['backend']} | {d['batch']} | {part('draft')} | {part('verify')} | {part('context')} | "
+            lines.append(f"| {d.get('kind', 'dflash')} | {d['backend']} | {d['batch']} | {part('draft')} | "
+                         f"{part('verify')} | {part('context')} | "
                          f"{fmt(d.get('step_ms'))} | {fmt(sr['roofline_ms'])} ({sr['bound']}) | "
                          f"{fmt(d.get('step_vs_roofline'), '.2f')} | {fmt(d['decode_roofline_ms'])} | "
                          f"{fmt(d.get('break_even_tokens_vs_decode_roofline'), '.2f')} | "
@@ -794,6 +813,8 @@ def main() -> None:
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32; tiny 1,3)")
     ap.add_argument("--context", type=int, default=None, help="committed tokens per sequence (default 1024)")
     ap.add_argument("--drafter-layers", type=int, default=None)
+    ap.add_argument("--drafter-kinds", default="dflash",
+                    help="comma-separated: dflash (z-lab DFlash) and/or dflash2 (convolutions + candidate selector)")
     ap.add_argument("--matmul-n", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="optional parts (flex_attention, eager decode) are skipped once this has passed")

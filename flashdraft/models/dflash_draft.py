@@ -1,6 +1,8 @@
 """The DFlash drafter: fc + hidden_norm over concatenated target taps, Qwen3-style layers whose
-attention is non-causal over [cached context K/V | the block], and a final norm. Embeddings and
-lm_head are the target's unless the checkpoint (speculators format) ships its own."""
+attention runs over [cached context K/V | the block] (bidirectional, or per layer causal and/or a
+sliding window: DraftSpec.layer_masks), and a final norm; DFlash2 adds convolutions around each
+sublayer and a candidate selector (models/dflash2.py). Embeddings and lm_head are the target's
+unless the checkpoint (speculators format) ships its own."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flashdraft.attention.base import AttentionBackend, AttentionBatch
+from flashdraft.attention.base import AttentionBackend, AttentionBatch, layer_backend
+from flashdraft.models.dflash2 import CandidateSelector, ConvDecoderLayer
 from flashdraft.models.rope import RotaryTable, apply_rope
 from flashdraft.models.transformer import (
     DecoderLayer,
@@ -36,9 +39,16 @@ class DFlashDraftModel(nn.Module):
         h = cfg.hidden_size
         self.fc = Linear(len(spec.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm=True, bias=bool(cfg.attention_bias))
-                                    for _ in range(cfg.num_hidden_layers))
+        bias = bool(getattr(cfg, "attention_bias", False))  # the reference's q/k/v and o projections alike
+        if spec.conv is None:
+            make = lambda: DecoderLayer(cfg, qk_norm=True, bias=bias, o_bias=bias)  # noqa: E731
+        else:  # DFlash2
+            make = lambda: ConvDecoderLayer(cfg, True, bias, bias, *spec.conv, spec.block_size)  # noqa: E731
+        self.layers = nn.ModuleList(make() for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.candidate_selector = None
+        if spec.selector is not None:
+            self.candidate_selector = CandidateSelector(cfg.vocab_size, h, *spec.selector)
         vocab = spec.draft_vocab_size or cfg.vocab_size
         self.embed_tokens = Embedding(cfg.vocab_size, h) if has_embed else None
         self.lm_head = nn.Linear(h, vocab, bias=False) if has_lm_head else None
@@ -62,6 +72,8 @@ class DFlashDraftModel(nn.Module):
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         weights = {k.removeprefix("model."): w for k, w in weights.items() if k not in _IGNORED}
+        # z-lab files store the selector's codebooks bare, some speculators versions as Embedding weights
+        weights = {k.removesuffix(".weight") if "_codebook." in k else k: w for k, w in weights.items()}
         load_packed(self, weights)
 
     def write_context(self, taps: torch.Tensor, positions: torch.Tensor, kv_cache, attn: AttentionBackend,
@@ -88,12 +100,16 @@ class DFlashDraftModel(nn.Module):
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv_cache, attn: AttentionBackend,
                 batch: AttentionBatch) -> torch.Tensor:
-        """Draft blocks (batch.causal is False): the block's K/V are written to scratch slots past
-        the committed context, which the next context write overwrites; nothing of it is kept."""
+        """Draft blocks (rows: whole blocks of block_size; attn a LayerMasks when the layers' masks
+        differ): the block's K/V are written to scratch slots past the committed context, which the
+        next context write overwrites; nothing of it is kept. embeds: the target's embeddings of the
+        block tokens (times input_embedding_scale here)."""
+        if self.spec.input_embedding_scale != 1.0:
+            embeds = embeds * self.spec.input_embedding_scale
         if fused_enabled(embeds):
             return forward_layers_fused(self.layers, embeds, positions, self.rope, kv_cache, attn, batch, self.norm)[0]
         cos, sin = self.rope.lookup(positions)
         h = embeds
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache[i][0], kv_cache[i][1], attn, batch)
+            h = layer(h, cos, sin, kv_cache[i][0], kv_cache[i][1], layer_backend(attn, i), batch)
         return self.norm(h)

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from flashdraft.attention.base import AttentionBackend, AttentionBatch
+from flashdraft.attention.base import AttentionBackend, AttentionBatch, layer_backend
 from flashdraft.models.rope import RotaryTable, apply_rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2")
@@ -132,7 +132,7 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, qk_norm: bool, bias: bool):
+    def __init__(self, cfg, qk_norm: bool, bias: bool, o_bias: bool = False):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
@@ -140,7 +140,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
 
@@ -168,20 +168,35 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
+def activation(name: str):
+    """The gate activation `hidden_act` names, as transformers defines it (silu: F.silu)."""
+    if name == "silu":
+        return F.silu
+    from transformers.activations import ACT2FN
+
+    if name not in ACT2FN:
+        raise ValueError(f"unsupported hidden_act {name!r}")
+    return ACT2FN[name]
+
+
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, act: str = "silu"):
         super().__init__()
         self.inter = inter
+        self.act_name = act
+        self.act = activation(act)
         self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
         self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
     def forward_fused(self, x):
         from flashdraft.models import fused
 
+        if self.act_name != "silu":  # the fused kernels compute silu
+            return self.forward(x)
         if skinny_enabled(x):  # silu * up in the gate_up GEMM
             from flashdraft.models.skinny import skinny_linear
 
@@ -190,12 +205,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, qk_norm: bool, bias: bool):
+    def __init__(self, cfg, qk_norm: bool, bias: bool, o_bias: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, qk_norm, bias)
+        self.self_attn = Attention(cfg, qk_norm, bias, o_bias)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu") or "silu")
 
     def forward(self, h, cos, sin, k_cache, v_cache, attn, batch):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, attn, batch)
@@ -221,7 +236,8 @@ def step_slots(attn: AttentionBackend, batch) -> torch.Tensor:
 def forward_layers_fused(layers, h, positions, rope: RotaryTable, kv_cache, attn, batch, final_norm: RMSNorm,
                          tap_layers: Sequence[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """The fused path of a layer stack: every residual add is folded into the next RMSNorm, the
-    last into `final_norm`. Returns final_norm(output) and {i: output of layer i} for tap_layers."""
+    last into `final_norm`. Returns final_norm(output) and {i: output of layer i} for tap_layers,
+    the last layer's final-normed (HF's last hidden_states entry, as DFlash drafters read it)."""
     from flashdraft.models import fused
 
     x, residual, taps = h, None, {}
@@ -230,16 +246,18 @@ def forward_layers_fused(layers, h, positions, rope: RotaryTable, kv_cache, attn
         x, residual = fused.add_rmsnorm(x, residual, ln.weight, ln.eps)
         if i > 0 and i - 1 in tap_layers:
             taps[i - 1] = residual
-        x, residual = layer.forward_fused(x, residual, positions, rope, kv_cache[i][0], kv_cache[i][1], attn, batch)
+        x, residual = layer.forward_fused(x, residual, positions, rope, kv_cache[i][0], kv_cache[i][1],
+                                          layer_backend(attn, i), batch)
     out, residual = fused.add_rmsnorm(x, residual, final_norm.weight, final_norm.eps)
     if len(layers) - 1 in tap_layers:
-        taps[len(layers) - 1] = residual
+        taps[len(layers) - 1] = out
     return out, taps
 
 
 class DecoderLM(nn.Module):
     """forward() returns the final-normed hidden states of every row and, when asked, the
-    concatenated outputs (pre final norm) of the decoder layers in `tap_layers` (DFlash taps)."""
+    concatenated outputs of the decoder layers in `tap_layers` (DFlash taps) as HF's hidden_states
+    give them: layer l's output, the last layer's after the final norm."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -248,9 +266,11 @@ class DecoderLM(nn.Module):
             raise ValueError(f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         self.config = cfg
         qk_norm = model_type == "qwen3"
-        bias = bool(getattr(cfg, "attention_bias", False)) or model_type == "qwen2"
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        bias = attention_bias or model_type == "qwen2"
+        o_bias = attention_bias and model_type != "qwen2"  # Qwen2's o_proj has none
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm, bias) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm, bias, o_bias) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -281,8 +301,11 @@ class DecoderLM(nn.Module):
             h = layer(h, cos, sin, kv_cache[i][0], kv_cache[i][1], attn, batch)
             if i in tap_layers:
                 taps[i] = h
+        out = self.norm(h)
+        if len(self.layers) - 1 in taps:  # HF's last hidden_states entry: the final-normed state
+            taps[len(self.layers) - 1] = out
         tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
-        return self.norm(h), tapped
+        return out, tapped
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """Logits of every row, in float32 for the sampler; float32=False keeps the activation dtype

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashdraft.attention.base import AttentionBatch
+from flashdraft.attention.base import AttentionBatch, LayerMasks
 from flashdraft.engine.graphs import to_device
 from flashdraft.engine.model_runner import make_backend
 from flashdraft.engine.sampler import sample
@@ -55,7 +55,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         if k is not None and not 1 <= k <= self.block_size - 1:
             raise ValueError(f"num_speculative_tokens must be in [1, {self.block_size - 1}], got {k}")
         # token trees (speculative/tree.py): tree_size drafts per verify, at depths up to block_size - 1
-        self.tree_size = engine.config.tree_size(engine.device, self.block_size)
+        self.tree_size = engine.config.tree_size(engine.device, self.block_size, drafter.candidate_selector is not None)
         self.num_draft = self.tree_size or k or self.block_size - 1
         self.depth = min(self.num_draft, self.block_size - 1)  # the deepest draft a verify can accept
         # slots a verifying request holds from its last committed token: the draft block, or the tree's rows
@@ -69,7 +69,11 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         self.k_cache = torch.zeros(shape, device=engine.device, dtype=engine.dtype)
         self.v_cache = torch.zeros(shape, device=engine.device, dtype=engine.dtype)
         self.kv = [(self.k_cache[i], self.v_cache[i]) for i in range(c.num_hidden_layers)]
-        self.attn = make_backend(runner.backend_name)
+        masks = drafter.spec.layer_masks
+        if masks and any(m != (False, None) for m in masks):  # causal or sliding-window drafter layers
+            self.attn = LayerMasks(lambda: make_backend(runner.backend_name), masks)
+        else:
+            self.attn = make_backend(runner.backend_name)
         self.embed = drafter.embed_tokens or runner.model.embed_tokens
         self.stats = SpecStats(self.depth)
         self.poison_rejected = False  # tests: fill every slot a rejected draft touched with NaN
@@ -214,7 +218,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         if sampled:  # greedy steps need neither temperatures nor seeds
             draw = (to_device([float(s.params.temperature) for s in seqs], torch.float32, eng.device),
                     to_device([s.seed for s in seqs], torch.int64, eng.device), pos[: n * B])
-        draft = self._draft_tokens(hidden, n, draw)
+        draft = self._draft_tokens(hidden, n, draw, ids)
         if self.poison_rejected:  # the block's scratch K/V must never be read again
             poison_slots((self.k_cache, self.v_cache), batch.slot_mapping)
         return draft

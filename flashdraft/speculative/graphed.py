@@ -33,8 +33,9 @@ class GraphedSteps:
         if runner.backend_name == "triton" and engine.device.type == "cuda":  # ragged steps draft eagerly
             from flashdraft.attention.triton_paged import compile_variants
 
-            compile_variants(c.num_attention_heads, c.num_key_value_heads, self.drafter.head_dim, runner.block_size,
-                             engine.dtype, engine.device, causal=False)
+            for causal, window in dict.fromkeys(self.drafter.spec.layer_masks or [(False, None)]):
+                compile_variants(c.num_attention_heads, c.num_key_value_heads, self.drafter.head_dim,
+                                 runner.block_size, engine.dtype, engine.device, causal=causal, window=window)
             if self.tree_size is not None:  # the target's attention under tree masks
                 t = engine.model_config
                 compile_variants(t.num_attention_heads, t.num_key_value_heads, runner.model.head_dim,
@@ -58,9 +59,9 @@ class GraphedSteps:
             ids, pos, batch = runner.placeholder_batch(n // B * B, causal=False)
             self.attn.prepare(batch, self.engine.device)
             hidden = self.drafter(self.embed(ids), pos, self.kv, self.attn, batch)
-            self._draft_tokens(hidden, n // B)
+            self._draft_tokens(hidden, n // B, blocks=ids)
             ones = torch.ones(n // B, device=pos.device)
-            self._draft_tokens(hidden, n // B, (ones, ones.long(), pos))
+            self._draft_tokens(hidden, n // B, (ones, ones.long(), pos), ids)
 
     def capture_graphs(self) -> None:
         """Capture before serving, at every batch bucket: the whole DFlash step (draft, drafts into
@@ -166,7 +167,7 @@ class GraphedSteps:
     def _draft_step(self, g: StepGraph) -> torch.Tensor:
         """The draft blocks alone over a graph's buffers: [S, B-1] drafts."""
         return self._draft_tokens(self.drafter(self.embed(g.input_ids), g.positions, self.kv, self.attn, g.meta),
-                                  g.num_seqs)
+                                  g.num_seqs, blocks=g.input_ids)
 
     def _setup_sampled_graph(self, g: StepGraph) -> None:
         self._setup_graph(g)
@@ -180,7 +181,8 @@ class GraphedSteps:
     def _sampled_draft_step(self, g: StepGraph) -> torch.Tensor:
         """The draft blocks of sampled requests over a graph's buffers: [S, B-1] drawn drafts."""
         hidden = self.drafter(self.embed(g.input_ids), g.positions, self.kv, self.attn, g.meta)
-        return self._draft_tokens(hidden, g.num_seqs, (g.extra["draft_temp"], g.extra["draft_seed"], g.positions))
+        return self._draft_tokens(hidden, g.num_seqs, (g.extra["draft_temp"], g.extra["draft_seed"], g.positions),
+                                  g.input_ids)
 
     def _decode_step(self, g: StepGraph) -> torch.Tensor:
         """A step without drafts over a graph's buffers: the target, then every row's context."""

@@ -33,15 +33,30 @@ def load_drafter(folder: str | Path, target_config, device: torch.device, dtype:
     bad = [i for i in spec.target_layer_ids if not 0 <= i < n_target]
     if bad:
         raise ValueError(f"drafter tap layer id(s) {bad} outside the target's {n_target} layers")
+    if spec.fmt == "speculators" and n_target - 1 in spec.target_layer_ids:
+        raise ValueError(f"aux_hidden_state_layer_ids {n_target} (the residual stream after the target's last "
+                         "layer) is not a state vLLM or flashdraft taps; z-lab ids read the final-normed one")
     if not 0 <= spec.mask_token_id < target_config.vocab_size:
         raise ValueError(f"drafter mask_token_id {spec.mask_token_id} is outside the target vocabulary "
                          f"[0, {target_config.vocab_size})")
+    if spec.selector is not None and spec.layer_config.vocab_size != target_config.vocab_size:
+        raise ValueError(f"DFlash2 drafter vocab_size {spec.layer_config.vocab_size} differs from the target's "
+                         f"{target_config.vocab_size}: its selector's codebooks index target tokens")
+    if (folder / "mask_embedding.pt").exists():
+        raise ValueError(f"{folder}/mask_embedding.pt replaces the mask token's embedding, which flashdraft "
+                         "does not support")
     spec.layer_config.vocab_size = target_config.vocab_size
     weights = load_weights(folder)
+    domino = sorted(k for k in weights if k.startswith(("prefix_gru.", "embed_proj.", "domino_head.")))
+    if domino:
+        raise ValueError(f"{folder} is a Domino drafter ({domino[0]}, ...), which flashdraft does not support")
     has_embed = "embed_tokens.weight" in weights
     has_head = "lm_head.weight" in weights
     if spec.draft_vocab_size and not has_head:
         raise ValueError(f"drafter declares draft_vocab_size {spec.draft_vocab_size} but ships no lm_head")
+    if spec.draft_vocab_size and "d2t" not in weights:
+        raise ValueError(f"drafter declares draft_vocab_size {spec.draft_vocab_size} but ships no d2t map from "
+                         "its vocabulary to the target's")
     if has_embed and weights["embed_tokens.weight"].shape[0] != target_config.vocab_size:
         raise ValueError("drafter embed_tokens rows do not match the target vocabulary")
     with torch.device("meta"):

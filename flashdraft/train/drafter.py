@@ -4,6 +4,7 @@ narrower MLPs (widen_fc, grow_layers), and the z-lab-format checkpoint (save_che
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from flashdraft.models.dflash_draft import DFlashDraftModel
+from flashdraft.models.rope import rope_parameters
 from flashdraft.speculative.formats import DraftSpec, default_target_layer_ids
 
 if TYPE_CHECKING:
@@ -71,7 +73,7 @@ def grown_spec(spec: DraftSpec, add_layers: int, inter: int | None) -> DraftSpec
                          f"drafter's is {c.intermediate_size}), not widen them")
     if not add_layers and inter in (None, c.intermediate_size):
         return spec
-    layer = SimpleNamespace(**vars(c))
+    layer = copy.copy(c)
     layer.num_hidden_layers = c.num_hidden_layers + add_layers
     layer.intermediate_size = inter or c.intermediate_size
     return replace(spec, layer_config=layer)
@@ -147,6 +149,7 @@ def save_checkpoint(model: DFlashDraftModel, target_cfg, out: Path, dtype=torch.
     """z-lab layout: unpacked projections, a Qwen3 config with the DFlash keys. fc_scale (the
     training-time tap preconditioner) is folded into fc's input columns."""
     spec, c = model.spec, model.spec.layer_config
+    rope = rope_parameters(c)
     tensors = {}
     for name, t in model.state_dict().items():
         if name == "d2t":
@@ -170,8 +173,11 @@ def save_checkpoint(model: DFlashDraftModel, target_cfg, out: Path, dtype=torch.
                           "block_size": spec.block_size},
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
-        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "hidden_act": "silu",
-        "attention_bias": False, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_scaling": None,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+        "hidden_act": getattr(c, "hidden_act", "silu") or "silu",
+        "attention_bias": bool(getattr(c, "attention_bias", False)),
+        "rms_norm_eps": c.rms_norm_eps, "rope_theta": rope["rope_theta"],
+        "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
         "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
         "tie_word_embeddings": False, "layer_types": ["full_attention"] * c.num_hidden_layers,
         "use_sliding_window": False, "sliding_window": None, "dtype": str(dtype).removeprefix("torch."),

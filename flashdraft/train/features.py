@@ -1,5 +1,5 @@
 """The frozen target's features for training: the tapped layers' hidden states as the engine taps
-them (before the final norm), their per-dimension scale (the taps' preconditioner), and which MLP
+them (HF's hidden_states), their per-dimension scale (the taps' preconditioner), and which MLP
 channels of a drafter carry the text it meets (for narrowing a saved drafter)."""
 
 from __future__ import annotations
@@ -14,17 +14,10 @@ from flashdraft.train.loss import TRAIN_SDPA
 @torch.no_grad()
 def hidden_states(model, ids: torch.Tensor, idx: list[int], **kwargs) -> tuple[object, list[torch.Tensor]]:
     """A transformers forward of `model` (a causal LM or its base model) and its hidden states at HF
-    indices `idx` (l + 1 for the output of layer l), every one taken before the final norm, as the
-    engine taps them: transformers' last hidden state is the final norm's output (SmolLM2: RMS 1.8
-    against 36 before it), so a drafter trained on it would read other features when serving."""
-    raw = {}
-    hook = model.base_model.norm.register_forward_pre_hook(lambda module, args: raw.setdefault("x", args[0]))
-    try:
-        out = model(ids, output_hidden_states=True, **kwargs)
-    finally:
-        hook.remove()
-    last = len(out.hidden_states) - 1
-    return out, [raw["x"] if i == last else out.hidden_states[i] for i in idx]
+    indices `idx` (l + 1 for the output of layer l; the last layer's entry is the final-normed state),
+    the features the engine taps and the z-lab reference trains and drafts on."""
+    out = model(ids, output_hidden_states=True, **kwargs)
+    return out, [out.hidden_states[i] for i in idx]
 
 
 @torch.no_grad()

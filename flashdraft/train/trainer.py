@@ -110,6 +110,17 @@ def train(cfg: TrainConfig) -> Path:
             raise ValueError("pass either init_drafter or init_layers_from, not both")
         start = load_drafter(cfg.init_drafter, target_cfg, device, torch.float32)
         spec = start.spec
+        untrainable = [name for name, on in (
+            ("causal or sliding-window layers", any(m != (False, None) for m in spec.layer_masks or [])),
+            ("input_embedding_scale", spec.input_embedding_scale != 1.0),
+            ("output_multiplier / final_logit_softcapping",
+             spec.output_multiplier != 1.0 or spec.final_logit_softcapping is not None),
+            ("DFlash2 convolutions and selector", spec.selector is not None),
+            ("its own embed_tokens / lm_head", start.embed_tokens is not None or start.lm_head is not None)) if on]
+        if untrainable:
+            raise ValueError(f"train-drafter cannot continue {cfg.init_drafter}: its {', '.join(untrainable)} "
+                             "are not in the training forward")
+        spec = replace(spec, layer_masks=None)
         saved_taps = list(spec.target_layer_ids)
         if cfg.target_layer_ids and list(cfg.target_layer_ids) != saved_taps:  # more taps: fc widens (new ones at 0)
             spec = replace(spec, target_layer_ids=wider_taps(saved_taps, cfg.target_layer_ids,

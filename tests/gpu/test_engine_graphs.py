@@ -73,6 +73,41 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
         assert (graphed.engine.spec_totals()["gated_steps"] > 0) == (with_drafter == "gated")
 
 
+@pytest.mark.parametrize("kind", ["dflash2", "sliding", "dflash2-sliding"])
+@pytest.mark.parametrize("temps", [(0.0, 0.0, 0.0), (1.0, 0.0, 0.7)])
+def test_graphed_dflash2_and_masked_drafters_match_eager_torch(tiny_llama, tmp_path, monkeypatch, kind, temps):
+    """DFlash2 drafters (convolutions, candidate selector) and drafters with causal sliding-window layers
+    (the Triton kernels' window, one backend per mask) through the captured graphs: the eager torch
+    engine's drafts at every verify, its counts, and plain decoding's tokens (float32)."""
+    from fixtures import build_random_drafter, record_fed_drafts
+
+    from flashdraft import LLM, SamplingParams
+
+    fed = record_fed_drafts(monkeypatch)
+    extra = {}
+    if "sliding" in kind:
+        extra = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5, use_sliding_window=True)
+    d2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 6}
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4, dflash2=d2 if "dflash2" in kind
+                                     else None, **extra))
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=5 + n)
+              for n, t in zip((6, 14, 20), temps)]
+    kw = dict(device=DEVICE, dtype="float32", kv_block_size=8, speculative_min_acceptance_length=None)
+    eager = LLM(str(tiny_llama), draft=draft, attention_backend="torch", cuda_graphs=False, **kw)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    want_fed, fed[:] = list(fed), []
+    graphed = LLM(str(tiny_llama), draft=draft, attention_backend="triton", **kw)
+    runner = graphed.engine.runner
+    if not runner.use_graphs:
+        runner.use_graphs = True
+        graphed.engine.spec.capture_graphs()
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
+    assert fed == want_fed and graphed.engine.spec_totals() == eager.engine.spec_totals()
+    plain = LLM(str(tiny_llama), draft=None, attention_backend="torch", cuda_graphs=False, **kw)
+    assert [o.token_ids for o in plain.generate(prompts, params)] == want
+
+
 @pytest.mark.parametrize("temps", [(0.0, 0.0, 0.0), (1.0, 0.0, 0.7)])
 def test_graphed_tree_steps_match_eager_torch(tiny_llama, tmp_path, temps):
     """Token-tree steps replayed from their captured graphs (draft, trees, verify under tree masks,

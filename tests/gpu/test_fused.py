@@ -260,6 +260,46 @@ def test_decoder_forward_matches_torch_path(kind):
         close(a, b, torch.float32, what)
 
 
+@pytest.mark.parametrize("kind", ["dflash2", "masked"])
+def test_drafter_blocks_match_torch_path(kind):
+    """Draft blocks through a DFlash2 drafter (convolutions between the fused kernels) or one with a causal
+    sliding-window layer (LayerMasks over the Triton kernels): the fused path's hidden states and caches
+    equal the torch path's."""
+    from dataclasses import replace
+
+    from flashdraft.attention.base import LayerMasks
+    from flashdraft.attention.triton_paged import TritonAttention
+
+    base = random_drafter().spec
+    spec = replace(base, conv=(2, 16), selector=(8, 5)) if kind == "dflash2" else \
+        replace(base, layer_masks=[(True, 5), (False, None), (False, 3)])
+    torch.manual_seed(7)
+    drafter = randomize(DFlashDraftModel(spec), 0.2).to(DEVICE).eval()
+    drafter.setup(200)
+    page, n_blocks, L, KV, hd, B = 8, 12, 3, 2, 64, 4
+    g = torch.Generator().manual_seed(3)
+    kc, vc = randn(L, n_blocks, page, KV, hd, gen=g), randn(L, n_blocks, page, KV, hd, gen=g)
+    tables, ctx = [[3, 7, 1], [0, 9, 4]], [10, 6]
+    slots = [t[p // page] * page + p % page for t, c in zip(tables, ctx) for p in range(c, c + B)]
+    pos = torch.tensor([p for c in ctx for p in range(c, c + B)], device=DEVICE)
+    batch = AttentionBatch(torch.tensor(slots, device=DEVICE), [0, B, 2 * B], [c + B for c in ctx], tables, page,
+                           causal=False)
+    embeds = randn(2 * B, 96, gen=g)
+
+    def run(mode, make):
+        k, v = kc.clone(), vc.clone()
+        attn = LayerMasks(make, spec.layer_masks) if spec.layer_masks else make()
+        attn.prepare(batch, DEVICE)
+        with fused_mode(mode), torch.inference_mode():
+            h = drafter(embeds, pos, [(k[i], v[i]) for i in range(L)], attn, batch)
+        return h, k, v
+
+    want = run("off", TorchAttention)
+    got = run("on", TritonAttention)
+    for a, b, what in zip(got, want, ("hidden", "k caches", "v caches")):
+        close(a, b, torch.float32, what)
+
+
 def test_switch():
     """auto: only CUDA activations; off: never; never with grad (no backward)."""
     x = torch.zeros(2, device=DEVICE)
