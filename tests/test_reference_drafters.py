@@ -214,14 +214,24 @@ def to_speculators(zlab: Path, out: Path, kind: str = "dflash") -> Path:
     return out
 
 
-@pytest.mark.parametrize("variant", ["plain", "sliding_layers", "gelu", "attention_bias", "yarn_rope", "dflash2"])
+@pytest.mark.parametrize("variant", ["plain", "sliding_layers", "sliding_non_causal", "gelu", "attention_bias",
+                                     "yarn_rope", "dflash2"])
 def test_speculators_conversion_drafts_as_the_reference(target, tmp_path, monkeypatch, variant):
     """The same checkpoints in the speculators layout (converted as its converter converts them) draft
-    what the reference drafts from the z-lab original."""
+    what the reference drafts from the z-lab original. sliding_non_causal: bidirectional sliding layers,
+    `is_causal: false` for the reference, `sliding_window_non_causal: true` in the speculators layout."""
     dflash2 = variant == "dflash2"
-    fields = dflash2_fields(variant) if dflash2 else json.loads(json.dumps(VARIANTS[variant]))
+    if variant == "sliding_non_causal":
+        fields = {**VARIANTS["sliding_layers"], "is_causal": False}
+    else:
+        fields = dflash2_fields(variant) if dflash2 else json.loads(json.dumps(VARIANTS[variant]))
     zlab = build_reference_drafter(tmp_path / "z", zlab_config(target, **fields), dflash2=dflash2)
     spec = to_speculators(zlab, tmp_path / "s", "dflash2" if dflash2 else "dflash")
+    if variant == "sliding_non_causal":
+        cfg = json.loads((spec / "config.json").read_text())
+        del cfg["transformer_layer_config"]["is_causal"]
+        cfg["sliding_window_non_causal"] = True
+        (spec / "config.json").write_text(json.dumps(cfg))
     ours, fed = flashdraft_run(target, spec, monkeypatch)
     for prompt, got, mine in zip(PROMPTS, ours, fed):
         want, blocks = reference_run(target, zlab, prompt, dflash2)
