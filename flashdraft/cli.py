@@ -79,7 +79,10 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                       init_layers_from=args.init_layers_from, init_drafter=args.init_drafter,
                       add_layers=args.add_layers, time_budget_s=args.time_budget,
                       local_context=args.local_context, local_context_frac=args.local_context_frac,
-                      labels=args.labels, walk_floor=args.anchor_walk, stop_after_s=args.stop_after)
+                      labels=args.labels, walk_floor=args.anchor_walk, stop_after_s=args.stop_after,
+                      arch=args.arch, conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
+                      selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
+                      selector_loss_weight=args.selector_loss_weight)
     out = train(cfg)
     print(f"drafter written to {out}")
     return 0
@@ -146,6 +149,15 @@ def main(argv: list[str] | None = None) -> int:
                         "at its end that each repeat an earlier 9-gram of the response); small targets' greedy "
                         "answers often circle to the length limit, and the loops would take most of the anchors")
     t.add_argument("--num-layers", type=int, default=3)
+    t.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash",
+                   help="dflash2: grouped dynamic causal convolutions around each sublayer and a candidate selector "
+                        "(with --init-drafter a DFlash drafter grows into one, starting from its drafts)")
+    t.add_argument("--conv-kernel-size", type=int, default=2, help="dflash2: taps of each convolution")
+    t.add_argument("--conv-group-size", type=int, default=16, help="dflash2: channels sharing a dynamic coefficient")
+    t.add_argument("--selector-rank", type=int, default=256, help="dflash2: the candidate selector's rank")
+    t.add_argument("--selector-top-k", type=int, default=16, help="dflash2: candidates the selector re-scores")
+    t.add_argument("--selector-loss-weight", type=float, default=1.0,
+                   help="dflash2: the selector's loss weight beside the drafter's")
     t.add_argument("--intermediate-size", type=int, default=None,
                    help="MLP width of the drafter layers (default: the target's); with --init-drafter a smaller "
                         "width narrows the saved MLPs to their strongest channels")

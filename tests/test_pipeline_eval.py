@@ -73,7 +73,7 @@ def test_train_phase_hands_its_seed_and_taps_to_the_trainer(tmp_path, monkeypatc
         pass
 
     def fake_train(cfg):
-        seen.append((cfg.seed, cfg.target_layer_ids))
+        seen.append((cfg.seed, cfg.target_layer_ids) if cfg.arch == "dflash" else (cfg.arch, cfg.selector_rank))
         raise Stop
 
     monkeypatch.setattr(dp, "train", fake_train)
@@ -84,12 +84,13 @@ def test_train_phase_hands_its_seed_and_taps_to_the_trainer(tmp_path, monkeypatc
             "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--data", str(data)]
     init = ["--init-drafter", "saved"]
     for extra in ([], ["--seed", "13"], init, init + ["--target-layer-ids", "1,8,14,20,27"],
-                  init + ["--target-layer-ids", "1", "8", "14,20", "27", "29", "--seed", "2"]):
+                  init + ["--target-layer-ids", "1", "8", "14,20", "27", "29", "--seed", "2"],
+                  init + ["--arch", "dflash2", "--selector-rank", "32"]):
         monkeypatch.setattr(sys, "argv", base + extra)
         with pytest.raises(Stop):
             dp.main()
     assert seen == [(0, [1, 14, 27]), (13, [1, 14, 27]), (0, None), (0, [1, 8, 14, 20, 27]),
-                    (2, [1, 8, 14, 20, 27, 29])]  # spaces too
+                    (2, [1, 8, 14, 20, 27, 29]), ("dflash2", 32)]  # spaces too; DFlash2's options reach the trainer
     # bad --eval-temps and --keep-every are refused by the parser, before any answers or training
     for extra, msg in ((["--eval-temps", "0,hot"], "is not a comma-separated list of temperatures"),
                        (["--eval-temps", "0,-1"], "temperatures must be 0 or more"),

@@ -694,3 +694,58 @@ def test_keep_every_keeps_a_loadable_drafter_per_step(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="keep_every must be a positive number of steps, not 0"):
         train(TrainConfig(out=str(tmp_path / "bad"), keep_every=0, **common))
     assert not (tmp_path / "bad" / "data.jsonl").exists()
+
+
+D2_ARCH = dict(arch="dflash2", conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=8)
+
+
+def test_train_dflash2_few_steps_drafts_as_the_reference(tiny_llama, tmp_path, monkeypatch):
+    """--arch dflash2: the convolutions and the candidate selector train beside the drafter (both losses fall),
+    the checkpoint is z-lab's DFlash2 layout, the engine is lossless with it, and z-lab's reference loads it
+    and drafts exactly what flashdraft drafts at every verify step."""
+    out = tmp_path / "d2"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in
+                                 ["the quick brown fox", "def add(a, b):", "Paris is", "1 + 1 =", "speculative"]))
+    cfg = TrainConfig(model=str(tiny_llama), out=str(out), prompts=str(prompts), max_new_tokens=48, num_layers=1,
+                      block_size=4, target_layer_ids=[0, 2], mask_token_id=3, max_steps=40, batch_size=5,
+                      num_anchors=16, lr=3e-3, device="cpu", dtype="float32", gen_batch=8, **D2_ARCH)
+    train(cfg)
+    first, last = cfg.log[:5], cfg.log[-5:]
+    for key in ("loss", "selector_loss"):
+        assert sum(r[key] for r in last) < 0.8 * sum(r[key] for r in first), [r[key] for r in cfg.log]
+    cfg_json = json.loads((out / "config.json").read_text())
+    assert cfg_json["architectures"] == ["DFlash2DraftModel"]
+    assert cfg_json["dflash_config"]["selector_top_k"] == 8 and cfg_json["dflash_config"]["conv_kernel_size"] == 2
+    keys = set(load_file(str(out / "model.safetensors")))
+    assert {"candidate_selector.predecessor_codebook", "layers.0.mlp_conv.base_kernel"} <= keys
+    plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+    spec = LLM(str(tiny_llama), draft=str(out), device="cpu", dtype="float32")
+    ids = [json.loads(line)["prompt_ids"] for line in (out / "data.jsonl").read_text().splitlines()]
+    params = SamplingParams(max_tokens=48)
+    assert [o.token_ids for o in spec.generate(ids, params)] == [o.token_ids for o in plain.generate(ids, params)]
+    assert spec.engine.spec_totals()["acceptance_length"] > 1.1
+    pytest.importorskip("dflash.model")
+    from test_reference_drafters import compare
+
+    compare(tiny_llama, out, monkeypatch, dflash2=True)
+
+
+def test_dflash_drafter_grows_into_dflash2_with_the_same_drafts(tiny_llama, tmp_path, monkeypatch):
+    """--init-drafter a DFlash drafter with --arch dflash2: identity convolutions and a selector whose
+    successor codebook starts at zero, so before any step it drafts exactly as the drafter it grew from."""
+    from fixtures import record_fed_drafts
+
+    common = _saved_drafter_run(tiny_llama, tmp_path, [0, 1])
+    train(TrainConfig(out=str(tmp_path / "grown"), epochs=0, **common, **D2_ARCH))
+    assert json.loads((tmp_path / "grown" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    fed = record_fed_drafts(monkeypatch)
+    prompts, params = [[5, 17, 33, 80], [7] * 12], SamplingParams(max_tokens=16, ignore_eos=True)
+    runs = []
+    for d in ("start", "grown"):
+        fed[:] = []
+        LLM(str(tiny_llama), draft=str(tmp_path / d), device="cpu", dtype="float32").generate(prompts, params)
+        runs.append(list(fed))
+    assert runs[0] == runs[1] and runs[0]
+    with pytest.raises(ValueError, match="pass arch dflash2 to continue it"):
+        train(TrainConfig(out=str(tmp_path / "back"), epochs=0, **(common | {"init_drafter": str(tmp_path / "grown")})))

@@ -146,6 +146,11 @@ def main() -> None:
     ap.add_argument("--gen-kv-gb", type=float, default=40, help="gen: KV cache size (several processes share a GPU)")
     ap.add_argument("--train-seconds", type=float, default=240)
     ap.add_argument("--num-layers", type=int, default=3)
+    ap.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash", help="see train-drafter --arch")
+    ap.add_argument("--selector-rank", type=int, default=256)
+    ap.add_argument("--selector-top-k", type=int, default=16)
+    ap.add_argument("--conv-kernel-size", type=int, default=2)
+    ap.add_argument("--conv-group-size", type=int, default=16)
     ap.add_argument("--block-size", type=int, default=None,
                     help="default 8; with --init-drafter the saved drafter's unless given")
     ap.add_argument("--batch-size", type=int, default=16)
@@ -224,7 +229,9 @@ def main() -> None:
                       init_layers_from=args.init_layers_from, init_drafter=args.init_drafter,
                       local_context=args.local_context,
                       local_context_frac=args.local_context_frac, labels=args.labels, walk_floor=args.anchor_walk,
-                      stop_after_s=args.stop_after, resume=args.resume, seed=args.seed)
+                      stop_after_s=args.stop_after, resume=args.resume, seed=args.seed, arch=args.arch,
+                      selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
+                      conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size)
     t0 = time.time()
     drafter = train(cfg)  # data parallel over the GPUs when started by torchrun
     if int(os.environ.get("RANK", "0")) != 0:

@@ -19,6 +19,12 @@ class TrainConfig:
     max_new_tokens: int = 256
     max_prompt_tokens: int = 512
     trim_loops: int | None = None  # cut each response this many tokens into the loop it ends in (data.trim_loop)
+    arch: str = "dflash"  # "dflash2": convolutions around each sublayer and a candidate selector
+    conv_kernel_size: int = 2  # dflash2: taps of each grouped causal convolution ...
+    conv_group_size: int = 16  # ... and channels sharing one dynamic coefficient
+    selector_rank: int = 256  # dflash2: the candidate selector's rank ...
+    selector_top_k: int = 16  # ... and the candidates it re-scores
+    selector_loss_weight: float = 1.0  # dflash2: weight of the selector's loss beside the drafter's
     num_layers: int = 3
     intermediate_size: int | None = None
     block_size: int | None = None  # None: 16 for a new drafter, the saved one's with init_drafter (a number

@@ -33,7 +33,29 @@ def drafter_spec(target_cfg, cfg: TrainConfig, mask_token_id: int) -> DraftSpec:
         rms_norm_eps=target_cfg.rms_norm_eps, attention_bias=False, rope_theta=_rope_theta(target_cfg),
         rope_scaling=None, rope_parameters=None, max_position_embeddings=target_cfg.max_position_embeddings,
         vocab_size=target_cfg.vocab_size, model_type="qwen3")
-    return DraftSpec(layer, cfg.block_size or 16, mask_token_id, list(ids), None, "z-lab")
+    return with_arch(DraftSpec(layer, cfg.block_size or 16, mask_token_id, list(ids), None, "z-lab"), cfg)
+
+
+def with_arch(spec: DraftSpec, cfg: TrainConfig) -> DraftSpec:
+    """The spec as `cfg.arch` asks: DFlash2 adds the convolutions and the selector of cfg's sizes."""
+    if cfg.arch not in ("dflash", "dflash2"):
+        raise ValueError(f"unknown arch {cfg.arch!r}; use dflash or dflash2")
+    if cfg.arch == "dflash":
+        if spec.selector is not None:
+            raise ValueError("the saved drafter is a DFlash2 drafter: pass arch dflash2 to continue it")
+        return spec
+    if spec.selector is not None:
+        return spec  # a saved DFlash2 drafter keeps its sizes
+    h, vocab = spec.layer_config.hidden_size, spec.layer_config.vocab_size
+    if cfg.conv_group_size < 1 or h % cfg.conv_group_size:
+        raise ValueError(f"conv_group_size {cfg.conv_group_size} must divide the hidden size {h}")
+    if not 1 <= cfg.conv_kernel_size <= spec.block_size:
+        raise ValueError(f"conv_kernel_size {cfg.conv_kernel_size} must lie in [1, block_size {spec.block_size}]")
+    if cfg.selector_rank < 1 or not 1 <= cfg.selector_top_k <= vocab:
+        raise ValueError(f"selector_rank {cfg.selector_rank} must be >= 1 and selector_top_k {cfg.selector_top_k} "
+                         f"in [1, {vocab}]")
+    return replace(spec, conv=(cfg.conv_kernel_size, cfg.conv_group_size),
+                   selector=(cfg.selector_rank, cfg.selector_top_k))
 
 
 def wider_taps(saved: list[int], wanted: list[int], n_target: int) -> list[int]:
@@ -121,12 +143,24 @@ def init_drafter(spec: DraftSpec, device, seed: int) -> DFlashDraftModel:
     torch.manual_seed(seed)
     model = DFlashDraftModel(spec).to(device)
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
+        for name, p in model.named_parameters():
+            if "_conv." in name:
+                identity_conv_(p, name)
+            elif name.endswith("successor_codebook"):  # zero: the selector starts as the drafter's argmax
+                p.zero_()
+            elif p.dim() == 2:
                 p.normal_(0.0, 0.02)
             else:
                 p.fill_(1.0)  # RMSNorm weights
     return model
+
+
+def identity_conv_(p: torch.Tensor, name: str) -> None:
+    """DFlash2's convolutions start as the identity (base kernel 1 on the slot itself, no dynamic part),
+    so a DFlash2 drafter starts drafting as the DFlash drafter it grows from."""
+    p.zero_()
+    if name.endswith("base_kernel"):
+        p[:, 0] = 1.0
 
 
 def init_from_target(drafter: DFlashDraftModel, weights: dict[str, torch.Tensor], first_layer: int) -> None:
@@ -166,11 +200,15 @@ def save_checkpoint(model: DFlashDraftModel, target_cfg, out: Path, dtype=torch.
                 tensors[name.replace("gate_up_proj", part)] = chunk.contiguous()
         else:
             tensors[name] = t.contiguous()
+    dflash_config = {"mask_token_id": spec.mask_token_id, "target_layer_ids": spec.target_layer_ids,
+                     "block_size": spec.block_size}
+    if spec.selector is not None:  # DFlash2; the codebooks are stored bare, as z-lab's files store them
+        dflash_config |= dict(zip(("conv_kernel_size", "conv_group_size"), spec.conv)) | \
+            dict(zip(("selector_rank", "selector_top_k"), spec.selector))
     config = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": spec.block_size,
-        "num_target_layers": target_cfg.num_hidden_layers,
-        "dflash_config": {"mask_token_id": spec.mask_token_id, "target_layer_ids": spec.target_layer_ids,
-                          "block_size": spec.block_size},
+        "architectures": ["DFlash2DraftModel" if spec.selector is not None else "DFlashDraftModel"],
+        "model_type": "qwen3", "block_size": spec.block_size, "num_target_layers": target_cfg.num_hidden_layers,
+        "dflash_config": dflash_config,
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,

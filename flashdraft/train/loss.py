@@ -156,7 +156,11 @@ def draft_hidden(drafter: DFlashDraftModel, taps: torch.Tensor, embed: torch.Ten
     h = embed
     for layer in drafter.layers:
         a = layer.self_attn
+        conv = getattr(layer, "attention_conv", None)  # DFlash2: within each block of `block` rows
         x = rms(h, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        if conv is not None:
+            x, delta = conv.prepare(x.flatten(0, 1))
+            x = x.view_as(h)
         q, kb, vb = a.qkv_proj(x).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         _, kc, vc = a.qkv_proj(ctx).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
         # norms and rope in float32; q and k come back in the matmul dtype, as attention takes them
@@ -172,9 +176,16 @@ def draft_hidden(drafter: DFlashDraftModel, taps: torch.Tensor, embed: torch.Ten
             m = torch.cat([mask[:, r0:r1, :n_ctx], mask[:, r0:r1, s + r0: s + r1]], -1)
             outs.append(_attention(q[:, :, r0:r1], torch.cat([kc[:, :, :n_ctx], kb[:, :, r0:r1]], 2),
                                    torch.cat([vc[:, :, :n_ctx], vb[:, :, r0:r1]], 2), m[:, None], a.scale))
-        o = torch.cat(outs, 2)
-        h = h + a.o_proj(o.transpose(1, 2).reshape(b, -1, a.q_size))
-        h = h + layer.mlp(rms(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps))
+        o = a.o_proj(torch.cat(outs, 2).transpose(1, 2).reshape(b, -1, a.q_size))
+        if conv is not None:
+            o = conv.finish(o.flatten(0, 1), delta).view_as(o)
+        h = h + o
+        x = rms(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        if conv is None:
+            h = h + layer.mlp(x)
+        else:
+            x, delta = layer.mlp_conv.prepare(x.flatten(0, 1))
+            h = h + layer.mlp_conv.finish(layer.mlp(x), delta).view_as(h)
     return drafter.norm(h)
 
 
@@ -271,8 +282,8 @@ def head_cross_entropy(hidden: torch.Tensor, lm_head: torch.Tensor, labels: torc
 def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: torch.Tensor, taps: torch.Tensor,
                 ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
                 mask_token_id: int, gamma: float, window: int | None = None, labels: str = "data",
-                target_logits: torch.Tensor | None = None, walk_floor: float | None = None
-                ) -> tuple[torch.Tensor, dict]:
+                target_logits: torch.Tensor | None = None, walk_floor: float | None = None,
+                selector_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
     """Weighted same-position loss (cross-entropy, or KL for labels="kl"); also per-slot accuracy
     and the acceptance length a greedy verify would see on these blocks (leading correct slots + 1),
     against the sequence's tokens for labels="data" and the target's greedy choices otherwise.
@@ -282,7 +293,10 @@ def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: t
 
     walk_floor w (0 <= w <= 1): each block's loss is weighted 1 when its anchor lies on the walk a greedy
     verify would take through the sequence with this step's drafts (`walk_anchors`: the anchors serving
-    meets, which start right after a missed draft) and w elsewhere; None weights every anchor alike."""
+    meets, which start right after a missed draft) and w elsewhere; None weights every anchor alike.
+
+    A DFlash2 drafter adds selector_weight x its candidate selector's loss (`selector_loss`), and its
+    statistics follow the selector's own path through each block, as serving drafts it."""
     if labels not in LABELS:
         raise ValueError(f"unknown labels {labels!r}; use one of {', '.join(LABELS)}")
     if labels != "data" and target_logits is None:
@@ -314,6 +328,12 @@ def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: t
         seq0 = torch.arange(b, device=dev)[:, None, None] * s
         rows = torch.where(weight > 0, seq0 + label_pos - 1, seq0)[:, :, 1:].flatten()  # unscored: a real row
     ce, pred = head_cross_entropy(hidden, lm_head, targets[:, :, 1:].flatten(), soft=soft, rows=rows)
+    sel_loss = None
+    if drafter.candidate_selector is not None:
+        # predecessors teacher-forced: the anchor for slot 1, then the scored token one slot before
+        prev = torch.cat([blocks[:, :, :1], targets[:, :, 1:-1]], 2).flatten()
+        sel_loss, pred = selector_loss(drafter.candidate_selector, hidden, lm_head, prev,
+                                       targets[:, :, 1:].flatten(), block - 1)
     with torch.no_grad():
         correct = (pred.view_as(targets[:, :, 1:]) == targets[:, :, 1:]) & (weight[:, :, 1:] > 0)
         scored = weight[:, :, 1:] > 0
@@ -328,4 +348,39 @@ def dflash_loss(drafter: DFlashDraftModel, lm_head: torch.Tensor, embed_table: t
             stats["walk_tau"] = (run * on_walk).sum() / on_walk.sum().clamp_min(1)
     wt = weight[:, :, 1:].flatten()
     loss = (ce * wt).sum() / wt.sum().clamp_min(1e-6)
+    if sel_loss is not None:
+        stats["selector_loss"] = (sel_loss.detach() * wt).sum() / wt.sum().clamp_min(1e-6)
+        loss = loss + selector_weight * (sel_loss * wt).sum() / wt.sum().clamp_min(1e-6)
     return loss, stats
+
+
+def selector_loss(sel, hidden: torch.Tensor, lm_head: torch.Tensor, prev: torch.Tensor, target: torch.Tensor,
+                  slots: int, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """DFlash2's candidate selector (speculators' recipe): per draft row [R, H] the top-k tokens of the
+    drafter's own logits, the target token put in place of the k-th when missing, scored given the
+    teacher-forced predecessor prev [R] (cross-entropy over the k, per row, float32). Also returns the
+    token the selector picks at each row when it walks each block from its anchor on its own choices
+    (rows are blocks of `slots` rows), which is what serving drafts: [R]."""
+    k = sel.top_k
+    with torch.no_grad():  # the serving candidates: top-k of the drafter's logits, in row chunks
+        vals, cand = zip(*(F.linear(hidden[i: i + chunk], lm_head).topk(k, dim=-1)
+                           for i in range(0, hidden.shape[0], chunk)))
+        vals, cand = torch.cat(vals), torch.cat(cand)
+        hit = cand == target[:, None]
+        has = hit.any(-1)
+        train_cand = cand.clone()
+        train_cand[:, -1] = torch.where(has, cand[:, -1], target)
+        label = torch.where(has, hit.to(torch.int64).argmax(-1), k - 1)
+    unary = torch.einsum("rh,rkh->rk", hidden, lm_head[train_cand].to(hidden.dtype))
+    proj = sel.hidden_projection(hidden)
+    scores = sel.scores(unary, train_cand, proj, prev)
+    loss = F.cross_entropy(scores.float(), label, reduction="none")
+    with torch.no_grad():  # the selector's own path, block by block, from each block's anchor
+        n = hidden.shape[0] // slots
+        v, c, p = vals.view(n, slots, k), cand.view(n, slots, k), proj.view(n, slots, -1)
+        chosen, last = [], prev.view(n, slots)[:, 0]
+        for j in range(slots):
+            score = sel.scores(v[:, j].to(p.dtype), c[:, j], p[:, j], last)
+            last = c[:, j].gather(1, score.argmax(-1, keepdim=True))[:, 0]
+            chosen.append(last)
+    return loss, torch.stack(chosen, 1).flatten()

@@ -27,6 +27,7 @@ from flashdraft.train.drafter import (
     save_checkpoint,
     widen_fc,
     wider_taps,
+    with_arch,
 )
 from flashdraft.train.features import mlp_channel_energy, tap_scale, target_features
 from flashdraft.train.loss import LABELS, dflash_loss, gamma_for, sample_anchors
@@ -115,12 +116,11 @@ def train(cfg: TrainConfig) -> Path:
             ("input_embedding_scale", spec.input_embedding_scale != 1.0),
             ("output_multiplier / final_logit_softcapping",
              spec.output_multiplier != 1.0 or spec.final_logit_softcapping is not None),
-            ("DFlash2 convolutions and selector", spec.selector is not None),
             ("its own embed_tokens / lm_head", start.embed_tokens is not None or start.lm_head is not None)) if on]
         if untrainable:
             raise ValueError(f"train-drafter cannot continue {cfg.init_drafter}: its {', '.join(untrainable)} "
                              "are not in the training forward")
-        spec = replace(spec, layer_masks=None)
+        spec = with_arch(replace(spec, layer_masks=None), cfg)  # arch dflash2 grows a DFlash drafter into one
         saved_taps = list(spec.target_layer_ids)
         if cfg.target_layer_ids and list(cfg.target_layer_ids) != saved_taps:  # more taps: fc widens (new ones at 0)
             spec = replace(spec, target_layer_ids=wider_taps(saved_taps, cfg.target_layer_ids,
@@ -172,7 +172,10 @@ def train(cfg: TrainConfig) -> Path:
         state = start.state_dict()
         state["fc.weight"] = widen_fc(state["fc.weight"], saved_taps, spec.target_layer_ids)
         state = grow_layers(state, n_saved, cfg.add_layers, cfg.intermediate_size, energy)
-        drafter.load_state_dict(state)
+        missing = drafter.load_state_dict(state, strict=False).missing_keys  # DFlash2's parts: as initialised
+        if any("_conv." not in k and not k.startswith("candidate_selector.") for k in missing) or \
+                (missing and start.spec.selector is not None):
+            raise ValueError(f"{cfg.init_drafter} lacks weights {missing[:4]}")
         del start, state
     max_len = max(len(s[0]) for s in samples) + cfg.block_size + 1
     drafter.setup(max_len)
@@ -229,10 +232,12 @@ def train(cfg: TrainConfig) -> Path:
         if not pending:
             return
         values = torch.stack([v for _, v in pending]).tolist()
-        for (rec, _), (loss_v, tau_v, acc1_v, walk_v, gnorm_v) in zip(pending, values):
+        for (rec, _), (loss_v, tau_v, acc1_v, walk_v, sel_v, gnorm_v) in zip(pending, values):
             rec |= {"loss": loss_v, "grad_norm": gnorm_v, "tau": tau_v, "acc_slot1": acc1_v}
             if cfg.walk_floor is not None:
                 rec["walk_tau"] = walk_v
+            if drafter.candidate_selector is not None:
+                rec["selector_loss"] = sel_v
             if main:
                 log_f.write(json.dumps(rec) + "\n")
             cfg.log.append(rec)
@@ -249,11 +254,12 @@ def train(cfg: TrainConfig) -> Path:
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 window = cfg.local_context if step < cfg.local_context_frac * plan["total"] else None
                 loss, stats = dflash_loss(drafter, lm_head, embed, taps, ids, lengths, anchors, valid, mask_id, gamma,
-                                          window, cfg.labels, t_logits, cfg.walk_floor)
+                                          window, cfg.labels, t_logits, cfg.walk_floor, cfg.selector_loss_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             logged = torch.stack([loss.detach().float(), stats["tau"].float(), stats["acc_per_slot"][0].float(),
-                                  stats.get("walk_tau", stats["tau"]).float()])
+                                  stats.get("walk_tau", stats["tau"]).float(),
+                                  stats.get("selector_loss", stats["tau"]).float()])
             average([p.grad for p in params] + [logged], world)  # the all-ranks batch's gradient
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
