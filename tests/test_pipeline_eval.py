@@ -100,7 +100,7 @@ def test_train_phase_hands_its_seed_and_taps_to_the_trainer(tmp_path, monkeypatc
         with pytest.raises(SystemExit) as e:
             dp.main()
         assert e.value.code == 2 and msg in capsys.readouterr().err
-    assert len(seen) == 5  # the trainer was not reached
+    assert len(seen) == 6  # the trainer was not reached
 
 
 def _script(name: str):
