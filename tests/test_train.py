@@ -89,13 +89,18 @@ def test_train_few_steps_and_roundtrip(tiny_llama, tmp_path):
     keys = set(load_file(str(out / "model.safetensors")))
     assert "layers.0.self_attn.q_proj.weight" in keys and "layers.0.mlp.gate_proj.weight" in keys
     assert not any(k.startswith(("embed_tokens", "lm_head")) or "qkv_proj" in k for k in keys)
-    # the engine loads it; trained drafts are accepted far more often than a random drafter's
+    _assert_lossless_and_trained(tiny_llama, out)
+
+
+def _assert_lossless_and_trained(tiny_llama, out) -> None:
+    """The engine loads the trained drafter, gives plain decoding's tokens on its training prompts, and
+    accepts its drafts far more often than a random drafter's (an untrained drafter over this 320-token
+    vocabulary accepts ~1/320 of them: tau ~1.00)."""
     plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
     spec = LLM(str(tiny_llama), draft=str(out), device="cpu", dtype="float32")
     ids = [json.loads(line)["prompt_ids"] for line in (out / "data.jsonl").read_text().splitlines()]
     params = SamplingParams(max_tokens=48)
     assert [o.token_ids for o in spec.generate(ids, params)] == [o.token_ids for o in plain.generate(ids, params)]
-    # an untrained drafter over this 320-token vocabulary accepts ~1/320 of drafts (tau ~1.00)
     assert spec.engine.spec_totals()["acceptance_length"] > 1.1
 
 
@@ -719,12 +724,7 @@ def test_train_dflash2_few_steps_drafts_as_the_reference(tiny_llama, tmp_path, m
     assert cfg_json["dflash_config"]["selector_top_k"] == 8 and cfg_json["dflash_config"]["conv_kernel_size"] == 2
     keys = set(load_file(str(out / "model.safetensors")))
     assert {"candidate_selector.predecessor_codebook", "layers.0.mlp_conv.base_kernel"} <= keys
-    plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
-    spec = LLM(str(tiny_llama), draft=str(out), device="cpu", dtype="float32")
-    ids = [json.loads(line)["prompt_ids"] for line in (out / "data.jsonl").read_text().splitlines()]
-    params = SamplingParams(max_tokens=48)
-    assert [o.token_ids for o in spec.generate(ids, params)] == [o.token_ids for o in plain.generate(ids, params)]
-    assert spec.engine.spec_totals()["acceptance_length"] > 1.1
+    _assert_lossless_and_trained(tiny_llama, out)
     pytest.importorskip("dflash.model")
     from test_reference_drafters import compare
 
