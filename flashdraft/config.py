@@ -105,15 +105,16 @@ class EngineConfig:
             return lambda num_running, temperature: a + b * (num_running - 1) if temperature > 0 else None
         return None if m is None else lambda num_running, temperature, m=float(m): m
 
-    def tree_size(self, device: torch.device, block_size: int, dflash2: bool = False) -> int | None:
+    def tree_size(self, device: torch.device, block_size: int, chain_only: str | None = None) -> int | None:
         """Drafts of the token tree a verify checks, or None for the drafter's chain: "auto" is a tree of
         block_size - 1 on a CPU (CPU_TREE) unless num_speculative_tokens shortens the chain, else the chain.
-        A DFlash2 drafter verifies its chain: its selector picks each slot given the one before, which
-        a tree of independent per-slot candidates would not follow."""
+        chain_only: why this pair verifies chains (a DFlash2 drafter's selector picks each slot given the
+        one before; a sliding-window target's rows attend by position, which tree rows do not follow),
+        logged when a tree size was asked for."""
         t = self.speculative_tree_size
-        if dflash2:
+        if chain_only is not None:
             if t not in ("auto", None):
-                log.warning("speculative_tree_size %s: a DFlash2 drafter verifies its chain", t)
+                log.warning("speculative_tree_size %s: %s", t, chain_only)
             return None
         if t == "auto":
             cpu = device.type == "cpu" and CPU_TREE and self.num_speculative_tokens is None

@@ -36,7 +36,7 @@ def build_tokenizer(folder: Path, vocab_size: int = 320):
 
 
 def tiny_config(kind: str, vocab_size: int, **overrides):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
@@ -48,9 +48,15 @@ def tiny_config(kind: str, vocab_size: int, **overrides):
                              **overrides})
     elif kind == "qwen3":
         cfg = Qwen3Config(**{**common, "rope_theta": 1000000.0, **overrides})
+    elif kind == "qwen2":
+        cfg = Qwen2Config(**{**{k: v for k, v in common.items() if k != "head_dim"}, "rope_theta": 1000000.0,
+                             **overrides})
+    elif kind == "mistral":
+        cfg = MistralConfig(**{**common, "rope_theta": 10000.0, **overrides})
     else:
         raise ValueError(kind)
-    cfg.architectures = ["LlamaForCausalLM" if kind == "llama" else "Qwen3ForCausalLM"]
+    cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                          "mistral": "MistralForCausalLM"}[kind]]
     return cfg
 
 
@@ -63,9 +69,11 @@ def build_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Pat
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # larger-than-default weights give peaked, tie-free distributions
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
+            elif name.endswith(".bias"):  # biases that are not zero, so a dropped one shows
+                p.normal_(0, 0.1)
     model.save_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     return folder

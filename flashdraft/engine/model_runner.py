@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from flashdraft.attention.base import AttentionBackend, AttentionBatch
+from flashdraft.attention.base import AttentionBackend, AttentionBatch, LayerMasks
 from flashdraft.attention.torch_ref import TorchAttention
 from flashdraft.config import EngineConfig
 from flashdraft.engine.block_manager import BlockManager
@@ -66,6 +66,8 @@ class ModelRunner:
         self.attn = make_backend(self.backend_name)
         # CUDA graphs need a backend that reads its step description from device tensors
         self.use_graphs = config.cuda_graphs and device.type == "cuda" and hasattr(self.attn, "set_meta")
+        if any(window is not None for _, window in model.layer_masks):  # sliding-window layers
+            self.attn = LayerMasks(lambda: make_backend(self.backend_name), model.layer_masks)
         self.max_graph_batch = config.max_graph_batch
         self.max_model_len = max_model_len
         self.max_blocks = -(-(max_model_len + 64) // self.block_size)
@@ -92,8 +94,9 @@ class ModelRunner:
         if self.backend_name == "triton" and device.type == "cuda":  # no kernel compiles once serving
             from flashdraft.attention.triton_paged import compile_variants
 
-            compile_variants(cfg.num_attention_heads, cfg.num_key_value_heads, model.head_dim, self.block_size,
-                             dtype, device)
+            for _, window in dict.fromkeys(model.layer_masks):
+                compile_variants(cfg.num_attention_heads, cfg.num_key_value_heads, model.head_dim, self.block_size,
+                                 dtype, device, window=window)
         with torch.inference_mode():  # the sampler's greedy kernels, both logits dtypes
             if device.type == "cuda" and fused_enabled(self.k_cache):
                 for dt in {dtype, torch.float32}:

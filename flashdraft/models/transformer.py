@@ -1,5 +1,8 @@
-"""Llama / Qwen3 dense decoder over a paged KV cache. One class serves both: Qwen3 adds per-head
-q/k RMSNorm, Qwen2 adds q/k/v biases. q/k/v and gate/up are packed into one matmul each."""
+"""Llama / Qwen2 / Qwen3 / Mistral dense decoder over a paged KV cache. One class serves them all:
+Qwen3 adds per-head q/k RMSNorm, Qwen2 q/k/v biases; `attention_bias`, `mlp_bias`, `hidden_act` and
+sliding-window layers (`sliding_window` with `layer_types`, as transformers derives them from
+`use_sliding_window` / `max_window_layers`, or on every Mistral layer) are read from the config.
+q/k/v and gate/up are packed into one matmul each."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import torch.nn.functional as F
 from flashdraft.attention.base import AttentionBackend, AttentionBatch, layer_backend
 from flashdraft.models.rope import RotaryTable, apply_rope
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
 
 # The fused Triton kernels of flashdraft/models/fused.py (add+RMSNorm, q/k norm + RoPE + K/V store,
 # silu*mul) replace the elementwise torch ops: "auto" for CUDA activations when triton imports, "on"
@@ -180,13 +183,13 @@ def activation(name: str):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, act: str = "silu"):
+    def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False):
         super().__init__()
         self.inter = inter
         self.act_name = act
         self.act = activation(act)
-        self.gate_up_proj = Linear(hidden, 2 * inter, bias=False)
-        self.down_proj = Linear(inter, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -197,7 +200,7 @@ class MLP(nn.Module):
 
         if self.act_name != "silu":  # the fused kernels compute silu
             return self.forward(x)
-        if skinny_enabled(x):  # silu * up in the gate_up GEMM
+        if skinny_enabled(x) and self.gate_up_proj.bias is None:  # silu * up in the gate_up GEMM
             from flashdraft.models.skinny import skinny_linear
 
             return self.down_proj(skinny_linear(x, self.gate_up_proj.weight, glu=True))
@@ -210,7 +213,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, qk_norm, bias, o_bias)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu") or "silu")
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu") or "silu",
+                       bool(getattr(cfg, "mlp_bias", False)))
 
     def forward(self, h, cos, sin, k_cache, v_cache, attn, batch):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, attn, batch)
@@ -254,6 +258,18 @@ def forward_layers_fused(layers, h, positions, rope: RotaryTable, kv_cache, attn
     return out, taps
 
 
+def target_layer_masks(cfg) -> list[tuple[bool, int | None]]:
+    """(causal, sliding window or None) of each layer, as transformers' attention applies them."""
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:  # Mistral: every layer slides when a window is set; Llama has none
+        return [(True, window)] * cfg.num_hidden_layers
+    bad = sorted({t for t in types if t not in ("full_attention", "sliding_attention")})
+    if bad:
+        raise ValueError(f"layer_types {bad} are not supported (full_attention, sliding_attention)")
+    return [(True, window if t == "sliding_attention" else None) for t in types]
+
+
 class DecoderLM(nn.Module):
     """forward() returns the final-normed hidden states of every row and, when asked, the
     concatenated outputs of the decoder layers in `tap_layers` (DFlash taps) as HF's hidden_states
@@ -275,6 +291,7 @@ class DecoderLM(nn.Module):
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryTable | None = None
+        self.layer_masks = target_layer_masks(cfg)
 
     @property
     def head_dim(self) -> int:
@@ -298,7 +315,7 @@ class DecoderLM(nn.Module):
         h = self.embed_tokens(input_ids)
         taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache[i][0], kv_cache[i][1], attn, batch)
+            h = layer(h, cos, sin, kv_cache[i][0], kv_cache[i][1], layer_backend(attn, i), batch)
             if i in tap_layers:
                 taps[i] = h
         out = self.norm(h)

@@ -55,7 +55,9 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         if k is not None and not 1 <= k <= self.block_size - 1:
             raise ValueError(f"num_speculative_tokens must be in [1, {self.block_size - 1}], got {k}")
         # token trees (speculative/tree.py): tree_size drafts per verify, at depths up to block_size - 1
-        self.tree_size = engine.config.tree_size(engine.device, self.block_size, drafter.candidate_selector is not None)
+        why = "a DFlash2 drafter verifies its chain" if drafter.candidate_selector is not None else \
+            "a sliding-window target verifies chains" if any(w for _, w in engine.runner.model.layer_masks) else None
+        self.tree_size = engine.config.tree_size(engine.device, self.block_size, why)
         self.num_draft = self.tree_size or k or self.block_size - 1
         self.depth = min(self.num_draft, self.block_size - 1)  # the deepest draft a verify can accept
         # slots a verifying request holds from its last committed token: the draft block, or the tree's rows

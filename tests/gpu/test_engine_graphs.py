@@ -211,3 +211,32 @@ def test_eager_steps_padded_to_few_row_counts_give_the_same_tokens(tiny_llama, t
         else:
             assert not padded
     assert got[PAD_ROWS] == got[0]
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_sliding_window_target_through_graphs(tmp_path, with_drafter):
+    """A target whose upper layers slide (Qwen3 use_sliding_window): the Triton kernels' windows, one backend
+    per mask in the runner, decode / verify / ragged graphs: the eager torch engine's tokens (float32), and
+    with a drafter the same again."""
+    from fixtures import build_random_drafter, build_tiny_model
+
+    from flashdraft import LLM, SamplingParams
+
+    target = build_tiny_model(tmp_path / "t", "qwen3", use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    draft = str(build_random_drafter(tmp_path / "d", target, block_size=4)) if with_drafter else None
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    kw = dict(device=DEVICE, dtype="float32", kv_block_size=8, draft=draft)
+    eager = LLM(str(target), attention_backend="torch", cuda_graphs=False, **kw)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    graphed = LLM(str(target), attention_backend="triton", **kw)
+    runner = graphed.engine.runner
+    if not runner.use_graphs:
+        runner.use_graphs = True
+        if with_drafter:
+            graphed.engine.spec.capture_graphs()
+        else:
+            runner.capture_graphs(("target", ()), 1, True, runner.attn, runner.target_step(()), 3)
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
+    if with_drafter:
+        assert graphed.engine.spec_totals() == eager.engine.spec_totals()
