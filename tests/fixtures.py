@@ -36,7 +36,7 @@ def build_tokenizer(folder: Path, vocab_size: int = 320):
 
 
 def tiny_config(kind: str, vocab_size: int, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
@@ -53,10 +53,13 @@ def tiny_config(kind: str, vocab_size: int, **overrides):
                              **overrides})
     elif kind == "mistral":
         cfg = MistralConfig(**{**common, "rope_theta": 10000.0, **overrides})
+    elif kind == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**{**common, "rope_theta": 1000000.0, "moe_intermediate_size": 32, "num_experts": 8,
+                                "num_experts_per_tok": 2, "norm_topk_prob": True, **overrides})
     else:
         raise ValueError(kind)
     cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                          "mistral": "MistralForCausalLM"}[kind]]
+                          "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[kind]]
     return cfg
 
 

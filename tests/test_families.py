@@ -26,6 +26,9 @@ CATALOGUE = {  # name: (model_type, config fields)
     "qwen2-sliding": ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)),
     "mistral-sliding": ("mistral", dict(sliding_window=7)),
     "mistral-full": ("mistral", dict(sliding_window=None)),
+    "qwen3-moe": ("qwen3_moe", dict()),
+    "qwen3-moe-sparse-step-dense-layer-unnormed": ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[2],
+                                                                     norm_topk_prob=False, num_experts_per_tok=3)),
 }
 
 
@@ -70,8 +73,8 @@ def test_the_window_changes_the_tokens(built):
     assert [hf_greedy(ref, p) for p in PROMPTS] != windowed
 
 
-@pytest.mark.parametrize("name", ["qwen3-sliding-upper-layers", "mistral-sliding", "qwen2-sliding"])
-def test_dflash_on_sliding_window_targets(built, tmp_path, name):
+@pytest.mark.parametrize("name", ["qwen3-sliding-upper-layers", "mistral-sliding", "qwen2-sliding", "qwen3-moe"])
+def test_dflash_on_new_targets(built, tmp_path, name):
     """A random drafter, oracle drafts (every draft right: tau = B) and preemption under a tight KV cache
     all give plain decoding's tokens on a target whose layers slide; token trees fall back to the chain."""
     folder = built(name)
@@ -79,8 +82,9 @@ def test_dflash_on_sliding_window_targets(built, tmp_path, name):
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
     want = [o.token_ids for o in plain.generate(PROMPTS, params)]
     drafter = build_random_drafter(tmp_path / "d", folder, block_size=4)
-    spec = LLM(str(folder), draft=str(drafter), device="cpu", dtype="float32", speculative_tree_size=3)
-    assert spec.engine.spec.tree_size is None
+    spec = LLM(str(folder), draft=str(drafter), device="cpu", dtype="float32",
+               speculative_tree_size=3 if "sliding" in name else None)
+    assert spec.engine.spec.tree_size is None  # asked for on sliding targets, which verify chains
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == want
     assert spec.engine.spec_totals()["num_drafts"] > 0
     futures = {tuple(p): w + [0] * 8 for p, w in zip(PROMPTS, want)}

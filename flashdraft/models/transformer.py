@@ -15,9 +15,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch, layer_backend
+from flashdraft.models.moe import MoE, is_moe_layer, stack_experts
 from flashdraft.models.rope import RotaryTable, apply_rope
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe")
 
 # The fused Triton kernels of flashdraft/models/fused.py (add+RMSNorm, q/k norm + RoPE + K/V store,
 # silu*mul) replace the elementwise torch ops: "auto" for CUDA activations when triton imports, "on"
@@ -208,13 +209,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, qk_norm: bool, bias: bool, o_bias: bool = False):
+    def __init__(self, cfg, qk_norm: bool, bias: bool, o_bias: bool = False, index: int | None = None):
+        """index: the layer's place in a target, which decides whether its MLP is a mixture of experts."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, qk_norm, bias, o_bias)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "hidden_act", "silu") or "silu",
-                       bool(getattr(cfg, "mlp_bias", False)))
+        act = getattr(cfg, "hidden_act", "silu") or "silu"
+        if index is not None and is_moe_layer(cfg, index):
+            self.mlp = MoE(cfg, activation(act))
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act, bool(getattr(cfg, "mlp_bias", False)))
 
     def forward(self, h, cos, sin, k_cache, v_cache, attn, batch):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, attn, batch)
@@ -281,12 +286,12 @@ class DecoderLM(nn.Module):
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         self.config = cfg
-        qk_norm = model_type == "qwen3"
+        qk_norm = model_type in ("qwen3", "qwen3_moe")
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         bias = attention_bias or model_type == "qwen2"
         o_bias = attention_bias and model_type != "qwen2"  # Qwen2's o_proj has none
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm, bias, o_bias) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm, bias, o_bias, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -334,8 +339,8 @@ class DecoderLM(nn.Module):
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors (model.* prefix), packing q/k/v and gate/up."""
         skip = {"lm_head.weight"} if self.tied else set()
-        load_packed(self, {k.removeprefix("model."): w for k, w in weights.items()
-                           if not k.endswith("rotary_emb.inv_freq") and k not in skip})
+        load_packed(self, stack_experts({k.removeprefix("model."): w for k, w in weights.items()
+                                         if not k.endswith("rotary_emb.inv_freq") and k not in skip}))
 
 
 _PACKS = {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),
