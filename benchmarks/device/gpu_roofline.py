@@ -65,6 +65,13 @@ QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936)
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, vocab_size=1000)
+# Qwen3-30B-A3B: 48 layers of 128 experts (8 routed per token, renormalised), expert MLPs of 768
+QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, vocab_size=151936, num_experts=128, num_experts_per_tok=8,
+                     moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+TINY_MOE = dict(TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[])
+TARGETS = {"qwen3-8b": (QWEN3_8B, TINY), "qwen3-30b-a3b": (QWEN3_30B_A3B, TINY_MOE)}
 T0 = time.perf_counter()
 
 
@@ -114,8 +121,9 @@ class Clock:
 
 # ---- models ---------------------------------------------------------------------------------------
 def target_config(shape: dict) -> SimpleNamespace:
-    return SimpleNamespace(model_type="qwen3", rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
-                           max_position_embeddings=40960, tie_word_embeddings=False, attention_bias=False, **shape)
+    return SimpleNamespace(model_type="qwen3_moe" if "num_experts" in shape else "qwen3", rms_norm_eps=1e-6,
+                           rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=40960,
+                           tie_word_embeddings=False, attention_bias=False, **shape)
 
 
 # DFlash2's convolutions (kernel size, group size) and selector (rank, top-k): the speculators defaults
@@ -269,7 +277,7 @@ class Roofline:
     # ---- models and caches ----------------------------------------------------------------------
     def build(self) -> None:
         a = self.args
-        shape = TINY if self.tiny else QWEN3_8B
+        shape = TARGETS[a.target][1 if self.tiny else 0]
         self.tcfg = target_config(shape)
         self.ctx = a.context or (1024 if not self.tiny else 64)
         self.block = 16
@@ -309,6 +317,8 @@ class Roofline:
         self.kv_tok_target = kv_bytes_per_token(self.target, self.dtype)
         self.kv_tok_drafter = 2 * dc.num_hidden_layers * dc.num_key_value_heads * dc.head_dim * emb.element_size()
         self.w_target = nbytes(self.target)
+        self.w_dense_target = self.w_target - sum(p.numel() * p.element_size()
+                                                  for n, p in self.target.named_parameters() if ".experts." in n)
         self.w_embed = emb.numel() * emb.element_size()
         self.w_lm_head = self.target.lm_head_weight.numel() * emb.element_size()
         # a step reads the drafter's weights but, of DFlash2's codebooks, only its candidates' rows
@@ -372,29 +382,70 @@ class Roofline:
         return {"bytes": bytes_, "flops": flops, "mem_ms": mem_ms, "compute_ms": cmp_ms,
                 "bound": "memory" if mem_ms >= cmp_ms else "compute", "roofline_ms": max(mem_ms, cmp_ms)}
 
+    def expert_bytes(self, S: int, q: int) -> tuple[int, int]:
+        """A MoE target: (bytes of the experts a step of S sequences x q rows leaves unread, distinct
+        (layer, expert) pairs it reads), from the routing of that step's inputs; (0, 0) for a dense one."""
+        from flashdraft.models.moe import MoE
+
+        moes = [m for m in self.target.modules() if isinstance(m, MoE)]
+        if not moes:
+            return 0, 0
+        seen = []
+        real_route = MoE.route
+
+        def route(mod, x):
+            w, idx = real_route(mod, x)
+            seen.append(idx.unique().numel())
+            return w, idx
+
+        MoE.route = route
+        try:
+            inp = self.step_inputs(S, q)
+            batch = AttentionBatch(inp["slot_mapping"], [i * q for i in range(S + 1)], [self.ctx + q] * S,
+                                   self.tables[:S].tolist(), self.bs)
+            attn = TorchAttention()
+            attn.prepare(batch, self.dev)
+            with torch.inference_mode(), fused_mode("off"):
+                self.target(inp["input_ids"], inp["positions"], self.tkv, attn, batch)
+        finally:
+            MoE.route = real_route
+        per = moes[0].experts.gate_up_proj[0].numel() + moes[0].experts.down_proj[0].numel()
+        el = self.target.embed_tokens.weight.element_size()
+        touched = sum(seen)
+        return (len(moes) * moes[0].num_experts - touched) * per * el, touched
+
     def decode_roofline(self, S: int) -> dict:
         tc = self.tcfg
-        w = self.w_target - self.w_embed + S * tc.hidden_size * self.target.embed_tokens.weight.element_size()
+        unread, touched = self.expert_bytes(S, 1)
+        w = self.w_target - self.w_embed - unread + S * tc.hidden_size * self.target.embed_tokens.weight.element_size()
         kv = S * (self.ctx + 1) * self.kv_tok_target
-        matmul_params = (self.w_target - self.w_embed) / self.target.embed_tokens.weight.element_size()
+        matmul_params = (self.w_target - self.w_embed - unread) / self.target.embed_tokens.weight.element_size()
+        if touched:  # each token runs k experts, not every expert read
+            per = (self.w_target - self.w_embed) - self.w_dense_target
+            matmul_params = (self.w_dense_target - self.w_embed) / self.target.embed_tokens.weight.element_size() + \
+                per / self.target.embed_tokens.weight.element_size() * tc.num_experts_per_tok / tc.num_experts
         flops = 2 * S * matmul_params + attn_flops(tc.num_hidden_layers, tc.num_attention_heads, tc.head_dim, S,
                                                    self.ctx + 1)
-        return self.roofline(w + kv, flops)
+        return self.roofline(w + kv, flops) | ({"experts_read": touched} if touched else {})
 
     def dflash_roofline(self, S: int, kind: str = "dflash") -> dict:
         tc, dc, B = self.tcfg, self.spec.layer_config, self.block
         el = self.target.embed_tokens.weight.element_size()
         keys = self.ctx + B
+        unread, touched = self.expert_bytes(S, B)
         t_params = (self.w_target - self.w_embed) / el
+        if touched:
+            t_params = (self.w_dense_target - self.w_embed) / el + \
+                (self.w_target - self.w_dense_target) / el * tc.num_experts_per_tok / tc.num_experts
         d_params = self.w_drafters[kind] / el
         lm = self.w_lm_head / el
-        bytes_ = (self.w_target - self.w_embed + self.w_drafters[kind] + self.w_lm_head
+        bytes_ = (self.w_target - self.w_embed - unread + self.w_drafters[kind] + self.w_lm_head
                   + S * keys * (self.kv_tok_target + self.kv_tok_drafter))
         flops = (2 * S * B * t_params + attn_flops(tc.num_hidden_layers, tc.num_attention_heads, tc.head_dim,
                                                     S * B, keys)
                  + 2 * S * B * d_params + 2 * S * (B - 1) * lm
                  + attn_flops(dc.num_hidden_layers, dc.num_attention_heads, dc.head_dim, S * B, keys))
-        return self.roofline(bytes_, flops)
+        return self.roofline(bytes_, flops) | ({"experts_read": touched} if touched else {})
 
     # ---- plain decode ---------------------------------------------------------------------------
     def decode(self) -> None:
@@ -812,6 +863,9 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="small shapes for a smoke test (CPU allowed)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32; tiny 1,3)")
     ap.add_argument("--context", type=int, default=None, help="committed tokens per sequence (default 1024)")
+    ap.add_argument("--target", choices=list(TARGETS), default="qwen3-8b",
+                    help="random-weight target shape (qwen3-30b-a3b: a mixture of experts; rooflines count the "
+                         "experts each step's routing reads)")
     ap.add_argument("--drafter-layers", type=int, default=None)
     ap.add_argument("--drafter-kinds", default="dflash",
                     help="comma-separated: dflash (z-lab DFlash) and/or dflash2 (convolutions + candidate selector)")

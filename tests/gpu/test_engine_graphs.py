@@ -213,16 +213,21 @@ def test_eager_steps_padded_to_few_row_counts_give_the_same_tokens(tiny_llama, t
     assert got[PAD_ROWS] == got[0]
 
 
+@pytest.mark.parametrize("kind", ["sliding", "moe"])
 @pytest.mark.parametrize("with_drafter", [False, True])
-def test_sliding_window_target_through_graphs(tmp_path, with_drafter):
-    """A target whose upper layers slide (Qwen3 use_sliding_window): the Triton kernels' windows, one backend
-    per mask in the runner, decode / verify / ragged graphs: the eager torch engine's tokens (float32), and
-    with a drafter the same again."""
+def test_new_targets_through_graphs(tmp_path, with_drafter, kind):
+    """A target whose upper layers slide (Qwen3 use_sliding_window: the Triton kernels' windows, one backend
+    per mask in the runner) and a Qwen3-MoE target (the grouped expert kernels) through the decode, verify and
+    ragged graphs: the eager torch engine's tokens (float32), and with a drafter the same again."""
     from fixtures import build_random_drafter, build_tiny_model
 
     from flashdraft import LLM, SamplingParams
 
-    target = build_tiny_model(tmp_path / "t", "qwen3", use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    if kind == "sliding":
+        target = build_tiny_model(tmp_path / "t", "qwen3", use_sliding_window=True, sliding_window=6,
+                                  max_window_layers=1)
+    else:
+        target = build_tiny_model(tmp_path / "t", "qwen3_moe")
     draft = str(build_random_drafter(tmp_path / "d", target, block_size=4)) if with_drafter else None
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
