@@ -13,7 +13,7 @@ from flashdraft.attention.base import AttentionBatch, DeviceMeta
 from flashdraft.attention.torch_ref import StaticTorchAttention, TorchAttention
 
 
-def reference(q, keys, vals, q_lens, seq_lens, causal, scale, tree_mask=None, window=None):
+def reference(q, keys, vals, q_lens, seq_lens, causal, scale, tree_mask=None, window=None, sinks=None):
     """tree_mask: per row, None (the causal rule) or the set of the step's own rows it sees; window: a
     sliding window (keys p - k >= window hidden, and k - p >= window when non-causal)."""
     out = []
@@ -33,17 +33,22 @@ def reference(q, keys, vals, q_lens, seq_lens, causal, scale, tree_mask=None, wi
                 p = sl - ql + i
                 far = [k for k in range(sl) if p - k >= window or (not causal and k - p >= window)]
                 s[:, far] = float("-inf")
+            if sinks is not None:  # one more logit per head, of value zero
+                s = torch.cat([s, sinks.double()[:, None]], 1)
+                vv_ = torch.cat([vv, vv.new_zeros(1, *vv.shape[1:])])
+                out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), vv_))
+                continue
             out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), vv))
         row += ql
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("window", [None, 3, 9])
+@pytest.mark.parametrize("window, sinks", [(None, False), (3, False), (9, False), (None, True), (5, True)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("padded_limit", [0, 1 << 22])
 @pytest.mark.parametrize("q_lens, ctx", [([1, 1, 1], [5, 17, 33]), ([4, 4], [0, 21]), ([7, 1, 4], [0, 30, 9]),
                                          ([16], [40]), ([1, 40, 1, 3], [20, 0, 9, 50])])
-def test_backend_matches_float64(causal, padded_limit, q_lens, ctx, window):
+def test_backend_matches_float64(causal, padded_limit, q_lens, ctx, window, sinks):
     torch.manual_seed(0)
     bs, n_blocks, n_kv, group, hd = 4, 64, 2, 3, 8
     k_cache = torch.randn(n_blocks, bs, n_kv, hd)
@@ -75,8 +80,9 @@ def test_backend_matches_float64(causal, padded_limit, q_lens, ctx, window):
     be.prepare(batch, torch.device("cpu"))
     assert be.padded == (padded_limit > 0 and sum(q <= 32 for q in q_lens) > 1)
     be.store_kv(k_cache, v_cache, new_k, new_v, batch)
-    got = be.forward(q, k_cache, v_cache, batch, hd**-0.5)
-    want = reference(q, keys, vals, q_lens, seq_lens, causal, hd**-0.5, window=window)
+    sink = torch.randn(n_kv * group) * 2 if sinks else None
+    got = be.forward(q, k_cache, v_cache, batch, hd**-0.5, sink)
+    want = reference(q, keys, vals, q_lens, seq_lens, causal, hd**-0.5, window=window, sinks=sink)
     assert (got.double() - want).abs().max() < 1e-5
 
 
@@ -147,11 +153,11 @@ def _paged_case(q_lens, ctx, causal, bs=4, n_blocks=64, n_kv=2, group=3, hd=8, s
     return k_cache, v_cache, q, k, v, batch, free
 
 
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window, sinks", [(None, False), (5, False), (5, True)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("q_lens, ctx", [([1, 1, 1], [5, 17, 33]), ([16, 16], [0, 21]), ([16, 16, 16], [40, 3, 9]),
                                          ([7, 1, 4], [0, 30, 9])])
-def test_static_backend_matches_torch(causal, q_lens, ctx, window):
+def test_static_backend_matches_torch(causal, q_lens, ctx, window, sinks):
     """Bucketed static shapes: a padding sequence (seq_len 0, no rows) in the middle and at the end,
     padding rows (slot -1) after the real ones, more pages per table than needed, and padding table
     entries pointing at a NaN page that no real sequence owns."""
@@ -164,7 +170,8 @@ def test_static_backend_matches_torch(causal, q_lens, ctx, window):
     ref = TorchAttention()
     ref.prepare(batch, torch.device("cpu"))
     ref.store_kv(ref_k, ref_v, k, v, batch)
-    want = ref.forward(q, ref_k, ref_v, batch, hd**-0.5)
+    sink = torch.randn(q.shape[1]) * 2 if sinks else None
+    want = ref.forward(q, ref_k, ref_v, batch, hd**-0.5, sink)
 
     S, T, pad_rows, n_blk, Q = len(q_lens), len(q), 5, 24, 16
     order = list(range(S // 2)) + [None] + list(range(S // 2, S)) + [None]  # None: padding sequence
@@ -183,7 +190,7 @@ def test_static_backend_matches_torch(causal, q_lens, ctx, window):
     be = StaticTorchAttention()
     be.set_meta(meta)
     be.store_kv(k_cache, v_cache, torch.cat([k, extra[1]]), torch.cat([v, extra[2]]), meta)
-    got = be.forward(torch.cat([q, extra[0]]), k_cache, v_cache, meta, hd**-0.5)
+    got = be.forward(torch.cat([q, extra[0]]), k_cache, v_cache, meta, hd**-0.5, sink)
     assert got.shape == (T + pad_rows, *q.shape[1:])
     assert (got[:T] - want).abs().max() < 1e-5
     assert torch.equal(got[T:], torch.zeros_like(got[T:]))

@@ -11,7 +11,11 @@ the step's own rows of its sequence, row j iff bit j of the mask is set. Zero ke
 (prefill chunks and decode rows beside tree verifies).
 
 Sliding window: with `window` W set, a row at position p sees key k only when p - k < W, and, when
-non-causal, k - p < W too (the DFlash reference's sliding drafter layers)."""
+non-causal, k - p < W too (the DFlash reference's sliding drafter layers).
+
+Attention sinks (GPT-OSS): `sinks` [n_heads], when given to forward, is one more logit per head in every
+row's softmax, in the units of the scaled scores, whose value is zero: softmax([q k^T * scale, sink])
+with the sink's share dropped."""
 
 from __future__ import annotations
 
@@ -91,7 +95,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                batch: AttentionBatch, scale: float) -> torch.Tensor:
+                batch: AttentionBatch, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, n_heads, head_dim] -> [T, n_heads, head_dim]."""
 
 
@@ -122,7 +126,7 @@ class LayerMasks(AttentionBackend):
     def store_kv(self, k_cache, v_cache, k, v, batch) -> None:
         next(iter(self.by_mask.values())).store_kv(k_cache, v_cache, k, v, batch)
 
-    def forward(self, q, k_cache, v_cache, batch, scale):
+    def forward(self, q, k_cache, v_cache, batch, scale, sinks=None):
         raise TypeError("LayerMasks attends through layer(i)")
 
 

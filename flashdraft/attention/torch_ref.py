@@ -46,6 +46,18 @@ def window_visible(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int, caus
     return (d < window) if causal else (d < window) & (-d < window)
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None, rows_per_kv: int) -> torch.Tensor:
+    """softmax over the last dim of scores [..., n_kv, group * rows, L] (rows ordered (group member, row)
+    in each kv head), with one more sink logit per query head when sinks [n_kv * group] is given."""
+    if sinks is None:
+        return scores.softmax(-1)
+    n_kv = scores.shape[-3]
+    group = sinks.shape[0] // n_kv
+    col = sinks.to(scores.dtype).view(n_kv, group, 1).expand(n_kv, group, rows_per_kv).reshape(n_kv, -1, 1)
+    full = torch.cat([scores, col.expand(*scores.shape[:-1], 1)], -1)
+    return full.softmax(-1)[..., :-1]
+
+
 def tree_visible(tree_mask: torch.Tensor, key_pos: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
     """[S, Q, L] visibility of keys key_pos [L] to rows of token trees: tree_mask [S, Q] ancestor bits,
     context [S] keys before each sequence's first query row (all visible); key context + j is
@@ -136,10 +148,10 @@ class TorchAttention(AttentionBackend):
         else:  # padding rows (slot -1: placeholder steps, padded eager steps on a GPU) store nothing
             store_rows(k_cache, v_cache, k, v, store_plan(slots))
 
-    def forward(self, q, k_cache, v_cache, batch, scale):
+    def forward(self, q, k_cache, v_cache, batch, scale, sinks=None):
         out = torch.empty_like(q)
         if self.padded:
-            out[self.dest_rows] = self._forward_padded(q, k_cache, v_cache, scale)
+            out[self.dest_rows] = self._forward_padded(q, k_cache, v_cache, scale, sinks)
         if not self.looped:
             return out
         k_flat = k_cache.view(-1, *k_cache.shape[2:])
@@ -157,11 +169,11 @@ class TorchAttention(AttentionBackend):
             scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale  # float64 stays float64
             if self.masks[s] is not None:
                 scores.masked_fill_(self.masks[s].repeat(group, 1), float("-inf"))
-            o = torch.matmul(scores.softmax(-1).to(v.dtype), v)
+            o = torch.matmul(softmax_with_sinks(scores, sinks, q_len).to(v.dtype), v)
             out[a:b] = o.view(n_kv, group, q_len, hd).permute(2, 0, 1, 3).reshape(q_len, n_kv * group, hd)
         return out
 
-    def _forward_padded(self, q, k_cache, v_cache, scale):
+    def _forward_padded(self, q, k_cache, v_cache, scale, sinks=None):
         n_kv, hd = k_cache.shape[2], k_cache.shape[3]
         group = q.shape[1] // n_kv
         S, L = self.key_slots.shape
@@ -175,7 +187,7 @@ class TorchAttention(AttentionBackend):
         scores = torch.matmul(qp, k.transpose(-1, -2))  # [S, n_kv, group*Q, L]
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
         scores.masked_fill_(self.mask.repeat(1, group, 1)[:, None], float("-inf"))
-        o = torch.matmul(scores.softmax(-1).to(v.dtype), v)  # [S, n_kv, group*Q, hd]
+        o = torch.matmul(softmax_with_sinks(scores, sinks, Q).to(v.dtype), v)  # [S, n_kv, group*Q, hd]
         o = o.view(S, n_kv, group, Q, hd).permute(0, 3, 1, 2, 4).reshape(S * Q, n_kv * group, hd)
         return o[self.out_rows]
 
@@ -250,7 +262,7 @@ class StaticTorchAttention(AttentionBackend):
         return dict(S=S, Q=Q, key_slots=key_slots, key_valid=key_valid[:, :, None, None], masked=masked,
                     q_gather=q_gather, out_rows=out_rows, row_valid=row_valid[:, None, None])
 
-    def forward(self, q, k_cache, v_cache, batch, scale):
+    def forward(self, q, k_cache, v_cache, batch, scale, sinks=None):
         n_kv, hd = k_cache.shape[2], k_cache.shape[3]
         group = q.shape[1] // n_kv
         if self._plan is None or self._plan["group"] != group:
@@ -266,6 +278,6 @@ class StaticTorchAttention(AttentionBackend):
         # a large finite fill (not -inf): rows with no visible key (padding sequences) get a uniform
         # softmax over zeroed V instead of NaN; masked_fill also overwrites non-finite scores
         scores.masked_fill_(p["masked"], -1e30)
-        o = torch.matmul(scores.softmax(-1).to(v.dtype), v)  # [S, n_kv, group*Q, hd]
+        o = torch.matmul(softmax_with_sinks(scores, sinks, Q).to(v.dtype), v)  # [S, n_kv, group*Q, hd]
         o = o.view(S, n_kv, group, Q, hd).permute(0, 3, 1, 2, 4).reshape(S * Q, n_kv * group, hd)
         return torch.where(p["row_valid"], o[p["out_rows"]], 0)

@@ -149,13 +149,13 @@ def _attend(q, k, v, key, key_ok, pos, tree, ctx, m_i, l_i, acc, scale_log2, CAU
 # a compile stall in the middle of serving)
 @triton.jit(do_not_specialize=["num_tokens", "num_splits", "part", "stride_bt"])
 def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
-                 qsl_ptr, seq_lens_ptr, bt_ptr, tree_ptr, scale_log2, num_tokens, num_heads, num_splits, part,
+                 qsl_ptr, seq_lens_ptr, bt_ptr, tree_ptr, sink_ptr, scale_log2, num_tokens, num_heads, num_splits, part,
                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  stride_ot, stride_oh, stride_bt,
                  N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
-                 TREE: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 TREE: tl.constexpr, WINDOW: tl.constexpr, SINK: tl.constexpr, SPLIT: tl.constexpr,
+                 F32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (query tile, sequence * n_kv, partition). One split: normalised output straight to
     `out`. Several: unnormalised partials to the workspace, merged by `_reduce_kernel`.
 
@@ -202,6 +202,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
         tree = row
     m_i = tl.full([BLOCK_M], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINK:  # one more logit per head, of value zero: counted once, by the first partition
+        if split == 0:
+            m_i = tl.load(sink_ptr + head, mask=valid, other=NEG).to(tl.float32) * 1.4426950408889634
+            l_i = tl.where(valid, 1.0, 0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if lo < hi:  # the first tile: its keys stored this step are read now
         late = (key_ok & ~cached)[:, None] & d_ok[None, :]
@@ -324,7 +328,7 @@ def _workspace(device: torch.device, splits: int, T: int, H: int, D: int):
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DeviceMeta, scale: float,
                     out: torch.Tensor | None = None, num_splits: int | None = None,
-                    zero_padding: bool = False) -> torch.Tensor:
+                    zero_padding: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, n_heads, D] -> [T, n_heads, D] over the paged caches described by `meta`.
     num_splits overrides the split-K heuristic (tests, tuning). zero_padding: rows past the last
     sequence's are zeros (written by the split-K merge when there is one, else a fill first)."""
@@ -352,10 +356,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise NotImplementedError("sliding-window attention under token-tree masks")
     _attn_kernel[(tiles, S * n_kv, num_splits)](
         q, k_cache, v_cache, out, *ws, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        meta.tree_mask if tree else meta.seq_lens, scale * 1.4426950408889634, T, H, num_splits, part,
+        meta.tree_mask if tree else meta.seq_lens, sinks if sinks is not None else meta.seq_lens,
+        scale * 1.4426950408889634, T, H, num_splits, part,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         out.stride(0), out.stride(1), meta.block_tables.stride(0), **consts, BLOCK_N=block_n,
-        PAGE=k_cache.shape[1], CAUSAL=meta.causal, TREE=tree, WINDOW=meta.window or 0, SPLIT=num_splits > 1,
+        PAGE=k_cache.shape[1], CAUSAL=meta.causal, TREE=tree, WINDOW=meta.window or 0, SINK=sinks is not None,
+        SPLIT=num_splits > 1,
         F32_DOT=INTERPRET or q.dtype == torch.float32, num_warps=warps, **launch_kwargs(q))
     if num_splits > 1:
         _reduce_kernel[(T, n_kv)](out, *ws, meta.query_start_loc, S, T, H, num_splits, out.stride(0), out.stride(1),
@@ -366,7 +372,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: torch.dtype, device: torch.device,
-                     causal: bool = True, tree: bool = False, window: int | None = None) -> int:
+                     causal: bool = True, tree: bool = False, window: int | None = None, sinks: bool = False) -> int:
     """Compile, before serving, every attention variant an eager step (prefill, mixed prefill +
     decode) can pick: each query-tile height (from the step's longest query, 16 to the cap rows)
     with and without split-K (tree: the variants with token-tree masks, for steps that verify
@@ -387,7 +393,8 @@ def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: t
         meta = DeviceMeta.from_batch(batch, device)
         q = torch.zeros(q_len, n_heads, head_dim, device=device, dtype=dtype)
         for splits in (1, 2):
-            paged_attention(q, k, v, meta, 1.0, num_splits=splits)
+            paged_attention(q, k, v, meta, 1.0, num_splits=splits,
+                            sinks=torch.zeros(n_heads, device=device) if sinks else None)
     return 2 * len(heights)
 
 
@@ -417,7 +424,8 @@ class TritonAttention(AttentionBackend):
             slots = self.meta.slot_mapping
         store_kv(k_cache, v_cache, k, v, slots)
 
-    def forward(self, q, k_cache, v_cache, batch, scale):
+    def forward(self, q, k_cache, v_cache, batch, scale, sinks=None):
         if self.meta is None:
             self.prepare(batch, q.device)
-        return paged_attention(q, k_cache, v_cache, self.meta, scale, zero_padding=self.zero_padding_rows)
+        return paged_attention(q, k_cache, v_cache, self.meta, scale, zero_padding=self.zero_padding_rows,
+                               sinks=sinks)

@@ -126,6 +126,26 @@ def test_sliding_window(causal, window, num_splits):
                     seed=7), num_splits=num_splits)
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("window", [None, 7])
+def test_attention_sinks(window, num_splits):
+    """GPT-OSS attention sinks (one more logit per head, value zero) in decode, verify and prefill rows,
+    counted once across split-K partitions, beside a sliding window."""
+    c = make_case([1, 16, 40, 16], [90, 37, 20, 3], n_kv=2, group=3, hd=64, window=window, seed=9)
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(1)).to(DEVICE) * 2
+    b = c["batch"]
+    kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+    ref = TorchAttention()
+    ref.prepare(b, DEVICE)
+    ref.store_kv(kc, vc, c["k"], c["v"], b)
+    want = ref.forward(c["q"], kc, vc, b, c["scale"], sinks)
+    got = paged_attention(c["q"], kc, vc, DeviceMeta.from_batch(b, DEVICE), c["scale"], num_splits=num_splits,
+                          sinks=sinks)
+    assert (got - want).abs().max().item() < TOL[torch.float32]
+    plain = paged_attention(c["q"], kc, vc, DeviceMeta.from_batch(b, DEVICE), c["scale"], num_splits=num_splits)
+    assert (plain - want).abs().max().item() > 1e-3  # the sinks change the output
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_draft_and_verify_mixed_with_decode_bf16(causal):
     check(make_case([16, 1, 16, 1], [21, 33, 0, 2], n_kv=2, group=4, hd=64, dtype=torch.bfloat16, causal=causal,
