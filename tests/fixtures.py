@@ -36,7 +36,7 @@ def build_tokenizer(folder: Path, vocab_size: int = 320):
 
 
 def tiny_config(kind: str, vocab_size: int, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
@@ -56,10 +56,17 @@ def tiny_config(kind: str, vocab_size: int, **overrides):
     elif kind == "qwen3_moe":
         cfg = Qwen3MoeConfig(**{**common, "rope_theta": 1000000.0, "moe_intermediate_size": 32, "num_experts": 8,
                                 "num_experts_per_tok": 2, "norm_topk_prob": True, **overrides})
+    elif kind == "gpt_oss":  # alternating sliding / full layers, sinks, biases, yarn rope as published
+        cfg = GptOssConfig(**{**common, "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+                              "sliding_window": 6, "rope_parameters": {
+                                  "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                                  "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+                              **overrides})
     else:
         raise ValueError(kind)
     cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                          "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[kind]]
+                          "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                          "gpt_oss": "GptOssForCausalLM"}[kind]]
     return cfg
 
 
@@ -73,10 +80,12 @@ def build_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Pat
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # larger-than-default weights give peaked, tie-free distributions
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # matrices and stacked experts
                 p.normal_(0, 0.15)
-            elif name.endswith(".bias"):  # biases that are not zero, so a dropped one shows
+            elif name.endswith("bias"):  # biases that are not zero, so a dropped one shows
                 p.normal_(0, 0.1)
+            elif name.endswith("sinks"):  # sinks that take a real share of each softmax
+                p.normal_(0, 1.0)
     model.save_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     return folder

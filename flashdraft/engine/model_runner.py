@@ -96,7 +96,7 @@ class ModelRunner:
 
             for _, window in dict.fromkeys(model.layer_masks):
                 compile_variants(cfg.num_attention_heads, cfg.num_key_value_heads, model.head_dim, self.block_size,
-                                 dtype, device, window=window)
+                                 dtype, device, window=window, sinks=model.has_sinks)
         with torch.inference_mode():  # the sampler's greedy kernels, both logits dtypes
             if device.type == "cuda" and fused_enabled(self.k_cache):
                 for dt in {dtype, torch.float32}:

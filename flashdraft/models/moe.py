@@ -1,8 +1,19 @@
-"""Mixture-of-experts MLP (Qwen3-MoE): a router picks each token's top-k experts, each a gated MLP of
-`moe_intermediate_size`, and the token's output is their sum weighted by the router's softmax
-probabilities (renormalised over the k when `norm_topk_prob`). Experts are stored stacked, as
-transformers holds them: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]; checkpoints
-with one tensor per expert (`experts.{e}.gate_proj.weight`, ...) are stacked at load (stack_experts).
+"""Mixture-of-experts MLPs: a router picks each token's top-k experts, each a gated MLP, and the
+token's output is their sum weighted by the router's probabilities.
+
+Qwen3-MoE: softmax over all experts, top-k (renormalised over the k when `norm_topk_prob`), experts of
+`moe_intermediate_size` with `hidden_act`. Checkpoints with one tensor per expert
+(`experts.{e}.gate_proj.weight`, ...) are stacked at load (stack_experts).
+
+GPT-OSS: the router has a bias, takes the top-k logits and a softmax over those k; experts of
+`intermediate_size` have biases and a clamped SwiGLU: gate clamped above at `swiglu_limit`, up to
+[-limit, limit], out = (up + 1) * gate * sigmoid(`swiglu_alpha` * gate). Its checkpoints hold
+gate_up transposed with gate and up interleaved ([E, H, 2I], gate at even columns), down [E, I, H],
+in bf16 or MXFP4 (`*_blocks` / `*_scales`, dequantized at load: experts are served in the model's
+dtype); gpt_oss_experts converts them.
+
+Experts are stored stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I], biases
+gate_up_proj_bias [E, 2I] and down_proj_bias [E, H] when the family has them.
 
 On CPU the experts a step hits run one after another (transformers' loop). On the fused GPU path
 the routed rows are sorted by expert and go through grouped Triton GEMMs (models/moe_triton.py), with
@@ -25,10 +36,12 @@ def is_moe_layer(cfg, i: int) -> bool:
 
 
 class Experts(nn.Module):
-    def __init__(self, num_experts: int, hidden: int, inter: int):
+    def __init__(self, num_experts: int, hidden: int, inter: int, bias: bool = False):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
 
 
 class MoE(nn.Module):
@@ -62,17 +75,80 @@ class MoE(nn.Module):
             out.index_add_(0, rows, self._expert(x[rows], e) * w[rows, slot, None])
         return out
 
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act(gate) * up
+
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        gate, up = F.linear(x, self.experts.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.experts.down_proj[e])
+        ex = self.experts
+        gate_up = F.linear(x, ex.gate_up_proj[e])
+        if ex.gate_up_proj_bias is not None:  # added after the product's rounding, as transformers adds it
+            gate_up = gate_up + ex.gate_up_proj_bias[e]
+        out = F.linear(self.glu(*gate_up.chunk(2, dim=-1)), ex.down_proj[e])
+        return out if ex.down_proj_bias is None else out + ex.down_proj_bias[e]
+
+    def kernel_act(self) -> tuple | None:
+        """The gated activation as the Triton kernels name it (moe_triton.fused_moe), None if they lack it."""
+        return ("silu",) if self.act is F.silu else None
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         from flashdraft.models.moe_triton import fused_moe
 
-        if self.act is not F.silu:  # the kernels compute silu
+        act = self.kernel_act()
+        if act is None:
             return self.forward(x)
         w, idx = self.route(x)
-        return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, w, idx, self.act)
+        ex = self.experts
+        return fused_moe(x, ex.gate_up_proj, ex.down_proj, w, idx, act, ex.gate_up_proj_bias, ex.down_proj_bias)
+
+
+class GptOssMoE(MoE):
+    def __init__(self, cfg):
+        nn.Module.__init__(self)
+        self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
+        self.inter = cfg.intermediate_size
+        self.alpha, self.limit = float(cfg.swiglu_alpha), float(cfg.swiglu_limit)
+        self.router = nn.Linear(cfg.hidden_size, self.num_experts, bias=True)
+        self.experts = Experts(self.num_experts, cfg.hidden_size, self.inter, bias=True)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, idx = F.linear(x, self.router.weight, self.router.bias).topk(self.top_k, dim=-1)
+        return top.softmax(-1, dtype=top.dtype), idx
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def kernel_act(self) -> tuple:
+        return ("swiglu_oai", self.alpha, self.limit)
+
+
+def gpt_oss_experts(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """GPT-OSS checkpoint experts (bf16, or MXFP4 `_blocks` + `_scales` dequantized to `dtype` by
+    transformers' own routine) -> the stacked layout above: transposed, gate rows before up rows."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    out, packed = {}, {}
+    for name, w in weights.items():
+        base, _, part = name.rpartition("_")
+        if part in ("blocks", "scales") and base.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            packed.setdefault(base, {})[part] = w
+        else:
+            out[name] = w
+    for base, parts in packed.items():
+        if len(parts) != 2:
+            raise ValueError(f"MXFP4 expert weight {base!r} needs both {base}_blocks and {base}_scales")
+        out[base] = convert_moe_packed_tensors(parts["blocks"], parts["scales"], dtype=dtype)
+    for name in list(out):
+        w = out[name]
+        if name.endswith("experts.gate_up_proj"):  # [E, H, 2I] interleaved -> [E, 2I, H] gate rows first
+            w = w.transpose(1, 2)
+            out[name] = torch.cat([w[:, 0::2], w[:, 1::2]], 1)
+        elif name.endswith("experts.gate_up_proj_bias"):
+            out[name] = torch.cat([w[:, 0::2], w[:, 1::2]], 1)
+        elif name.endswith("experts.down_proj"):  # [E, I, H] -> [E, H, I]
+            out[name] = w.transpose(1, 2).contiguous()
+    return out
 
 
 _EXPERT = re.compile(r"(.*mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

@@ -4,14 +4,18 @@ A step's T tokens route to k experts each: M = T * k (token, slot) rows. They ar
 each expert's run is padded to a multiple of BLOCK_M rows (graph-safe: every shape follows from M and
 the expert count, never from the routing), so a program owns BLOCK_M rows of one expert:
 
-    gate_up   h[r] = silu(x[token(r)] @ Wg[e]^T) * (x[token(r)] @ Wu[e]^T)   grid (row blocks, I / BLOCK_N)
-    down      y[slot(r)] = weight(slot) * h[r] @ Wd[e]^T                      grid (row blocks, H / BLOCK_N)
+    gate_up   h[r] = act(x[token(r)] @ Wg[e]^T + bg[e], x[token(r)] @ Wu[e]^T + bu[e])
+                                                                  grid (row blocks, I / BLOCK_N)
+    down      y[slot(r)] = weight(slot) * (h[r] @ Wd[e]^T + bd[e])   grid (row blocks, H / BLOCK_N)
+
+with act silu(gate) * up (Qwen3-MoE, no biases) or GPT-OSS's clamped SwiGLU (models/moe.py),
 
 and the token's output is the sum of its k slots (in slot order: deterministic). An expert's weights
 are read once per block of its rows: at decode (one token, k experts of one row each) a step reads the
 k experts' weights once, the memory floor; blocks past the padded end return at once. Rounding
-follows the torch path (models/moe.py): gate and up rounded to the activation dtype, silu in float32
-rounded, the product rounded; the routing weight is applied to the down projection's rounded output."""
+follows the torch path (models/moe.py): gate and up (bias added) rounded to the activation dtype, the
+activation's steps in float32, each rounded as torch rounds it; the routing weight is applied to the
+down projection's rounded output (bias added)."""
 
 from __future__ import annotations
 
@@ -28,9 +32,10 @@ BLOCK_K = 64
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, h_ptr, rows_ptr, block_expert_ptr, K, INTER, k_slots, stride_x, stride_we,
-                    stride_wn, stride_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    F32_DOT: tl.constexpr):
+def _gate_up_kernel(x_ptr, w_ptr, b_ptr, h_ptr, rows_ptr, block_expert_ptr, K, INTER, k_slots, stride_x,
+                    stride_we, stride_wn, stride_be, stride_h, alpha, limit, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, BIAS: tl.constexpr,
+                    OAI: tl.constexpr):
     b = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     e = tl.load(block_expert_ptr + b)
@@ -60,15 +65,27 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, rows_ptr, block_expert_ptr, K, INTER, k
             acc_u += tl.dot(a, wu)
     dt = h_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(dt)
-    h = (s.to(tl.float32) * acc_u.to(dt).to(tl.float32)).to(dt)
+    u = acc_u.to(dt).to(tl.float32)
+    if BIAS:
+        b_base = b_ptr + e.to(tl.int64) * stride_be
+        g = (g + tl.load(b_base + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+        u = (u + tl.load(b_base + INTER + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+    if OAI:  # (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        sig = (1.0 / (1.0 + tl.exp(-(g * alpha).to(dt).to(tl.float32)))).to(dt).to(tl.float32)
+        glu = (g * sig).to(dt).to(tl.float32)
+        h = ((u + 1.0).to(dt).to(tl.float32) * glu).to(dt)
+    else:
+        s = (g / (1.0 + tl.exp(-g))).to(dt)
+        h = (s.to(tl.float32) * u).to(dt)
     tl.store(h_ptr + m[:, None] * stride_h + n[None, :], h, mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, block_expert_ptr, weight_ptr, K, N, stride_h, stride_we, stride_wn,
-                 stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 F32_DOT: tl.constexpr):
+def _down_kernel(h_ptr, w_ptr, b_ptr, y_ptr, rows_ptr, block_expert_ptr, weight_ptr, K, N, stride_h, stride_we,
+                 stride_wn, stride_be, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, BIAS: tl.constexpr):
     b = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     e = tl.load(block_expert_ptr + b)
@@ -92,7 +109,11 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, rows_ptr, block_expert_ptr, weight_ptr, K,
             acc += tl.dot(a, w)
     dt = y_ptr.dtype.element_ty
     wt = tl.load(weight_ptr + tl.where(valid, slot, 0), mask=valid, other=0.0).to(tl.float32)
-    y = (acc.to(dt).to(tl.float32) * wt[:, None]).to(dt)
+    acc = acc.to(dt).to(tl.float32)
+    if BIAS:
+        acc = (acc + tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :])
+        acc = acc.to(dt).to(tl.float32)
+    y = (acc * wt[:, None]).to(dt)
     tl.store(y_ptr + tl.where(valid, slot, 0)[:, None] * stride_y + n[None, :], y, mask=valid[:, None] & n_ok[None, :])
 
 
@@ -120,12 +141,15 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M) ->
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, act) -> torch.Tensor:
-    """x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], routing weights and expert ids [T, k] -> [T, H]."""
-    import torch.nn.functional as F
-
-    if act is not F.silu:
-        raise NotImplementedError("the Triton expert kernels compute silu")
+              ids: torch.Tensor, act: tuple = ("silu",), b_gate_up: torch.Tensor | None = None,
+              b_down: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], routing weights and expert ids [T, k], biases
+    [E, 2I] and [E, H] or None -> [T, H]. act: ("silu",) or ("swiglu_oai", alpha, limit)."""
+    if act[0] not in ("silu", "swiglu_oai"):
+        raise NotImplementedError(f"the Triton expert kernels have no activation {act[0]!r}")
+    oai = act[0] == "swiglu_oai"
+    alpha, limit = (float(act[1]), float(act[2])) if oai else (0.0, 0.0)
+    bias = b_gate_up is not None
     T, H = x.shape
     E, two_i, _ = w_gate_up.shape
     inter, k = two_i // 2, ids.shape[1]
@@ -136,10 +160,14 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
     y = torch.empty(T * k, H, device=x.device, dtype=x.dtype)
     f32 = INTERPRET or x.dtype == torch.float32  # the interpreter's bf16 dot is not to be trusted
     nb = P // BLOCK_M
+    bg = b_gate_up if bias else w_gate_up  # a placeholder pointer when there is no bias
+    bd = b_down if bias else w_down
     _gate_up_kernel[(nb, triton.cdiv(inter, BLOCK_N))](
-        x, w_gate_up, h, rows, block_expert, H, inter, k, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        h.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, F32_DOT=f32, num_warps=4)
+        x, w_gate_up, bg, h, rows, block_expert, H, inter, k, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        bg.stride(0), h.stride(0), alpha, limit, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, F32_DOT=f32,
+        BIAS=bias, OAI=oai, num_warps=4)
     _down_kernel[(nb, triton.cdiv(H, BLOCK_N))](
-        h, w_down, y, rows, block_expert, weights.contiguous().view(-1), inter, H, h.stride(0), w_down.stride(0),
-        w_down.stride(1), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, F32_DOT=f32, num_warps=4)
+        h, w_down, bd, y, rows, block_expert, weights.contiguous().view(-1), inter, H, h.stride(0), w_down.stride(0),
+        w_down.stride(1), bd.stride(0), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        F32_DOT=f32, BIAS=bias, num_warps=4)
     return y.view(T, k, H).sum(1)

@@ -1,8 +1,10 @@
-"""Llama / Qwen2 / Qwen3 / Mistral dense decoder over a paged KV cache. One class serves them all:
-Qwen3 adds per-head q/k RMSNorm, Qwen2 q/k/v biases; `attention_bias`, `mlp_bias`, `hidden_act` and
-sliding-window layers (`sliding_window` with `layer_types`, as transformers derives them from
-`use_sliding_window` / `max_window_layers`, or on every Mistral layer) are read from the config.
-q/k/v and gate/up are packed into one matmul each."""
+"""Llama / Qwen2 / Qwen3 / Mistral / Qwen3-MoE / GPT-OSS decoders over a paged KV cache. One class
+serves them all: Qwen3 adds per-head q/k RMSNorm, Qwen2 q/k/v biases, the MoE families a mixture of
+experts for the MLP (models/moe.py), GPT-OSS attention sinks; `attention_bias`, `mlp_bias`,
+`hidden_act` and sliding-window layers (`sliding_window` with `layer_types`, as transformers derives
+them from `use_sliding_window` / `max_window_layers`, or on every Mistral layer) are read from the
+config, and fields flashdraft does not implement are refused (check_config). q/k/v and gate/up are
+packed into one matmul each."""
 
 from __future__ import annotations
 
@@ -15,10 +17,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch, layer_backend
-from flashdraft.models.moe import MoE, is_moe_layer, stack_experts
+from flashdraft.models.moe import GptOssMoE, MoE, gpt_oss_experts, is_moe_layer, stack_experts
 from flashdraft.models.rope import RotaryTable, apply_rope
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "gpt_oss")
 
 # The fused Triton kernels of flashdraft/models/fused.py (add+RMSNorm, q/k norm + RoPE + K/V store,
 # silu*mul) replace the elementwise torch ops: "auto" for CUDA activations when triton imports, "on"
@@ -136,7 +138,7 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, qk_norm: bool, bias: bool, o_bias: bool = False):
+    def __init__(self, cfg, qk_norm: bool, bias: bool, o_bias: bool = False, sinks: bool = False):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
@@ -147,6 +149,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if sinks else None  # attention/base.py
 
     def forward(self, x, cos, sin, k_cache, v_cache, attn: AttentionBackend, batch: AttentionBatch):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -157,7 +160,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         attn.store_kv(k_cache, v_cache, k, v, batch)
-        o = attn.forward(q, k_cache, v_cache, batch, self.scale)
+        o = attn.forward(q, k_cache, v_cache, batch, self.scale, self.sinks)
         return self.o_proj(o.reshape(-1, self.q_size))
 
     def forward_fused(self, x, positions, rope: RotaryTable, k_cache, v_cache, attn: AttentionBackend, batch):
@@ -168,7 +171,7 @@ class Attention(nn.Module):
         q = fused.qk_norm_rope_store(self.qkv_proj(x), positions, rope.cos, rope.sin,
                                      self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
                                      self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch))
-        o = attn.forward(q, k_cache, v_cache, batch, self.scale)
+        o = attn.forward(q, k_cache, v_cache, batch, self.scale, self.sinks)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -209,14 +212,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, qk_norm: bool, bias: bool, o_bias: bool = False, index: int | None = None):
+    def __init__(self, cfg, qk_norm: bool, bias: bool, o_bias: bool = False, index: int | None = None,
+                 sinks: bool = False):
         """index: the layer's place in a target, which decides whether its MLP is a mixture of experts."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, qk_norm, bias, o_bias)
+        self.self_attn = Attention(cfg, qk_norm, bias, o_bias, sinks)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         act = getattr(cfg, "hidden_act", "silu") or "silu"
-        if index is not None and is_moe_layer(cfg, index):
+        if getattr(cfg, "model_type", None) == "gpt_oss":
+            self.mlp = GptOssMoE(cfg)
+        elif index is not None and is_moe_layer(cfg, index):
             self.mlp = MoE(cfg, activation(act))
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act, bool(getattr(cfg, "mlp_bias", False)))
@@ -263,6 +269,18 @@ def forward_layers_fused(layers, h, positions, rope: RotaryTable, kv_cache, attn
     return out, taps
 
 
+def check_config(cfg) -> None:
+    """Refuse, by name, config fields that would change a target's math and that flashdraft does not
+    implement (a field read wrongly gives other text without a word). The fields each family reads
+    are implemented (module docstring); others, as in transformers, change nothing."""
+    quant = getattr(cfg, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        if not (method == "mxfp4" and cfg.model_type == "gpt_oss"):  # GPT-OSS experts: dequantized at load
+            raise ValueError(f"quantization_config with quant_method {method!r} is not supported: "
+                             "pass an unquantized (bf16/fp16/fp32) checkpoint")
+
+
 def target_layer_masks(cfg) -> list[tuple[bool, int | None]]:
     """(causal, sliding window or None) of each layer, as transformers' attention applies them."""
     window = getattr(cfg, "sliding_window", None)
@@ -285,13 +303,16 @@ class DecoderLM(nn.Module):
         model_type = getattr(cfg, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        check_config(cfg)
         self.config = cfg
         qk_norm = model_type in ("qwen3", "qwen3_moe")
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         bias = attention_bias or model_type == "qwen2"
         o_bias = attention_bias and model_type != "qwen2"  # Qwen2's o_proj has none
+        self.has_sinks = model_type == "gpt_oss"
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm, bias, o_bias, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, qk_norm, bias, o_bias, i, self.has_sinks)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -339,8 +360,11 @@ class DecoderLM(nn.Module):
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors (model.* prefix), packing q/k/v and gate/up."""
         skip = {"lm_head.weight"} if self.tied else set()
-        load_packed(self, stack_experts({k.removeprefix("model."): w for k, w in weights.items()
-                                         if not k.endswith("rotary_emb.inv_freq") and k not in skip}))
+        weights = {k.removeprefix("model."): w for k, w in weights.items()
+                   if not k.endswith("rotary_emb.inv_freq") and k not in skip}
+        if self.config.model_type == "gpt_oss":
+            weights = gpt_oss_experts(weights, self.embed_tokens.weight.dtype)
+        load_packed(self, stack_experts(weights))
 
 
 _PACKS = {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),

@@ -39,7 +39,8 @@ class GraphedSteps:
             if self.tree_size is not None:  # the target's attention under tree masks
                 t = engine.model_config
                 compile_variants(t.num_attention_heads, t.num_key_value_heads, runner.model.head_dim,
-                                 runner.block_size, engine.dtype, engine.device, tree=True)
+                                 runner.block_size, engine.dtype, engine.device, tree=True,
+                                 sinks=runner.model.has_sinks)
         with torch.inference_mode():  # the acceptance kernel is compiled now, not mid-serving
             z = torch.zeros(1, self.num_draft + 1, dtype=torch.long, device=engine.device)
             accepted_lengths(z[:, 1:], z)

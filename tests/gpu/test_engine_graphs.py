@@ -213,12 +213,13 @@ def test_eager_steps_padded_to_few_row_counts_give_the_same_tokens(tiny_llama, t
     assert got[PAD_ROWS] == got[0]
 
 
-@pytest.mark.parametrize("kind", ["sliding", "moe"])
+@pytest.mark.parametrize("kind", ["sliding", "moe", "gpt_oss"])
 @pytest.mark.parametrize("with_drafter", [False, True])
 def test_new_targets_through_graphs(tmp_path, with_drafter, kind):
     """A target whose upper layers slide (Qwen3 use_sliding_window: the Triton kernels' windows, one backend
-    per mask in the runner) and a Qwen3-MoE target (the grouped expert kernels) through the decode, verify and
-    ragged graphs: the eager torch engine's tokens (float32), and with a drafter the same again."""
+    per mask in the runner), a Qwen3-MoE target (the grouped expert kernels) and a GPT-OSS target (sinks,
+    alternating windows, the kernels' biases and clamped SwiGLU) through the decode, verify and ragged
+    graphs: the eager torch engine's tokens (float32), and with a drafter the same again."""
     from fixtures import build_random_drafter, build_tiny_model
 
     from flashdraft import LLM, SamplingParams
@@ -227,7 +228,7 @@ def test_new_targets_through_graphs(tmp_path, with_drafter, kind):
         target = build_tiny_model(tmp_path / "t", "qwen3", use_sliding_window=True, sliding_window=6,
                                   max_window_layers=1)
     else:
-        target = build_tiny_model(tmp_path / "t", "qwen3_moe")
+        target = build_tiny_model(tmp_path / "t", "qwen3_moe" if kind == "moe" else "gpt_oss")
     draft = str(build_random_drafter(tmp_path / "d", target, block_size=4)) if with_drafter else None
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
