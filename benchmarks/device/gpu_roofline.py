@@ -51,13 +51,14 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from flashdraft.attention.base import AttentionBatch, DeviceMeta  # noqa: E402
+from flashdraft.attention.base import AttentionBatch, DeviceMeta, LayerMasks  # noqa: E402
 from flashdraft.attention.torch_ref import StaticTorchAttention, TorchAttention  # noqa: E402
 from flashdraft.engine.graphs import StepGraph  # noqa: E402
 from flashdraft.engine.model_runner import kv_bytes_per_token  # noqa: E402
 from flashdraft.engine.sampler import greedy_tokens  # noqa: E402
 from flashdraft.models.dflash_draft import DFlashDraftModel  # noqa: E402
 from flashdraft.models.launch import pdl_mode  # noqa: E402
+from flashdraft.models.rope import rope_parameters  # noqa: E402
 from flashdraft.models.transformer import DecoderLM, fused_mode, gemm_mode  # noqa: E402
 from flashdraft.speculative.formats import DraftSpec, default_target_layer_ids  # noqa: E402
 
@@ -71,7 +72,20 @@ QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers
                      moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
 TINY_MOE = dict(TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
                 decoder_sparse_step=1, mlp_only_layers=[])
-TARGETS = {"qwen3-8b": (QWEN3_8B, TINY), "qwen3-30b-a3b": (QWEN3_30B_A3B, TINY_MOE)}
+# GPT-OSS-20B: 24 layers alternating 128-token sliding windows and full attention, attention sinks, biases,
+# 32 experts (4 routed) of 2880 with the clamped SwiGLU, yarn rope; experts in bf16 (checkpoints' MXFP4
+# is dequantized at load)
+GPT_OSS_20B = dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                   num_key_value_heads=8, head_dim=64, vocab_size=201088, num_local_experts=32, num_experts_per_tok=4,
+                   sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12, swiglu_alpha=1.702,
+                   swiglu_limit=7.0, attention_bias=True, rope_parameters={
+                       "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                       "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})
+TINY_OSS = dict(TINY, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
+                layer_types=["sliding_attention", "full_attention"] * 3, swiglu_alpha=1.702, swiglu_limit=7.0,
+                attention_bias=True, rope_parameters=GPT_OSS_20B["rope_parameters"])
+TARGETS = {"qwen3-8b": (QWEN3_8B, TINY), "qwen3-30b-a3b": (QWEN3_30B_A3B, TINY_MOE),
+           "gpt-oss-20b": (GPT_OSS_20B, TINY_OSS)}
 T0 = time.perf_counter()
 
 
@@ -121,6 +135,9 @@ class Clock:
 
 # ---- models ---------------------------------------------------------------------------------------
 def target_config(shape: dict) -> SimpleNamespace:
+    if "num_local_experts" in shape:
+        return SimpleNamespace(model_type="gpt_oss", rms_norm_eps=1e-5, max_position_embeddings=131072,
+                               tie_word_embeddings=False, num_experts=shape["num_local_experts"], **shape)
     return SimpleNamespace(model_type="qwen3_moe" if "num_experts" in shape else "qwen3", rms_norm_eps=1e-6,
                            rope_theta=1000000.0, rope_scaling=None, max_position_embeddings=40960,
                            tie_word_embeddings=False, attention_bias=False, **shape)
@@ -136,7 +153,8 @@ def drafter_spec(tcfg, num_layers: int, block: int, kind: str = "dflash") -> Dra
     layer = SimpleNamespace(
         hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size, num_hidden_layers=num_layers,
         num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
-        head_dim=tcfg.head_dim, rms_norm_eps=tcfg.rms_norm_eps, attention_bias=False, rope_theta=tcfg.rope_theta,
+        head_dim=tcfg.head_dim, rms_norm_eps=tcfg.rms_norm_eps, attention_bias=False,
+        rope_theta=rope_parameters(tcfg)["rope_theta"],
         rope_scaling=None, rope_parameters=None, max_position_embeddings=tcfg.max_position_embeddings,
         vocab_size=tcfg.vocab_size, model_type="qwen3")
     ids = default_target_layer_ids(tcfg.num_hidden_layers, num_layers)
@@ -150,10 +168,10 @@ def random_module(make, device: torch.device, dtype: torch.dtype, seed: int) -> 
     m = m.to(dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
+        for name, p in m.named_parameters():
+            if p.dim() >= 2 or name.endswith("bias"):  # biases small too: shared ones would route every row alike
                 p.normal_(0.0, 0.02, generator=gen)
-            else:
+            else:  # norms (sinks: a weight of one)
                 p.fill_(1.0)
     return m.eval().requires_grad_(False)
 
@@ -391,14 +409,15 @@ class Roofline:
         if not moes:
             return 0, 0
         seen = []
-        real_route = MoE.route
+        cls = type(moes[0])
+        real_route = cls.route
 
         def route(mod, x):
             w, idx = real_route(mod, x)
             seen.append(idx.unique().numel())
             return w, idx
 
-        MoE.route = route
+        cls.route = route
         try:
             inp = self.step_inputs(S, q)
             batch = AttentionBatch(inp["slot_mapping"], [i * q for i in range(S + 1)], [self.ctx + q] * S,
@@ -408,24 +427,35 @@ class Roofline:
             with torch.inference_mode(), fused_mode("off"):
                 self.target(inp["input_ids"], inp["positions"], self.tkv, attn, batch)
         finally:
-            MoE.route = real_route
+            cls.route = real_route
         per = moes[0].experts.gate_up_proj[0].numel() + moes[0].experts.down_proj[0].numel()
         el = self.target.embed_tokens.weight.element_size()
         touched = sum(seen)
         return (len(moes) * moes[0].num_experts - touched) * per * el, touched
 
+    def keys_read(self, keys: int) -> float:
+        """Keys a target row at `keys` context reads, averaged over layers (sliding layers read their window)."""
+        masks = self.target.layer_masks
+        return sum(min(keys, w or keys) for _, w in masks) / len(masks)
+
+    def target_attn(self, cls):
+        """The target's attention: one backend, or one per mask when layers slide (as the engine's runner)."""
+        if any(w for _, w in self.target.layer_masks):
+            return LayerMasks(cls, self.target.layer_masks)
+        return cls()
+
     def decode_roofline(self, S: int) -> dict:
         tc = self.tcfg
         unread, touched = self.expert_bytes(S, 1)
         w = self.w_target - self.w_embed - unread + S * tc.hidden_size * self.target.embed_tokens.weight.element_size()
-        kv = S * (self.ctx + 1) * self.kv_tok_target
+        kv = S * self.keys_read(self.ctx + 1) * self.kv_tok_target
         matmul_params = (self.w_target - self.w_embed - unread) / self.target.embed_tokens.weight.element_size()
         if touched:  # each token runs k experts, not every expert read
             per = (self.w_target - self.w_embed) - self.w_dense_target
             matmul_params = (self.w_dense_target - self.w_embed) / self.target.embed_tokens.weight.element_size() + \
                 per / self.target.embed_tokens.weight.element_size() * tc.num_experts_per_tok / tc.num_experts
         flops = 2 * S * matmul_params + attn_flops(tc.num_hidden_layers, tc.num_attention_heads, tc.head_dim, S,
-                                                   self.ctx + 1)
+                                                   self.keys_read(self.ctx + 1))
         return self.roofline(w + kv, flops) | ({"experts_read": touched} if touched else {})
 
     def dflash_roofline(self, S: int, kind: str = "dflash") -> dict:
@@ -440,9 +470,9 @@ class Roofline:
         d_params = self.w_drafters[kind] / el
         lm = self.w_lm_head / el
         bytes_ = (self.w_target - self.w_embed - unread + self.w_drafters[kind] + self.w_lm_head
-                  + S * keys * (self.kv_tok_target + self.kv_tok_drafter))
+                  + S * (self.keys_read(keys) * self.kv_tok_target + keys * self.kv_tok_drafter))
         flops = (2 * S * B * t_params + attn_flops(tc.num_hidden_layers, tc.num_attention_heads, tc.head_dim,
-                                                    S * B, keys)
+                                                    S * B, self.keys_read(keys))
                  + 2 * S * B * d_params + 2 * S * (B - 1) * lm
                  + attn_flops(dc.num_hidden_layers, dc.num_attention_heads, dc.head_dim, S * B, keys))
         return self.roofline(bytes_, flops) | ({"experts_read": touched} if touched else {})
@@ -483,7 +513,7 @@ class Roofline:
             self.free()
 
     def _decode_one(self, name: str, cls, S: int, first: dict) -> dict:
-        attn, target = cls(), self.target
+        attn, target = self.target_attn(cls), self.target
 
         def fn(g):
             hidden, _ = target(g.input_ids, g.positions, self.tkv, attn, g.meta)
@@ -557,7 +587,7 @@ class Roofline:
         B, H = self.block, self.tcfg.hidden_size
         taps = tuple(self.spec.target_layer_ids)
         target, drafter = self.target, self.drafters[kind][1]
-        da, va, ca = cls(), cls(), cls()
+        da, va, ca = cls(), self.target_attn(cls), cls()
 
         def draft_fn(g):
             h = drafter(target.embed_tokens(g.input_ids), g.positions, self.dkv, da, g.meta).view(S, B, -1)[:, 1:]

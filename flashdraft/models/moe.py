@@ -106,7 +106,9 @@ class GptOssMoE(MoE):
         nn.Module.__init__(self)
         self.num_experts, self.top_k = cfg.num_local_experts, cfg.num_experts_per_tok
         self.inter = cfg.intermediate_size
-        self.alpha, self.limit = float(cfg.swiglu_alpha), float(cfg.swiglu_limit)
+        # older transformers (5.17) fix alpha at 1.702 and the limit at 7.0, the published values
+        self.alpha = float(getattr(cfg, "swiglu_alpha", 1.702))
+        self.limit = float(getattr(cfg, "swiglu_limit", 7.0))
         self.router = nn.Linear(cfg.hidden_size, self.num_experts, bias=True)
         self.experts = Experts(self.num_experts, cfg.hidden_size, self.inter, bias=True)
 

@@ -3,8 +3,6 @@ so every rope type it knows (default, llama3, linear, yarn, ...) matches HF exac
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 
@@ -31,8 +29,11 @@ def inv_freq_and_scale(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
     if kind not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {kind!r}; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-    cfg = config if hasattr(config, "to_dict") else SimpleNamespace(**vars(config))
-    inv, scale = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+    if not hasattr(config, "to_dict"):  # a plain namespace: the initialisers want a transformers config
+        from transformers import PretrainedConfig
+
+        config = PretrainedConfig(**vars(config))
+    inv, scale = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
     return inv.float(), float(scale)
 
 
