@@ -177,3 +177,82 @@ def test_mxfp4_experts_load(tmp_path):
     (quant / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="quant_method 'fp8' is not supported"):
         LLM(str(quant), draft=None, device="cpu", dtype="float32")
+
+
+def write_qwen3_moe_gguf(folder, path, renorm: bool) -> None:
+    """A GGUF file of the tiny Qwen3-MoE folder, laid out as llama.cpp's converter writes one: float32
+    tensors under GGUF names, each layer's experts stacked [E, I, H], the byte-level BPE tokenizer."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((folder / "config.json").read_text())
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if not renorm:
+        w.add_expert_weights_norm(False)
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    tok = AutoTokenizer.from_pretrained(folder)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in tok.all_special_tokens else 1 for t, _ in vocab])
+    merges = json.loads((folder / "tokenizer.json").read_text())["model"]["merges"]
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
+    experts: dict[tuple, dict[int, object]] = {}
+    for name, t in load_file(str(folder / "model.safetensors")).items():
+        t = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", t)
+        elif name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", t)
+        elif name == "lm_head.weight":
+            w.add_tensor("output.weight", t)
+        elif ".mlp.experts." in name:  # transformers writes one tensor per expert
+            parts = name.split(".")
+            experts.setdefault((parts[2], parts[6]), {})[int(parts[5])] = t
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            stem, _, kind = rest.rpartition(".")
+            w.add_tensor(f"blk.{layer}.{names[stem]}.{kind}", t)
+    gguf_proj = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+    for (layer, proj), per in experts.items():
+        w.add_tensor(f"blk.{layer}.{gguf_proj[proj]}.weight", np.stack([per[e] for e in range(len(per))]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_qwen3_moe_gguf(tmp_path, monkeypatch, renorm):
+    """A Qwen3-MoE GGUF file (experts stacked, expert width and top-k renormalisation in GGUF fields)
+    gives the tokens transformers gives for the folder it was written from."""
+    monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path / "cache"))
+    folder = build_tiny_model(tmp_path / "hf", "qwen3_moe", norm_topk_prob=renorm, moe_intermediate_size=24)
+    path = tmp_path / "tiny-moe.gguf"
+    write_qwen3_moe_gguf(folder, path, renorm)
+    ref = hf_model(folder)
+    llm = LLM(str(path), draft=None, device="cpu", dtype="float32")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(ref, p) for p in PROMPTS]

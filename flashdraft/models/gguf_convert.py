@@ -1,7 +1,9 @@
 """GGUF -> HF-layout folder (config.json, tokenizer, model.safetensors), done once per file and
 cached under the user cache dir. Config and tokenizer come from transformers' GGUF readers; the
 weights are dequantised here with the `gguf` package (transformers would keep a quantizer marker
-that refuses to serialise)."""
+that refuses to serialise). Qwen3-MoE files hold each layer's experts stacked (`ffn_*_exps`); they
+are written in flashdraft's stacked layout (models/moe.py), and the fields transformers' reader
+leaves out are read here: the expert width, and the top-k renormalisation llama.cpp applies."""
 
 from __future__ import annotations
 
@@ -26,10 +28,12 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen3")
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen3", "qwen3moe")
 
 
 def cache_root() -> Path:
@@ -78,6 +82,11 @@ def convert_gguf(path: str | os.PathLike, out_dir: Path | None = None) -> Path:
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; supported: {SUPPORTED_GGUF_ARCHS}")
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    if arch == "qwen3moe":
+        fields = reader.fields
+        config.moe_intermediate_size = int(fields[f"{arch}.expert_feed_forward_length"].parts[-1][0])
+        norm = fields.get(f"{arch}.expert_weights_norm")  # llama.cpp renormalises qwen3moe's top-k unless told
+        config.norm_topk_prob = bool(norm.parts[-1][0]) if norm is not None else True
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
     tensors: dict[str, torch.Tensor] = {}
@@ -90,6 +99,10 @@ def convert_gguf(path: str | os.PathLike, out_dir: Path | None = None) -> Path:
         elif arch == "llama" and name.endswith("k_proj.weight"):
             w = _unpermute(w, n_kv)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
+    for key in [k for k in tensors if k.endswith("mlp.experts.gate_proj.weight")]:  # [E, I, H] each
+        stem = key.removesuffix("gate_proj.weight")
+        tensors[stem + "gate_up_proj"] = torch.cat([tensors.pop(key), tensors.pop(stem + "up_proj.weight")], 1)
+        tensors[stem + "down_proj"] = tensors.pop(stem + "down_proj.weight")
     # each process writes its own folder and renames it into place: processes that convert the same
     # file at once (several workers on a first start) never write into each other's files
     out.parent.mkdir(parents=True, exist_ok=True)
