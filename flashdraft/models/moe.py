@@ -90,13 +90,20 @@ class MoE(nn.Module):
         """The gated activation as the Triton kernels name it (moe_triton.fused_moe), None if they lack it."""
         return ("silu",) if self.act is F.silu else None
 
+    def route_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """route() on the fused path: the router GEMM (few-row Triton kernels) and one top-k kernel."""
+        from flashdraft.models.moe_triton import route_topk
+        from flashdraft.models.transformer import linear
+
+        return route_topk(linear(x, self.gate.weight), self.top_k, True, self.norm_topk_prob)
+
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         from flashdraft.models.moe_triton import fused_moe
 
         act = self.kernel_act()
         if act is None:
             return self.forward(x)
-        w, idx = self.route(x)
+        w, idx = self.route_fused(x)
         ex = self.experts
         return fused_moe(x, ex.gate_up_proj, ex.down_proj, w, idx, act, ex.gate_up_proj_bias, ex.down_proj_bias)
 
@@ -115,6 +122,12 @@ class GptOssMoE(MoE):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         top, idx = F.linear(x, self.router.weight, self.router.bias).topk(self.top_k, dim=-1)
         return top.softmax(-1, dtype=top.dtype), idx
+
+    def route_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from flashdraft.models.moe_triton import route_topk
+        from flashdraft.models.transformer import linear
+
+        return route_topk(linear(x, self.router.weight, self.router.bias), self.top_k, False, False)
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=self.limit)
