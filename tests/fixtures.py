@@ -36,7 +36,16 @@ def build_tokenizer(folder: Path, vocab_size: int = 320):
 
 
 def tiny_config(kind: str, vocab_size: int, **overrides):
-    from transformers import GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        GptOssConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3_5TextConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+        Qwen3NextConfig,
+    )
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
@@ -62,11 +71,22 @@ def tiny_config(kind: str, vocab_size: int, **overrides):
                                   "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
                                   "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
                               **overrides})
+    elif kind in ("qwen3_next", "qwen3_5_text"):  # GDN layers, a gated attention layer every 2nd
+        hybrid = dict(common, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=8,
+                      linear_num_key_heads=2, linear_num_value_heads=4, full_attention_interval=2,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+        if kind == "qwen3_next":
+            cfg = Qwen3NextConfig(**{**hybrid, "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                                     "decoder_sparse_step": 1, **overrides})
+        else:
+            cfg = Qwen3_5TextConfig(**{**hybrid, "num_hidden_layers": 4, **overrides})
     else:
         raise ValueError(kind)
     cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                           "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                          "gpt_oss": "GptOssForCausalLM"}[kind]]
+                          "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+                          "qwen3_5_text": "Qwen3_5ForCausalLM"}[kind]]
     return cfg
 
 
@@ -86,6 +106,8 @@ def build_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Pat
                 p.normal_(0, 0.1)
             elif name.endswith("sinks"):  # sinks that take a real share of each softmax
                 p.normal_(0, 1.0)
+            elif kind in ("qwen3_next", "qwen3_5_text") and name.endswith(("norm.weight", "A_log", "dt_bias")):
+                p.add_(torch.randn_like(p) * 0.3)  # zero-centred norms and GDN decays that differ per channel
     model.save_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     return folder

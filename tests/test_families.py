@@ -31,6 +31,8 @@ CATALOGUE = {  # name: (model_type, config fields)
                                                                      norm_topk_prob=False, num_experts_per_tok=3)),
     "gpt-oss": ("gpt_oss", dict()),
     "gpt-oss-full-attention": ("gpt_oss", dict(layer_types=["full_attention"] * 3, swiglu_limit=1.0)),
+    "qwen3-next": ("qwen3_next", dict()),
+    "qwen3.5": ("qwen3_5_text", dict()),
 }
 
 
@@ -87,18 +89,20 @@ def test_the_sinks_change_the_tokens(built):
 
 
 @pytest.mark.parametrize("name", ["qwen3-sliding-upper-layers", "mistral-sliding", "qwen2-sliding", "qwen3-moe",
-                                  "gpt-oss"])
+                                  "gpt-oss", "qwen3-next", "qwen3.5"])
 def test_dflash_on_new_targets(built, tmp_path, name):
     """A random drafter, oracle drafts (every draft right: tau = B) and preemption under a tight KV cache
-    all give plain decoding's tokens on a target whose layers slide; token trees fall back to the chain."""
+    all give plain decoding's tokens on targets whose layers slide, route to experts or carry recurrent
+    state; token trees asked for fall back to the chain on sliding and hybrid targets."""
     folder = built(name)
     plain = LLM(str(folder), draft=None, device="cpu", dtype="float32")
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
     want = [o.token_ids for o in plain.generate(PROMPTS, params)]
     drafter = build_random_drafter(tmp_path / "d", folder, block_size=4)
     spec = LLM(str(folder), draft=str(drafter), device="cpu", dtype="float32",
-               speculative_tree_size=3 if "sliding" in name or name == "gpt-oss" else None)
-    assert spec.engine.spec.tree_size is None  # asked for on sliding targets, which verify chains
+               speculative_tree_size=3 if "sliding" in name or name.startswith(("gpt-oss", "qwen3-next", "qwen3.5"))
+               else None)
+    assert spec.engine.spec.tree_size is None  # asked for on sliding and hybrid targets, which verify chains
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == want
     assert spec.engine.spec_totals()["num_drafts"] > 0
     futures = {tuple(p): w + [0] * 8 for p, w in zip(PROMPTS, want)}
@@ -256,3 +260,43 @@ def test_qwen3_moe_gguf(tmp_path, monkeypatch, renorm):
     llm = LLM(str(path), draft=None, device="cpu", dtype="float32")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(ref, p) for p in PROMPTS]
+
+
+HYBRIDS = ["qwen3-next", "qwen3.5"]
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_hybrid_dflash_one_at_a_time_sampled_and_stopped_mid_block(built, tmp_path, name):
+    """Hybrid targets under DFlash, one request at a time and batched, sampled (seeded) and with stop
+    tokens that end requests inside a verified block: plain decoding's tokens every time."""
+    folder = built(name)
+    plain = LLM(str(folder), draft=None, device="cpu", dtype="float32")
+    drafter = build_random_drafter(tmp_path / "d", folder, block_size=4)
+    spec = LLM(str(folder), draft=str(drafter), device="cpu", dtype="float32")
+    sampled = SamplingParams(max_tokens=NEW, temperature=0.8, seed=3, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(PROMPTS, greedy)]
+    stops = [w[5] for w in want]  # a token each output reaches mid-way
+    for params in (sampled, SamplingParams(max_tokens=NEW, stop_token_ids=stops)):
+        batched = [o.token_ids for o in plain.generate(PROMPTS, params)]
+        assert [o.token_ids for o in spec.generate(PROMPTS, params)] == batched
+        assert [spec.generate([p], params)[0].token_ids for p in PROMPTS] == batched
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_rejected_rows_leave_no_state_behind(built, tmp_path, name, monkeypatch):
+    """The verify's rejected rows must not reach the recurrent state: with every row committed to the
+    state instead (the bug the rollback exists to prevent), the same drafts give other tokens."""
+    folder = built(name)
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(folder), draft=None, device="cpu", dtype="float32").generate(PROMPTS, params)]
+    drafter = build_random_drafter(tmp_path / "d", folder, block_size=4)
+    spec = LLM(str(folder), draft=str(drafter), device="cpu", dtype="float32")
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == want
+    totals = spec.engine.spec_totals()
+    assert totals["num_accepted_tokens"] < totals["num_draft_tokens"]  # drafts were rejected
+    runner = spec.engine.runner
+    build = runner.build_batch
+    monkeypatch.setattr(runner, "build_batch", lambda *a, keep=None, **k: build(*a, **k))  # state advanced by all
+    monkeypatch.setattr(runner, "commit_states", lambda *a: None)
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] != want

@@ -36,6 +36,7 @@ class AttentionBatch:
     causal: bool = True
     tree_mask: torch.Tensor | None = None  # [T] int64 ancestor bits per row (module docstring)
     window: int | None = None  # sliding window (module docstring)
+    recurrent: object | None = None  # hybrid targets: models.hybrid.RecurrentRows of the step
 
     @property
     def num_seqs(self) -> int:

@@ -11,7 +11,7 @@ import torch
 from flashdraft.config import EngineConfig
 from flashdraft.engine.block_manager import BlockManager
 from flashdraft.engine.graphs import to_device
-from flashdraft.engine.model_runner import ModelRunner, plan_num_blocks
+from flashdraft.engine.model_runner import ModelRunner, plan_num_blocks, state_bytes_per_seq
 from flashdraft.engine.sampler import sample
 from flashdraft.engine.scheduler import Scheduler
 from flashdraft.engine.sequence import Output, Sequence
@@ -62,18 +62,23 @@ class LLMEngine:
         self.dtype = config.resolved_dtype(self.device)
         loaded = load_model(config.model, self.device, self.dtype)
         self.model_dir = loaded.folder
-        self.model_config = loaded.config
+        self.model_config = loaded.model.config  # the language model's (a composite config's text_config)
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
-        self.vocab_size = loaded.config.vocab_size
-        model_max = int(getattr(loaded.config, "max_position_embeddings", 0) or 4096)
+        self.vocab_size = self.model_config.vocab_size
+        model_max = int(getattr(self.model_config, "max_position_embeddings", 0) or 4096)
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context window {model_max}")
         max_len = config.max_model_len or model_max
         num_blocks = plan_num_blocks(config, loaded.model, self.device, self.dtype, max_len)
         # one sequence can never hold more tokens than the whole cache
         self.max_model_len = min(max_len, num_blocks * config.kv_block_size)
-        self.block_manager = BlockManager(num_blocks, config.kv_block_size)
+        state = state_bytes_per_seq(loaded.model, self.dtype)
+        if state:  # hybrid targets: one recurrent-state slot per running sequence
+            log.info("recurrent state: %d slots (max_num_seqs) x %.1f MiB = %.2f GiB beside %d KV pages of %d tokens",
+                     config.max_num_seqs, state / 2**20, config.max_num_seqs * state / 2**30, num_blocks,
+                     config.kv_block_size)
+        self.block_manager = BlockManager(num_blocks, config.kv_block_size, config.max_num_seqs if state else 0)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(loaded.model, config, self.device, self.dtype, num_blocks, self.max_model_len)
         self.runner.capture_graphs(("target", ()), 1, True, self.runner.attn, self.runner.target_step(()),

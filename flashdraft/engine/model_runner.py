@@ -12,6 +12,7 @@ from flashdraft.engine.block_manager import BlockManager
 from flashdraft.engine.graphs import StepGraph, to_device
 from flashdraft.engine.sampler import SamplingBatch, greedy_tokens
 from flashdraft.engine.sequence import Sequence
+from flashdraft.models.hybrid import RecurrentRows
 from flashdraft.models.transformer import DecoderLM, fused_enabled
 
 PAD_ROWS = 32  # = skinny.MAX_ROWS: fewer rows run the Triton GEMMs, one variant for any count
@@ -34,9 +35,20 @@ def make_backend(name: str) -> AttentionBackend:
     raise ValueError(f"unknown attention_backend {name!r}; choose torch or triton")
 
 
+def kv_layers(model: DecoderLM) -> list[int]:
+    """The layers with K/V pages: all of a transformer's, the attention layers of a hybrid target."""
+    return getattr(model, "kv_layers", None) or list(range(model.config.num_hidden_layers))
+
+
 def kv_bytes_per_token(model: DecoderLM, dtype: torch.dtype) -> int:
     cfg = model.config
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * model.head_dim * torch.finfo(dtype).bits // 8
+    return 2 * len(kv_layers(model)) * cfg.num_key_value_heads * model.head_dim * torch.finfo(dtype).bits // 8
+
+
+def state_bytes_per_seq(model: DecoderLM, dtype: torch.dtype) -> int:
+    """Recurrent-state bytes one sequence holds (hybrid targets; 0 for a transformer)."""
+    fn = getattr(model, "state_bytes_per_seq", None)
+    return fn(dtype) if fn is not None else 0
 
 
 def plan_num_blocks(config: EngineConfig, model: DecoderLM, device: torch.device, dtype: torch.dtype,
@@ -53,6 +65,11 @@ def plan_num_blocks(config: EngineConfig, model: DecoderLM, device: torch.device
         budget = 0.85 * free
     else:
         budget = 2 * (1 << 30)
+    budget -= config.max_num_seqs * state_bytes_per_seq(model, dtype)  # one state slot per running sequence
+    if budget < per_block:
+        raise ValueError(f"the recurrent state of max_num_seqs={config.max_num_seqs} sequences "
+                         f"({config.max_num_seqs * state_bytes_per_seq(model, dtype) / 2**30:.2f} GiB) leaves no "
+                         "room for KV pages: lower max_num_seqs or raise kv_cache_memory_gb")
     return max(1, min(ceiling, int(budget // per_block)))
 
 
@@ -66,6 +83,9 @@ class ModelRunner:
         self.attn = make_backend(self.backend_name)
         # CUDA graphs need a backend that reads its step description from device tensors
         self.use_graphs = config.cuda_graphs and device.type == "cuda" and hasattr(self.attn, "set_meta")
+        # hybrid targets (models/hybrid.py): recurrent-state slots, rows run eagerly (not captured yet)
+        self.hybrid = hasattr(model, "make_states")
+        self.use_graphs = self.use_graphs and not self.hybrid
         if any(window is not None for _, window in model.layer_masks):  # sliding-window layers
             self.attn = LayerMasks(lambda: make_backend(self.backend_name), model.layer_masks)
         self.max_graph_batch = config.max_graph_batch
@@ -87,10 +107,15 @@ class ModelRunner:
         cfg = model.config
         # max_model_len plus room for draft slots past the end of a sequence
         model.setup_rope(max_model_len + 64)
-        shape = (cfg.num_hidden_layers, num_blocks, self.block_size, cfg.num_key_value_heads, model.head_dim)
+        paged = kv_layers(model)
+        shape = (len(paged), num_blocks, self.block_size, cfg.num_key_value_heads, model.head_dim)
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
-        self.kv = [(self.k_cache[i], self.v_cache[i]) for i in range(cfg.num_hidden_layers)]
+        # per layer: its (k, v) pages, or a hybrid target's recurrent state
+        self.states = model.make_states(config.max_num_seqs, device, dtype) if self.hybrid else {}
+        self.kv = [self.states.get(i) for i in range(cfg.num_hidden_layers)]
+        for j, i in enumerate(paged):
+            self.kv[i] = (self.k_cache[j], self.v_cache[j])
         if self.backend_name == "triton" and device.type == "cuda":  # no kernel compiles once serving
             from flashdraft.attention.triton_paged import compile_variants
 
@@ -98,7 +123,7 @@ class ModelRunner:
                 compile_variants(cfg.num_attention_heads, cfg.num_key_value_heads, model.head_dim, self.block_size,
                                  dtype, device, window=window, sinks=model.has_sinks)
         with torch.inference_mode():  # the sampler's greedy kernels, both logits dtypes
-            if device.type == "cuda" and fused_enabled(self.k_cache):
+            if device.type == "cuda" and fused_enabled(self.k_cache) and not self.hybrid:
                 for dt in {dtype, torch.float32}:
                     greedy_tokens(torch.zeros(1, cfg.vocab_size, device=device, dtype=dt))
                 for n in WARM_ROWS:  # and every GEMM and fused-kernel variant of eager steps
@@ -125,10 +150,13 @@ class ModelRunner:
         return ids, pos, slots, qsl, seq_lens, tables
 
     def build_batch(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
-                    causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+                    causal: bool = True, keep: list[bool] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         """tokens[s] are the new tokens of seqs[s], at positions num_computed_tokens onwards.
         The drafter builds its blocks with this too: same positions, same pages. Rows past
-        query_start_loc[-1] are padding (see pad_rows): outputs are cut by the caller."""
+        query_start_loc[-1] are padding (see pad_rows): outputs are cut by the caller. keep[s]
+        (hybrid targets): seqs[s]'s rows may be rejected, its recurrent state waits for
+        commit_states."""
         ids, pos, slots, qsl, seq_lens, tables = self.step_lists(seqs, tokens, bm)
         bs = self.block_size
         n = len(ids)
@@ -139,7 +167,16 @@ class ModelRunner:
             slots.extend([-1] * pad)
         dev = self.device
         batch = AttentionBatch(to_device(slots, torch.long, dev), qsl, seq_lens, tables, bs, causal)
+        if self.hybrid and causal:
+            batch.recurrent = RecurrentRows([bm.slot(s.seq_id) for s in seqs],
+                                            [s.num_computed_tokens == 0 for s in seqs],
+                                            list(keep) if keep is not None else [False] * len(seqs))
         return to_device(ids, torch.long, dev), to_device(pos, torch.long, dev), batch
+
+    def commit_states(self, bm: BlockManager, seq: Sequence, rows: int) -> None:
+        """Hybrid targets: the state of `seq` after the first `rows` of its kept rows this step."""
+        if self.hybrid:
+            self.model.commit_states(self.states, bm.slot(seq.seq_id), rows)
 
     def placeholder_batch(self, n: int, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         """A step of one placeholder sequence of n rows (token 0 at positions 0..n-1, keys read

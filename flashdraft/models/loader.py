@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from flashdraft.models.gguf_convert import convert_gguf
+from flashdraft.models.hybrid import HYBRID_MODEL_TYPES, HybridLM
 from flashdraft.models.transformer import SUPPORTED_MODEL_TYPES, DecoderLM
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,13 +63,14 @@ def load_config(folder: Path):
 
     data = read_config_json(folder)
     model_type = data.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES:
         raise ValueError(f"unsupported architecture {model_type!r} in {str(folder)!r}; "
-                         f"supported model_type: {', '.join(SUPPORTED_MODEL_TYPES)}")
+                         f"supported model_type: {', '.join(SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES)}")
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data  # composite Qwen3.5
+    where = "config.json" + (" text_config" if text is not data else "")
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
-        if not isinstance(data.get(key), int) or data[key] < 1:
-            raise ValueError(f"{str(folder / 'config.json')!r}: {key} must be a positive integer, "
-                             f"got {data.get(key)!r}")
+        if not isinstance(text.get(key), int) or text[key] < 1:
+            raise ValueError(f"{str(folder / where)!r}: {key} must be a positive integer, got {text.get(key)!r}")
     try:
         return AutoConfig.from_pretrained(str(folder))
     except Exception as e:  # transformers raises many types for malformed configs
@@ -110,7 +112,7 @@ def eos_token_ids(folder: Path, cfg, tokenizer) -> list[int]:
 class LoadedModel:
     folder: Path
     config: object
-    model: DecoderLM
+    model: DecoderLM | HybridLM
     tokenizer: object
     eos_token_ids: list[int]
 
@@ -121,7 +123,7 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     tokenizer = load_tokenizer(folder)
     weights = load_weights(folder)
     with torch.device("meta"):
-        net = DecoderLM(cfg)
+        net = HybridLM(cfg) if cfg.model_type in HYBRID_MODEL_TYPES else DecoderLM(cfg)
     net = net.to_empty(device=device).to(dtype)
     net.load_hf_state_dict(weights)
     net.eval().requires_grad_(False)

@@ -15,7 +15,8 @@
    decoding, same (seed, position) noise), a = leading drafts equal to the target's token one
    slot earlier. The step's one device->host transfer reads every a and the tokens; the host
    commits t_0..t_a one by one (stops end the request exactly where plain decoding would) and
-   frees target pages past the committed length.
+   frees target pages past the committed length. A hybrid target's recurrent state, left as it was
+   by the verify, becomes the state after the last accepted row (models/hybrid.py).
 
 Beside this file: graphed.py (steps 2-4 as CUDA graphs), tree_step.py (token trees instead of
 chains), drafts.py (the drafter's hidden states -> drafts), loader.py (a drafter checked and loaded).
@@ -56,7 +57,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
             raise ValueError(f"num_speculative_tokens must be in [1, {self.block_size - 1}], got {k}")
         # token trees (speculative/tree.py): tree_size drafts per verify, at depths up to block_size - 1
         why = "a DFlash2 drafter verifies its chain" if drafter.candidate_selector is not None else \
-            "a sliding-window target verifies chains" if any(w for _, w in engine.runner.model.layer_masks) else None
+            "a sliding-window target verifies chains" if any(w for _, w in engine.runner.model.layer_masks) else \
+            "a hybrid (recurrent-state) target verifies chains" if engine.runner.hybrid else None
         self.tree_size = engine.config.tree_size(engine.device, self.block_size, why)
         self.num_draft = self.tree_size or k or self.block_size - 1
         self.depth = min(self.num_draft, self.block_size - 1)  # the deepest draft a verify can accept
@@ -185,7 +187,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         if g is not None:
             ids = g.input_ids
         else:
-            ids, positions, batch = runner.build_batch(seqs, tokens, eng.block_manager)
+            ids, positions, batch = runner.build_batch(seqs, tokens, eng.block_manager,
+                                                       keep=[p.verify for p in plans])
         if verifying:  # the drafts into the verify rows, on the device
             if not isinstance(drafts, torch.Tensor):  # tests propose host lists
                 drafts = to_device(drafts, torch.long, eng.device)
@@ -290,6 +293,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
                 st.record(a, p.n - 1)
             start = s.num_computed_tokens
             s.num_computed_tokens = start + a + 1
+            eng.runner.commit_states(eng.block_manager, s, a + 1)  # hybrid targets: the accepted rows' state
             eng.append_tokens(s, target[: a + 1])
             advanced.append(s)
             if not s.is_finished:

@@ -1,0 +1,349 @@
+"""Hybrid linear-attention targets: Qwen3-Next and Qwen3.5 (dense and MoE, text-only or the text model
+of the composite config). Most layers are Gated DeltaNet (GDN) mixers with a recurrent state per
+sequence; every `full_attention_interval`-th layer is gated full attention over the paged KV cache.
+Read as transformers reads them:
+
+- GDN: in_proj_qkv -> depthwise causal conv1d (kernel `linear_conv_kernel_dim`) -> silu -> q, k, v;
+  q and k L2-normed, q scaled by 1/sqrt(d_k); beta = sigmoid(in_proj_b x); decay g = -exp(A_log) *
+  softplus(in_proj_a x + dt_bias); per value head, the state S [d_k, d_v] goes
+  S <- exp(g) S;  S <- S + k (beta (v - S^T k))^T;  o = S^T q
+  then a gated RMSNorm (norm(o) * silu(in_proj_z x)) and out_proj. Qwen3-Next checkpoints pack
+  q/k/v/z and b/a per key-head group (in_proj_qkvz, in_proj_ba); they are unpacked at load.
+- Gated attention: q_proj gives each head its query and an output gate, q and k RMS-normed, partial
+  rotary (`partial_rotary_factor` of head_dim), output times sigmoid(gate) before o_proj.
+- Norms are zero-centred, (1 + w), computed in float32; the MLP is dense or a mixture of experts with
+  a shared expert behind a sigmoid gate.
+
+Recurrent state lives in slots (one per running sequence, engine/block_manager.py), per GDN layer a
+conv window [conv_dim, kernel - 1] and the state [heads_v, d_k, d_v] in float32 (RecurrentState).
+A step's rows advance their sequence's slot in order; a sequence's first rows (num_computed_tokens
+0: new, or recomputed after preemption) start from zeros. Rows that may be rejected (a DFlash verify)
+leave the slot untouched: the layer keeps their inputs, and commit() replays the accepted ones, so the
+slot holds exactly the state after the last accepted row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flashdraft.attention.base import AttentionBackend, AttentionBatch
+from flashdraft.models.moe import MoE, is_moe_layer, stack_experts
+from flashdraft.models.rope import RotaryTable, apply_rope
+from flashdraft.models.transformer import MLP, Embedding, Linear, activation, linear, load_packed
+
+HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def text_config(cfg):
+    """The language model's config: the composite Qwen3.5 config keeps it under text_config."""
+    return getattr(cfg, "text_config", None) or cfg
+
+
+class OffsetRMSNorm(nn.Module):
+    """x / RMS(x) * (1 + w), all in float32, cast back to x's dtype at the end (zero-centred weight)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+@dataclass
+class RecurrentRows:
+    """A step's recurrent-state bookkeeping, per sequence (AttentionBatch.recurrent)."""
+    slots: list[int]  # the sequence's state slot
+    fresh: list[bool]  # its rows start from zero state (first prefill chunk, recompute)
+    keep: list[bool]  # its rows may be rejected: leave the slot, keep inputs for commit()
+
+
+class RecurrentState:
+    """One GDN layer's state for every slot, and the inputs of the current step's kept rows."""
+
+    def __init__(self, num_slots: int, conv_dim: int, kernel: int, heads: int, d_k: int, d_v: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.conv = torch.zeros(num_slots, conv_dim, kernel - 1, device=device, dtype=dtype)
+        self.rec = torch.zeros(num_slots, heads, d_k, d_v, device=device, dtype=torch.float32)
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = {}
+
+    @staticmethod
+    def bytes_per_slot(conv_dim: int, kernel: int, heads: int, d_k: int, d_v: int, dtype: torch.dtype) -> int:
+        return conv_dim * (kernel - 1) * torch.finfo(dtype).bits // 8 + heads * d_k * d_v * 4
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.heads_k, self.heads_v = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.d_k, self.d_v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.heads_k * self.d_k, self.heads_v * self.d_v
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.act = activation(cfg.hidden_act)
+        h = cfg.hidden_size
+        self.in_proj_qkv = Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = Linear(h, self.heads_v, bias=False)
+        self.in_proj_a = Linear(h, self.heads_v, bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.kernel))
+        self.dt_bias = nn.Parameter(torch.ones(self.heads_v))
+        self.A_log = nn.Parameter(torch.zeros(self.heads_v))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.d_v))
+        self.norm_eps = cfg.rms_norm_eps
+        self.out_proj = Linear(self.value_dim, h, bias=False)
+
+    def make_state(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> RecurrentState:
+        return RecurrentState(num_slots, self.conv_dim, self.kernel, self.heads_v, self.d_k, self.d_v, device, dtype)
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        return RecurrentState.bytes_per_slot(self.conv_dim, self.kernel, self.heads_v, self.d_k, self.d_v, dtype)
+
+    def forward(self, x: torch.Tensor, state: RecurrentState, batch: AttentionBatch) -> torch.Tensor:
+        qkv, b, a = self.in_proj_qkv(x), self.in_proj_b(x), self.in_proj_a(x)
+        rec = batch.recurrent
+        state.pending.clear()
+        core = torch.zeros(x.shape[0], self.heads_v, self.d_v, device=x.device, dtype=x.dtype)
+        for s, slot in enumerate(rec.slots):
+            r0, r1 = batch.query_start_loc[s], batch.query_start_loc[s + 1]
+            if r1 == r0:
+                continue
+            fresh = rec.fresh[s]
+            conv0 = torch.zeros_like(state.conv[slot]) if fresh else state.conv[slot]
+            s0 = torch.zeros_like(state.rec[slot]) if fresh else state.rec[slot]
+            out, conv1, s1 = self.scan(qkv[r0:r1], b[r0:r1], a[r0:r1], conv0, s0)
+            core[r0:r1] = out
+            if rec.keep[s]:  # rows may be rejected: commit() replays the accepted ones
+                state.pending[slot] = (qkv[r0:r1], b[r0:r1], a[r0:r1], fresh)
+            else:
+                state.conv[slot] = conv1
+                state.rec[slot] = s1
+        z = self.in_proj_z(x).view(-1, self.heads_v, self.d_v)
+        return self.out_proj(self.gated_norm(core, z).reshape(x.shape[0], self.value_dim))
+
+    def commit(self, state: RecurrentState, slot: int, rows: int) -> None:
+        """The slot's state after the first `rows` kept rows of this step (the accepted ones)."""
+        qkv, b, a, fresh = state.pending.pop(slot)
+        conv0 = torch.zeros_like(state.conv[slot]) if fresh else state.conv[slot]
+        s0 = torch.zeros_like(state.rec[slot]) if fresh else state.rec[slot]
+        _, conv1, s1 = self.scan(qkv[:rows], b[:rows], a[:rows], conv0, s0)
+        state.conv[slot] = conv1
+        state.rec[slot] = s1
+
+    def scan(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv0: torch.Tensor,
+             s0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One sequence's rows in order from (conv window, state): (outputs [n, heads_v, d_v] in qkv's
+        dtype, the conv window and the state after the last row)."""
+        n = qkv.shape[0]
+        window = torch.cat([conv0, qkv.T.to(conv0.dtype)], dim=1)  # [conv_dim, kernel - 1 + n]
+        conv = F.conv1d(window[None], self.conv1d.weight, groups=self.conv_dim)[0]  # [conv_dim, n]
+        mixed = self.act(conv).T.to(qkv.dtype)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rep = self.heads_v // self.heads_k
+        q = q.reshape(n, self.heads_k, self.d_k).repeat_interleave(rep, dim=1).float()
+        k = k.reshape(n, self.heads_k, self.d_k).repeat_interleave(rep, dim=1).float()
+        v = v.reshape(n, self.heads_v, self.d_v).float()
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * self.d_k**-0.5
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        beta = b.float().sigmoid()
+        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).exp()  # [n, heads_v]
+        S = s0.clone()
+        out = torch.empty(n, self.heads_v, self.d_v, device=qkv.device, dtype=torch.float32)
+        for t in range(n):
+            S = S * g[t, :, None, None]
+            mem = (S * k[t, :, :, None]).sum(-2)  # S^T k: [heads_v, d_v]
+            delta = (v[t] - mem) * beta[t, :, None]
+            S = S + k[t, :, :, None] * delta[:, None, :]
+            out[t] = (S * q[t, :, :, None]).sum(-2)
+        return out.to(qkv.dtype), window[:, -(self.kernel - 1):].clone(), S
+
+    def gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(o) * w * silu(z), as transformers' gated RMSNorm rounds it."""
+        h = o.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.norm_eps)
+        h = self.norm.weight * h.to(o.dtype)
+        return (h * F.silu(z.float())).to(o.dtype)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg, rotary_dim: int):
+        super().__init__()
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.rotary_dim = rotary_dim
+        self.scale = self.head_dim**-0.5
+        bias = bool(getattr(cfg, "attention_bias", False))
+        h = cfg.hidden_size
+        # q_proj: per head its query, then its gate (named apart from the q/k/v packing of load_packed)
+        self.q_gate_proj = Linear(h, 2 * self.n_heads * self.head_dim, bias=bias)
+        self.kv_size = self.n_kv * self.head_dim
+        self.kv_proj = Linear(h, 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, h, bias=bias)
+        self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, attn: AttentionBackend, batch: AttentionBatch):
+        q, gate = self.q_gate_proj(x).view(-1, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k, v = self.kv_proj(x).split(self.kv_size, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(-1, self.n_kv, self.head_dim))
+        v = v.view(-1, self.n_kv, self.head_dim)
+        r = self.rotary_dim
+        q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], -1)
+        k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], -1)
+        attn.store_kv(k_cache, v_cache, k, v, batch)
+        o = attn.forward(q.contiguous(), k_cache, v_cache, batch, self.scale)
+        o = o * torch.sigmoid(gate)
+        return self.o_proj(o.reshape(-1, self.n_heads * self.head_dim))
+
+
+class SharedExpertMoE(MoE):
+    """Routed experts plus a shared expert scaled by sigmoid(shared_expert_gate x)."""
+
+    def __init__(self, cfg, act):
+        super().__init__(cfg, act)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, cfg, i: int, rotary_dim: int):
+        super().__init__()
+        self.kind = cfg.layer_types[i]
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg, rotary_dim)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if getattr(cfg, "num_experts", 0) and is_moe_layer(cfg, i):
+            self.mlp = SharedExpertMoE(cfg, activation(cfg.hidden_act))
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+
+    def forward(self, h, cos, sin, cache, attn, batch):
+        x = self.input_layernorm(h)
+        if self.kind == "linear_attention":
+            h = h + self.linear_attn(x, cache, batch)
+        else:
+            h = h + self.self_attn(x, cos, sin, cache[0], cache[1], attn, batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class HybridLM(nn.Module):
+    """The DecoderLM interface (models/transformer.py) for hybrid targets. kv_layers: the layers with
+    K/V pages; the others are given their RecurrentState in place of (k, v) by the runner."""
+
+    has_sinks = False
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.full_config = cfg
+        cfg = text_config(cfg)
+        self.config = cfg
+        bad = sorted({t for t in cfg.layer_types if t not in ("linear_attention", "full_attention")})
+        if bad:
+            raise ValueError(f"layer_types {bad} are not supported (linear_attention, full_attention)")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        params = getattr(cfg, "rope_parameters", None) or {}
+        factor = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+        self.rotary_dim = int(head_dim * factor)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(HybridLayer(cfg, i, self.rotary_dim) for i in range(cfg.num_hidden_layers))
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tied = bool(getattr(cfg, "tie_word_embeddings", False) or
+                         getattr(self.full_config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope: RotaryTable | None = None
+        self.kv_layers = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
+        self.layer_masks = [(True, None)] * cfg.num_hidden_layers
+        self.head_dim = head_dim
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tied else self.lm_head.weight
+
+    def recurrent_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if layer.kind == "linear_attention"]
+
+    def state_bytes_per_seq(self, dtype: torch.dtype) -> int:
+        return sum(self.layers[i].linear_attn.state_bytes(dtype) for i in self.recurrent_layers())
+
+    def make_states(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> dict[int, RecurrentState]:
+        return {i: self.layers[i].linear_attn.make_state(num_slots, device, dtype) for i in self.recurrent_layers()}
+
+    def commit_states(self, states: dict[int, RecurrentState], slot: int, rows: int) -> None:
+        for i, state in states.items():
+            self.layers[i].linear_attn.commit(state, slot, rows)
+
+    def setup_rope(self, max_len: int) -> None:
+        p = self.embed_tokens.weight
+        self.rope = RotaryTable(self.config, self.rotary_dim, max_len, p.device, p.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, attn: AttentionBackend,
+                batch: AttentionBatch, tap_layers=()):
+        cos, sin = self.rope.lookup(positions)
+        h = self.embed_tokens(input_ids)
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_cache[i], attn, batch)
+            if i in tap_layers:
+                taps[i] = h
+        out = self.norm(h)
+        if len(self.layers) - 1 in taps:  # HF's last hidden_states entry: the final-normed state
+            taps[len(self.layers) - 1] = out
+        return out, (torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None)
+
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        logits = linear(flat, self.lm_head_weight).view(*hidden.shape[:-1], -1)
+        return logits.float() if float32 else logits
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """HF names: model.* (Qwen3-Next, Qwen3.5 text) or model.language_model.* (the composite
+        Qwen3.5); the vision tower and the multi-token-prediction head are not used here and skipped."""
+        skip = {"lm_head.weight"} if self.tied else set()
+        out = {}
+        for name, w in weights.items():
+            if name.startswith(("model.visual.", "mtp.", "model.mtp.")) or name in skip:
+                continue
+            name = name.removeprefix("model.language_model.").removeprefix("model.")
+            parts = name.split(".")
+            if len(parts) >= 3 and parts[2] == "linear_attn" and parts[3] in ("in_proj_qkvz", "in_proj_ba"):
+                out.update(self._unpack_next(".".join(parts[:3]), parts[3], w))
+                continue
+            if len(parts) >= 4 and parts[2] == "self_attn" and parts[3] in ("k_proj", "v_proj"):
+                out.setdefault(".".join(parts[:3]) + ".kv_proj." + parts[-1], {})[parts[3]] = w
+                continue
+            if len(parts) >= 4 and parts[2] == "self_attn" and parts[3] == "q_proj":
+                name = name.replace(".q_proj.", ".q_gate_proj.")
+            out[name] = w
+        for key in [k for k in out if ".kv_proj." in k]:
+            pair = out[key]
+            if set(pair) != {"k_proj", "v_proj"}:
+                raise ValueError(f"checkpoint has only {sorted(pair)} of {key.replace('kv_proj', 'k_proj/v_proj')}")
+            out[key] = torch.cat([pair["k_proj"], pair["v_proj"]], 0)
+        load_packed(self, stack_experts(out))
+
+    def _unpack_next(self, prefix: str, kind: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Qwen3-Next packs per key-head group [q, k, v, z] (in_proj_qkvz) and [b, a] (in_proj_ba)."""
+        gdn = self.layers[int(prefix.split(".")[1])].linear_attn
+        hk, dk, dv, rep = gdn.heads_k, gdn.d_k, gdn.d_v, gdn.heads_v // gdn.heads_k
+        if kind == "in_proj_ba":
+            b, a = w.view(hk, 2 * rep, -1).split([rep, rep], dim=1)
+            return {f"{prefix}.in_proj_b.weight": b.reshape(gdn.heads_v, -1),
+                    f"{prefix}.in_proj_a.weight": a.reshape(gdn.heads_v, -1)}
+        q, k, v, z = w.view(hk, 2 * dk + 2 * rep * dv, -1).split([dk, dk, rep * dv, rep * dv], dim=1)
+        qkv = torch.cat([q.reshape(gdn.key_dim, -1), k.reshape(gdn.key_dim, -1), v.reshape(gdn.value_dim, -1)])
+        return {f"{prefix}.in_proj_qkv.weight": qkv, f"{prefix}.in_proj_z.weight": z.reshape(gdn.value_dim, -1)}
