@@ -41,6 +41,8 @@ def tiny_config(kind: str, vocab_size: int, **overrides):
         LlamaConfig,
         MistralConfig,
         Qwen2Config,
+        Qwen3_5Config,
+        Qwen3_5MoeTextConfig,
         Qwen3_5TextConfig,
         Qwen3Config,
         Qwen3MoeConfig,
@@ -81,23 +83,40 @@ def tiny_config(kind: str, vocab_size: int, **overrides):
                                      "decoder_sparse_step": 1, **overrides})
         else:
             cfg = Qwen3_5TextConfig(**{**hybrid, "num_hidden_layers": 4, **overrides})
+    elif kind == "qwen3_5_moe_text":  # every layer a MoE with a shared expert, top-k always renormalised
+        cfg = Qwen3_5MoeTextConfig(**{**common, "head_dim": 32, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16,
+                                      "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+                                      "linear_num_value_heads": 4, "full_attention_interval": 2,
+                                      "num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2,
+                                      "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+                                      "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.25}, **overrides})
+    elif kind == "qwen3_5":  # the composite config as published: the text model under text_config
+        cfg = Qwen3_5Config(text_config=tiny_config("qwen3_5_text", vocab_size, **overrides).to_dict(),
+                            vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                               out_hidden_size=64, patch_size=16))
     else:
         raise ValueError(kind)
     cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                           "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                           "gpt_oss": "GptOssForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-                          "qwen3_5_text": "Qwen3_5ForCausalLM"}[kind]]
+                          "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+                          "qwen3_5": "Qwen3_5ForConditionalGeneration"}[kind]]
     return cfg
 
 
+HYBRID_KINDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5")
+
+
 def build_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Path:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(folder)
     cfg = tiny_config(kind, overrides.pop("vocab_size", len(tok)), **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    auto = AutoModelForImageTextToText if kind == "qwen3_5" else AutoModelForCausalLM
+    model = auto.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # larger-than-default weights give peaked, tie-free distributions
         for name, p in model.named_parameters():
             if p.dim() >= 2:  # matrices and stacked experts
@@ -106,7 +125,7 @@ def build_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Pat
                 p.normal_(0, 0.1)
             elif name.endswith("sinks"):  # sinks that take a real share of each softmax
                 p.normal_(0, 1.0)
-            elif kind in ("qwen3_next", "qwen3_5_text") and name.endswith(("norm.weight", "A_log", "dt_bias")):
+            elif kind in HYBRID_KINDS and name.endswith(("norm.weight", "A_log", "dt_bias")):
                 p.add_(torch.randn_like(p) * 0.3)  # zero-centred norms and GDN decays that differ per channel
     model.save_pretrained(folder)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
@@ -114,9 +133,11 @@ def build_tiny_model(folder: Path, kind: str, seed: int = 0, **overrides) -> Pat
 
 
 def hf_model(folder: Path):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    composite = "text_config" in json.loads((folder / "config.json").read_text())
+    auto = AutoModelForImageTextToText if composite else AutoModelForCausalLM
+    return auto.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def build_random_drafter(folder: Path, target_folder: Path, fmt: str = "z-lab", block_size: int = 4,
@@ -128,6 +149,7 @@ def build_random_drafter(folder: Path, target_folder: Path, fmt: str = "z-lab", 
     from safetensors.torch import save_file
 
     target = json.loads((target_folder / "config.json").read_text())
+    target = target.get("text_config", target)  # a composite config's language model
     h, vocab = target["hidden_size"], target["vocab_size"]
     ids = target_layer_ids if target_layer_ids is not None else [0, target["num_hidden_layers"] - 2]
     layer = dict(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=num_layers, num_attention_heads=4,

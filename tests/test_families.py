@@ -33,6 +33,8 @@ CATALOGUE = {  # name: (model_type, config fields)
     "gpt-oss-full-attention": ("gpt_oss", dict(layer_types=["full_attention"] * 3, swiglu_limit=1.0)),
     "qwen3-next": ("qwen3_next", dict()),
     "qwen3.5": ("qwen3_5_text", dict()),
+    "qwen3.5-moe": ("qwen3_5_moe_text", dict()),
+    "qwen3.5-composite": ("qwen3_5", dict()),
 }
 
 
@@ -262,7 +264,7 @@ def test_qwen3_moe_gguf(tmp_path, monkeypatch, renorm):
     assert [o.token_ids for o in outs] == [hf_greedy(ref, p) for p in PROMPTS]
 
 
-HYBRIDS = ["qwen3-next", "qwen3.5"]
+HYBRIDS = ["qwen3-next", "qwen3.5", "qwen3.5-moe", "qwen3.5-composite"]
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
@@ -300,3 +302,26 @@ def test_rejected_rows_leave_no_state_behind(built, tmp_path, name, monkeypatch)
     monkeypatch.setattr(runner, "build_batch", lambda *a, keep=None, **k: build(*a, **k))  # state advanced by all
     monkeypatch.setattr(runner, "commit_states", lambda *a: None)
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] != want
+
+
+def test_hybrid_state_slots_in_the_memory_plan(built, caplog):
+    """Each running sequence of a hybrid target holds a state slot: when the slots of max_num_seqs
+    sequences would take more than half the memory budget, fewer run at once, the engine says why,
+    and the outputs are those of an unconstrained engine."""
+    import logging
+
+    from flashdraft.engine.model_runner import state_bytes_per_seq
+
+    folder = built("qwen3.5")
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(folder), draft=None, device="cpu", dtype="float32").generate(PROMPTS, params)]
+    plain = LLM(str(folder), draft=None, device="cpu", dtype="float32", num_kv_blocks=64)
+    per = state_bytes_per_seq(plain.engine.runner.model, torch.float32)
+    with caplog.at_level(logging.WARNING):
+        small = LLM(str(folder), draft=None, device="cpu", dtype="float32", num_kv_blocks=64,
+                    kv_cache_memory_gb=5 * per / 2**30)
+    assert small.engine.config.max_num_seqs == 2
+    assert "max_num_seqs lowered from 64 to 2" in caplog.text
+    assert [o.token_ids for o in small.generate(PROMPTS, params)] == want
+    with pytest.raises(ValueError, match="recurrent state"):
+        LLM(str(folder), draft=None, device="cpu", dtype="float32", kv_cache_memory_gb=per / 2**30)

@@ -11,7 +11,7 @@ import torch
 from flashdraft.config import EngineConfig
 from flashdraft.engine.block_manager import BlockManager
 from flashdraft.engine.graphs import to_device
-from flashdraft.engine.model_runner import ModelRunner, plan_num_blocks, state_bytes_per_seq
+from flashdraft.engine.model_runner import ModelRunner, plan_num_blocks, plan_state_slots, state_bytes_per_seq
 from flashdraft.engine.sampler import sample
 from flashdraft.engine.scheduler import Scheduler
 from flashdraft.engine.sequence import Output, Sequence
@@ -70,6 +70,7 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context window {model_max}")
         max_len = config.max_model_len or model_max
+        config.max_num_seqs = plan_state_slots(config, loaded.model, self.device, self.dtype)
         num_blocks = plan_num_blocks(config, loaded.model, self.device, self.dtype, max_len)
         # one sequence can never hold more tokens than the whole cache
         self.max_model_len = min(max_len, num_blocks * config.kv_block_size)

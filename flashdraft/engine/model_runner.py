@@ -3,6 +3,8 @@ backend. Metadata for a step is built once here and shared by every layer."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch, LayerMasks
@@ -14,6 +16,8 @@ from flashdraft.engine.sampler import SamplingBatch, greedy_tokens
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.hybrid import RecurrentRows
 from flashdraft.models.transformer import DecoderLM, fused_enabled
+
+log = logging.getLogger(__name__)
 
 PAD_ROWS = 32  # = skinny.MAX_ROWS: fewer rows run the Triton GEMMs, one variant for any count
 # row counts of the placeholder steps run at start: the few-row GEMMs' two tile heights (up to 16
@@ -51,6 +55,35 @@ def state_bytes_per_seq(model: DecoderLM, dtype: torch.dtype) -> int:
     return fn(dtype) if fn is not None else 0
 
 
+def memory_budget(config: EngineConfig, device: torch.device) -> float:
+    """Bytes for the KV pages and recurrent states: kv_cache_memory_gb, else 85% of the free GPU
+    memory, else 2 GiB on a CPU."""
+    if config.kv_cache_memory_gb is not None:
+        return config.kv_cache_memory_gb * (1 << 30)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return 0.85 * free
+    return 2 * (1 << 30)
+
+
+def plan_state_slots(config: EngineConfig, model: DecoderLM, device: torch.device, dtype: torch.dtype) -> int:
+    """Sequences that may run at once: max_num_seqs, lowered (and said so) when their recurrent
+    states (hybrid targets: one slot each) would take more than half the memory budget."""
+    per = state_bytes_per_seq(model, dtype)
+    if not per:
+        return config.max_num_seqs
+    fit = int(memory_budget(config, device) // 2 // per)
+    if fit < 1:
+        raise ValueError(f"one sequence's recurrent state ({per / 2**20:.1f} MiB) does not fit half the memory "
+                         "budget: raise kv_cache_memory_gb")
+    if fit < config.max_num_seqs:
+        log.warning("max_num_seqs lowered from %d to %d: each running sequence holds %.1f MiB of recurrent state, "
+                    "and states may take half of the %.2f GiB budget", config.max_num_seqs, fit, per / 2**20,
+                    memory_budget(config, device) / 2**30)
+        return fit
+    return config.max_num_seqs
+
+
 def plan_num_blocks(config: EngineConfig, model: DecoderLM, device: torch.device, dtype: torch.dtype,
                     max_model_len: int) -> int:
     if config.num_kv_blocks is not None:
@@ -58,18 +91,7 @@ def plan_num_blocks(config: EngineConfig, model: DecoderLM, device: torch.device
     per_block = kv_bytes_per_token(model, dtype) * config.kv_block_size
     # never more than every running sequence at full length could use
     ceiling = config.max_num_seqs * -(-max_model_len // config.kv_block_size)
-    if config.kv_cache_memory_gb is not None:
-        budget = config.kv_cache_memory_gb * (1 << 30)
-    elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = 0.85 * free
-    else:
-        budget = 2 * (1 << 30)
-    budget -= config.max_num_seqs * state_bytes_per_seq(model, dtype)  # one state slot per running sequence
-    if budget < per_block:
-        raise ValueError(f"the recurrent state of max_num_seqs={config.max_num_seqs} sequences "
-                         f"({config.max_num_seqs * state_bytes_per_seq(model, dtype) / 2**30:.2f} GiB) leaves no "
-                         "room for KV pages: lower max_num_seqs or raise kv_cache_memory_gb")
+    budget = memory_budget(config, device) - config.max_num_seqs * state_bytes_per_seq(model, dtype)
     return max(1, min(ceiling, int(budget // per_block)))
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from flashdraft.attention.base import AttentionBackend, AttentionBatch
 from flashdraft.models.moe import MoE, is_moe_layer, stack_experts
 from flashdraft.models.rope import RotaryTable, apply_rope
-from flashdraft.models.transformer import MLP, Embedding, Linear, activation, linear, load_packed
+from flashdraft.models.transformer import MLP, Embedding, Linear, activation, fused_enabled, linear, load_packed
 
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
@@ -110,6 +110,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: RecurrentState, batch: AttentionBatch) -> torch.Tensor:
         qkv, b, a = self.in_proj_qkv(x), self.in_proj_b(x), self.in_proj_a(x)
         rec = batch.recurrent
+        if rec is None:  # a placeholder step (kernel warm-up): from zero state, nothing kept
+            n = len(batch.query_start_loc) - 1
+            rec = RecurrentRows([-1] * n, [True] * n, [False] * n)
         state.pending.clear()
         core = torch.zeros(x.shape[0], self.heads_v, self.d_v, device=x.device, dtype=x.dtype)
         for s, slot in enumerate(rec.slots):
@@ -121,6 +124,8 @@ class GatedDeltaNet(nn.Module):
             s0 = torch.zeros_like(state.rec[slot]) if fresh else state.rec[slot]
             out, conv1, s1 = self.scan(qkv[r0:r1], b[r0:r1], a[r0:r1], conv0, s0)
             core[r0:r1] = out
+            if slot < 0:
+                continue
             if rec.keep[s]:  # rows may be rejected: commit() replays the accepted ones
                 state.pending[slot] = (qkv[r0:r1], b[r0:r1], a[r0:r1], fresh)
             else:
@@ -210,11 +215,17 @@ class SharedExpertMoE(MoE):
 
     def __init__(self, cfg, act):
         super().__init__(cfg, act)
+        if cfg.model_type == "qwen3_5_moe_text":  # Qwen3.5-MoE always renormalises its top-k
+            self.norm_topk_prob = True
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert.forward_fused(x)
+        return super().forward_fused(x) + torch.sigmoid(self.shared_expert_gate(x)) * shared
 
 
 class HybridLayer(nn.Module):
@@ -227,7 +238,7 @@ class HybridLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, rotary_dim)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if getattr(cfg, "num_experts", 0) and is_moe_layer(cfg, i):
+        if is_moe_layer(cfg, i):
             self.mlp = SharedExpertMoE(cfg, activation(cfg.hidden_act))
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
@@ -238,7 +249,8 @@ class HybridLayer(nn.Module):
             h = h + self.linear_attn(x, cache, batch)
         else:
             h = h + self.self_attn(x, cos, sin, cache[0], cache[1], attn, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.post_attention_layernorm(h)
+        return h + (self.mlp.forward_fused(x) if fused_enabled(x) else self.mlp(x))
 
 
 class HybridLM(nn.Module):

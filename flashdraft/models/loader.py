@@ -68,7 +68,8 @@ def load_config(folder: Path):
                          f"supported model_type: {', '.join(SUPPORTED_MODEL_TYPES + HYBRID_MODEL_TYPES)}")
     text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data  # composite Qwen3.5
     where = "config.json" + (" text_config" if text is not data else "")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+    needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    for key in needed + (() if "moe" in str(text.get("model_type", model_type)) else ("intermediate_size",)):
         if not isinstance(text.get(key), int) or text[key] < 1:
             raise ValueError(f"{str(folder / where)!r}: {key} must be a positive integer, got {text.get(key)!r}")
     try:

@@ -246,3 +246,26 @@ def test_new_targets_through_graphs(tmp_path, with_drafter, kind):
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want
     if with_drafter:
         assert graphed.engine.spec_totals() == eager.engine.spec_totals()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_text"])
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_hybrid_targets_on_the_gpu_path(tmp_path, with_drafter, kind):
+    """Hybrid targets (Gated DeltaNet state, gated attention, shared-expert MoE) on the Triton attention
+    backend and fused kernels, steps run eagerly: the eager torch engine's tokens (float32), and with a
+    drafter its acceptance counts too."""
+    from fixtures import build_random_drafter, build_tiny_model
+
+    from flashdraft import LLM, SamplingParams
+
+    target = build_tiny_model(tmp_path / "t", kind)
+    draft = str(build_random_drafter(tmp_path / "d", target, block_size=4)) if with_drafter else None
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    kw = dict(device=DEVICE, dtype="float32", kv_block_size=8, draft=draft)
+    eager = LLM(str(target), attention_backend="torch", cuda_graphs=False, **kw)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    fast = LLM(str(target), attention_backend="triton", **kw)
+    assert [o.token_ids for o in fast.generate(prompts, params)] == want
+    if with_drafter:
+        assert fast.engine.spec_totals() == eager.engine.spec_totals()
