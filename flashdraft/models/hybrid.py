@@ -122,11 +122,12 @@ class GatedDeltaNet(nn.Module):
             fresh = rec.fresh[s]
             conv0 = torch.zeros_like(state.conv[slot]) if fresh else state.conv[slot]
             s0 = torch.zeros_like(state.rec[slot]) if fresh else state.rec[slot]
-            out, conv1, s1 = self.scan(qkv[r0:r1], b[r0:r1], a[r0:r1], conv0, s0)
+            keep = rec.keep[s] and slot >= 0
+            out, conv1, s1 = self.scan(qkv[r0:r1], b[r0:r1], a[r0:r1], conv0, s0, chunked=not keep and r1 - r0 > 1)
             core[r0:r1] = out
             if slot < 0:
                 continue
-            if rec.keep[s]:  # rows may be rejected: commit() replays the accepted ones
+            if keep:  # rows may be rejected: commit() replays the accepted ones
                 state.pending[slot] = (qkv[r0:r1], b[r0:r1], a[r0:r1], fresh)
             else:
                 state.conv[slot] = conv1
@@ -143,32 +144,44 @@ class GatedDeltaNet(nn.Module):
         state.conv[slot] = conv1
         state.rec[slot] = s1
 
-    def scan(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv0: torch.Tensor,
-             s0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def scan(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv0: torch.Tensor, s0: torch.Tensor,
+             chunked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One sequence's rows in order from (conv window, state): (outputs [n, heads_v, d_v] in qkv's
-        dtype, the conv window and the state after the last row)."""
+        dtype, the conv window and the state after the last row). Row by row (the recurrent form, as
+        transformers decodes), or with chunked=True by transformers' chunked form (as it prefills;
+        the same in exact arithmetic). Rows that may be rejected always take the recurrent form,
+        which the replay of the accepted ones repeats operation for operation."""
         n = qkv.shape[0]
         window = torch.cat([conv0, qkv.T.to(conv0.dtype)], dim=1)  # [conv_dim, kernel - 1 + n]
         conv = F.conv1d(window[None], self.conv1d.weight, groups=self.conv_dim)[0]  # [conv_dim, n]
         mixed = self.act(conv).T.to(qkv.dtype)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = q.reshape(n, self.heads_k, self.d_k), k.reshape(n, self.heads_k, self.d_k)
+        v = v.reshape(n, self.heads_v, self.d_v)
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log decay [n, heads_v]
+        conv1 = window[:, -(self.kernel - 1):].clone()
+        if chunked:
+            from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+            out, S = torch_chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None], beta=beta[None],
+                                                  initial_state=s0[None], output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True)
+            return out[0].to(qkv.dtype), conv1, S[0].float()
         rep = self.heads_v // self.heads_k
-        q = q.reshape(n, self.heads_k, self.d_k).repeat_interleave(rep, dim=1).float()
-        k = k.reshape(n, self.heads_k, self.d_k).repeat_interleave(rep, dim=1).float()
-        v = v.reshape(n, self.heads_v, self.d_v).float()
+        q, k, v = q.repeat_interleave(rep, dim=1).float(), k.repeat_interleave(rep, dim=1).float(), v.float()
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * self.d_k**-0.5
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-        beta = b.float().sigmoid()
-        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).exp()  # [n, heads_v]
+        decay = g.exp()
         S = s0.clone()
         out = torch.empty(n, self.heads_v, self.d_v, device=qkv.device, dtype=torch.float32)
         for t in range(n):
-            S = S * g[t, :, None, None]
+            S = S * decay[t, :, None, None]
             mem = (S * k[t, :, :, None]).sum(-2)  # S^T k: [heads_v, d_v]
             delta = (v[t] - mem) * beta[t, :, None]
             S = S + k[t, :, :, None] * delta[:, None, :]
             out[t] = (S * q[t, :, :, None]).sum(-2)
-        return out.to(qkv.dtype), window[:, -(self.kernel - 1):].clone(), S
+        return out.to(qkv.dtype), conv1, S
 
     def gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm(o) * w * silu(z), as transformers' gated RMSNorm rounds it."""
