@@ -73,6 +73,12 @@ class RecurrentState:
         self.rec = torch.zeros(num_slots, heads, d_k, d_v, device=device, dtype=torch.float32)
         self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = {}
 
+    def start(self, slot: int, fresh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv window, state) a sequence's rows start from: its slot's, or zeros when fresh."""
+        if fresh:
+            return torch.zeros_like(self.conv[slot]), torch.zeros_like(self.rec[slot])
+        return self.conv[slot], self.rec[slot]
+
     @staticmethod
     def bytes_per_slot(conv_dim: int, kernel: int, heads: int, d_k: int, d_v: int, dtype: torch.dtype) -> int:
         return conv_dim * (kernel - 1) * torch.finfo(dtype).bits // 8 + heads * d_k * d_v * 4
@@ -120,8 +126,7 @@ class GatedDeltaNet(nn.Module):
             if r1 == r0:
                 continue
             fresh = rec.fresh[s]
-            conv0 = torch.zeros_like(state.conv[slot]) if fresh else state.conv[slot]
-            s0 = torch.zeros_like(state.rec[slot]) if fresh else state.rec[slot]
+            conv0, s0 = state.start(slot, fresh)
             keep = rec.keep[s] and slot >= 0
             out, conv1, s1 = self.scan(qkv[r0:r1], b[r0:r1], a[r0:r1], conv0, s0, chunked=not keep and r1 - r0 > 1)
             core[r0:r1] = out
@@ -138,9 +143,7 @@ class GatedDeltaNet(nn.Module):
     def commit(self, state: RecurrentState, slot: int, rows: int) -> None:
         """The slot's state after the first `rows` kept rows of this step (the accepted ones)."""
         qkv, b, a, fresh = state.pending.pop(slot)
-        conv0 = torch.zeros_like(state.conv[slot]) if fresh else state.conv[slot]
-        s0 = torch.zeros_like(state.rec[slot]) if fresh else state.rec[slot]
-        _, conv1, s1 = self.scan(qkv[:rows], b[:rows], a[:rows], conv0, s0)
+        _, conv1, s1 = self.scan(qkv[:rows], b[:rows], a[:rows], *state.start(slot, fresh))
         state.conv[slot] = conv1
         state.rec[slot] = s1
 
