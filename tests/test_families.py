@@ -325,3 +325,16 @@ def test_hybrid_state_slots_in_the_memory_plan(built, caplog):
     assert [o.token_ids for o in small.generate(PROMPTS, params)] == want
     with pytest.raises(ValueError, match="recurrent state"):
         LLM(str(folder), draft=None, device="cpu", dtype="float32", kv_cache_memory_gb=per / 2**30)
+
+
+def test_training_features_of_a_hybrid_target(built):
+    """train-drafter's target features on a hybrid target: a padded batch's taps equal each sequence's
+    own (the padding reaches no recurrent state)."""
+    from flashdraft.train.features import target_features
+
+    model = hf_model(built("qwen3.5"))
+    a, b = list(range(5, 25)), list(range(40, 50))
+    taps, _ = target_features(model, torch.tensor([a, b + [0] * 10]), torch.tensor([20, 10]), [1, 3], None, False)
+    for row, ids in enumerate((a, b)):
+        alone, _ = target_features(model, torch.tensor([ids]), torch.tensor([len(ids)]), [1, 3], None, False)
+        torch.testing.assert_close(taps[row, : len(ids)], alone[0], rtol=1e-4, atol=1e-4)
