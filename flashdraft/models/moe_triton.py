@@ -141,6 +141,9 @@ def _topk_kernel(logits_ptr, w_ptr, idx_ptr, E, stride, K: tl.constexpr, KP: tl.
     if SOFTMAX_ALL:
         z = tl.exp(vals - tl.max(vals, axis=0))
         vals = z / tl.sum(z, axis=0)
+    # NaN (a padding row's garbage) ranks highest, as in torch.topk: every id stays a real expert, so
+    # such a row spoils only its own output, never the sort of the others
+    vals = tl.where((vals != vals) & (e < E), float("inf"), vals)
     j = tl.arange(0, KP)
     top = tl.full([KP], float("-inf"), tl.float32)
     ids = tl.zeros([KP], tl.int32)
