@@ -54,6 +54,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto": triton on CUDA when it imports, else torch
     cuda_graphs: bool = True  # replay captured steps (decode, verify, draft) on CUDA with the triton backend
     max_graph_batch: int = 256  # larger batches run eagerly
+    # "auto": the folder's weights; "dummy" (vLLM's name): random weights at the shapes of config.json,
+    # target and drafter, for timing models whose weights are not at hand (outputs are meaningless)
+    load_format: str = "auto"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -72,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose auto, torch or triton")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"unknown load_format {self.load_format!r}; choose auto or dummy")
         if self.max_graph_batch < 1:
             raise ValueError(f"max_graph_batch must be >= 1, got {self.max_graph_batch}")
         if self.speculative_disable_batch_size is not None and self.speculative_disable_batch_size < 1:
@@ -170,6 +175,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: triton on CUDA when it imports, else torch")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights at config.json's shapes, target and drafter (timing only)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="drafts verified per step, 1 to the drafter's block size - 1 (default: all of them)")
     p.add_argument("--speculative-tree-size", type=_tree_size, default="auto", metavar="N",
@@ -189,7 +196,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, attention_backend=args.attention_backend,
-                cuda_graphs=not args.no_cuda_graphs, num_speculative_tokens=args.num_speculative_tokens,
+                cuda_graphs=not args.no_cuda_graphs, load_format=args.load_format,
+                num_speculative_tokens=args.num_speculative_tokens,
                 speculative_tree_size=args.speculative_tree_size,
                 speculative_disable_batch_size=args.speculative_disable_batch_size,
                 speculative_min_acceptance_length=args.speculative_min_acceptance_length)

@@ -338,3 +338,24 @@ def test_training_features_of_a_hybrid_target(built):
     for row, ids in enumerate((a, b)):
         alone, _ = target_features(model, torch.tensor([ids]), torch.tensor([len(ids)]), [1, 3], None, False)
         torch.testing.assert_close(taps[row, : len(ids)], alone[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "gpt_oss", "qwen3_next"])
+def test_dummy_weights_from_config_alone(tmp_path, kind):
+    """load_format="dummy" (vLLM's name): a target and drafter folder with config.json (and tokenizer)
+    but no weights run on random weights, uniform in +-1e-3, target and drafter alike; without it the
+    missing weights are an error; an unknown load_format is refused by name."""
+    target = build_tiny_model(tmp_path / "t", kind)
+    drafter = build_random_drafter(tmp_path / "d", target, block_size=4)
+    for f in [*target.glob("*.safetensors"), *drafter.glob("*.safetensors")]:
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        LLM(str(target), draft=None, device="cpu")
+    with pytest.raises(ValueError, match="load_format 'random'"):
+        LLM(str(target), draft=None, device="cpu", load_format="random")
+    llm = LLM(str(target), draft=str(drafter), device="cpu", load_format="dummy")
+    out = llm.generate([[5, 6, 7], [9] * 5], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [6, 6]
+    for net in (llm.engine.runner.model, llm.engine.spec.drafter):
+        values = torch.cat([p.flatten() for p in net.parameters()])
+        assert values.abs().max() <= 1e-3 and values.std() > 1e-4

@@ -60,7 +60,7 @@ class LLMEngine:
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
-        loaded = load_model(config.model, self.device, self.dtype)
+        loaded = load_model(config.model, self.device, self.dtype, config.load_format)
         self.model_dir = loaded.folder
         self.model_config = loaded.model.config  # the language model's (a composite config's text_config)
         self.tokenizer = loaded.tokenizer

@@ -118,14 +118,29 @@ class LoadedModel:
     eos_token_ids: list[int]
 
 
-def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def dummy_weights(net: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights for load_format="dummy", drawn on the model's device: uniform in +-1e-3 as vLLM
+    draws them (activations stay finite through any depth; the values mean nothing)."""
+    gen = torch.Generator(device=next(net.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.uniform_(-1e-3, 1e-3, generator=gen)
+        for b in net.buffers():  # left unset by to_empty
+            b.zero_()
+
+
+def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
+               load_format: str = "auto") -> LoadedModel:
     folder = resolve_model_dir(model)
     cfg = load_config(folder)
     tokenizer = load_tokenizer(folder)
-    weights = load_weights(folder)
+    weights = load_weights(folder) if load_format != "dummy" else None
     with torch.device("meta"):
         net = HybridLM(cfg) if cfg.model_type in HYBRID_MODEL_TYPES else DecoderLM(cfg)
     net = net.to_empty(device=device).to(dtype)
-    net.load_hf_state_dict(weights)
+    if weights is None:
+        dummy_weights(net)
+    else:
+        net.load_hf_state_dict(weights)
     net.eval().requires_grad_(False)
     return LoadedModel(folder, cfg, net, tokenizer, eos_token_ids(folder, cfg, tokenizer))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flashdraft.models.dflash_draft import DFlashDraftModel
-from flashdraft.models.loader import load_weights
+from flashdraft.models.loader import dummy_weights, load_weights
 from flashdraft.speculative.dflash import DFlashSpeculator
 from flashdraft.speculative.formats import read_draft_spec
 
@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from flashdraft.engine.engine import LLMEngine
 
 
-def load_drafter(folder: str | Path, target_config, device: torch.device, dtype: torch.dtype) -> DFlashDraftModel:
+def load_drafter(folder: str | Path, target_config, device: torch.device, dtype: torch.dtype,
+                 load_format: str = "auto") -> DFlashDraftModel:
     """Load and validate a drafter against its target; errors name the mismatch."""
     folder = Path(folder).expanduser()
     if not folder.exists():
@@ -46,7 +47,7 @@ def load_drafter(folder: str | Path, target_config, device: torch.device, dtype:
         raise ValueError(f"{folder}/mask_embedding.pt replaces the mask token's embedding, which flashdraft "
                          "does not support")
     spec.layer_config.vocab_size = target_config.vocab_size
-    weights = load_weights(folder)
+    weights = load_weights(folder) if load_format != "dummy" else {}
     domino = sorted(k for k in weights if k.startswith(("prefix_gru.", "embed_proj.", "domino_head.")))
     if domino:
         raise ValueError(f"{folder} is a Domino drafter ({domino[0]}, ...), which flashdraft does not support")
@@ -64,10 +65,13 @@ def load_drafter(folder: str | Path, target_config, device: torch.device, dtype:
     model = model.to_empty(device=device).to(dtype)
     if model.d2t is not None:
         model.d2t = torch.zeros_like(model.d2t, dtype=torch.long)
-    model.load(weights)
+    if load_format == "dummy":  # random layers; embedding and head shared with the target
+        dummy_weights(model)
+    else:
+        model.load(weights)
     return model.eval().requires_grad_(False)
 
 
 def load_speculator(draft: str | Path, engine: LLMEngine) -> DFlashSpeculator:
-    model = load_drafter(draft, engine.model_config, engine.device, engine.dtype)
+    model = load_drafter(draft, engine.model_config, engine.device, engine.dtype, engine.config.load_format)
     return DFlashSpeculator(model, engine)
