@@ -43,12 +43,14 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) 
 class StepGraph:
     def __init__(self, fn: Callable[[StepGraph], Any], num_seqs: int, q_len: int, max_blocks: int, block_size: int,
                  device: torch.device | str, causal: bool = True, max_seq_len: int | None = None,
-                 attn: Sequence = (), extra: dict[str, torch.Tensor] | None = None, num_rows: int | None = None):
+                 attn: Sequence = (), extra: dict[str, torch.Tensor] | None = None, num_rows: int | None = None,
+                 recurrent: bool = False):
         """fn(g) runs one step over g.input_ids [T], g.positions [T], g.meta and g.extra (further
         static inputs, e.g. taps); T = num_seqs * q_len. max_seq_len defaults to the pages' span.
         num_rows (T) given: a ragged step, up to num_seqs sequences sharing T rows in any split
         (prefill chunks beside decode or verify rows); q_len then bounds one sequence's rows (T
-        for any split) and fills pass query_start_loc."""
+        for any split) and fills pass query_start_loc. recurrent: a hybrid target's meta.recurrent
+        buffer (filled by `recurrent=`; padding sequences have no rows, so whatever they hold is unused)."""
         self.fn = fn
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"  # host values staged pinned: fills never wait for the GPU
@@ -63,7 +65,8 @@ class StepGraph:
             seq_lens=torch.zeros(num_seqs, dtype=torch.int32, device=dev),
             block_tables=torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=dev),
             max_query_len=q_len, max_seq_len=max_seq_len or max_blocks * block_size, block_size=block_size,
-            causal=causal)
+            causal=causal,
+            recurrent=torch.full((num_seqs, 3), -1, dtype=torch.int32, device=dev) if recurrent else None)
         self.extra = dict(extra or {})
         self.aux: dict[str, Any] = {}  # anything else a step function keeps with its buffers
         self.attn = list(attn)
@@ -108,7 +111,7 @@ class StepGraph:
     def fill(self, input_ids: Tensorish | None = None, positions: Tensorish | None = None,
              slot_mapping: Tensorish | None = None, seq_lens: Tensorish | None = None,
              block_tables: Tensorish | None = None, query_start_loc: Tensorish | None = None,
-             **extra: Tensorish) -> None:
+             recurrent: Tensorish | None = None, **extra: Tensorish) -> None:
         """Copy one step's values into the static buffers (non_blocking, no host sync). Arguments
         left None keep their buffers. Real rows / sequences come first; the rest is padding: slots
         past the given ones become -1, seq_lens past the given ones 0. query_start_loc defaults to
@@ -139,6 +142,8 @@ class StepGraph:
             elif qsl.numel() < self.num_seqs + 1:
                 qsl = torch.cat([qsl, qsl[-1:].expand(self.num_seqs + 1 - qsl.numel())])
             m.query_start_loc.copy_(qsl, non_blocking=True)
+        if recurrent is not None:
+            self._copy(m.recurrent, recurrent)
         for name, value in extra.items():
             self._copy(self.extra[name], value)
 

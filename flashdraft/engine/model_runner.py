@@ -105,9 +105,12 @@ class ModelRunner:
         self.attn = make_backend(self.backend_name)
         # CUDA graphs need a backend that reads its step description from device tensors
         self.use_graphs = config.cuda_graphs and device.type == "cuda" and hasattr(self.attn, "set_meta")
-        # hybrid targets (models/hybrid.py): recurrent-state slots, rows run eagerly (not captured yet)
+        # hybrid targets (models/hybrid.py): recurrent-state slots; graphed when the GDN kernels run
+        # (models/gdn_triton.py), which read the step's sequences from device tensors
         self.hybrid = hasattr(model, "make_states")
-        self.use_graphs = self.use_graphs and not self.hybrid
+        if self.hybrid and self.use_graphs:
+            with torch.inference_mode():
+                self.use_graphs = model.kernels_on(torch.empty(0, device=device, dtype=dtype))
         if any(window is not None for _, window in model.layer_masks):  # sliding-window layers
             self.attn = LayerMasks(lambda: make_backend(self.backend_name), model.layer_masks)
         self.max_graph_batch = config.max_graph_batch
@@ -195,10 +198,11 @@ class ModelRunner:
                                             list(keep) if keep is not None else [False] * len(seqs))
         return to_device(ids, torch.long, dev), to_device(pos, torch.long, dev), batch
 
-    def commit_states(self, bm: BlockManager, seq: Sequence, rows: int) -> None:
-        """Hybrid targets: the state of `seq` after the first `rows` of its kept rows this step."""
-        if self.hybrid:
-            self.model.commit_states(self.states, bm.slot(seq.seq_id), rows)
+    def commit_states(self, rows: dict[int, int]) -> None:
+        """Hybrid targets: each state slot of `rows` keeps its state after the first rows[slot] of
+        its sequence's kept rows of the last step (the accepted ones)."""
+        if self.hybrid and rows:
+            self.model.commit_states(self.states, rows)
 
     def placeholder_batch(self, n: int, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         """A step of one placeholder sequence of n rows (token 0 at positions 0..n-1, keys read
@@ -263,6 +267,16 @@ class ModelRunner:
         ids, pos, slots, _, seq_lens, tables = self.step_lists(seqs, tokens, bm)
         g = self._graph(key, bucket, q_len, causal, attn, fn, setup)
         g.fill(ids, pos, slots, seq_lens, tables)
+        if self.hybrid:  # graphed steps of B rows are verifies: their rows wait for commit_states
+            rows = RecurrentRows([bm.slot(s.seq_id) for s in seqs], [s.num_computed_tokens == 0 for s in seqs],
+                                 [q_len > 1] * len(seqs))
+            g.fill(recurrent=[(slot, int(f), int(k)) for slot, f, k in zip(rows.slots, rows.fresh, rows.keep)])
+            for i, state in self.states.items():
+                state.step_rows = rows  # read by the layers when they run (off CUDA, every replay)
+                captured = g.aux.get("pending")
+                if captured is not None:  # the captured step's kept inputs, now this step's
+                    captured[i].rows = rows
+                    state.pending = captured[i]
         return g
 
     def ragged_graph(self, key: tuple, seqs: list[Sequence], tokens: list[list[int]],
@@ -285,7 +299,7 @@ class ModelRunner:
         for every (sequences, rows) bucket a ragged step of up to max_seqs sequences and max_rows
         rows can use. An eager ragged step costs 15-40 ms of host time on a 30-layer model (a few
         hundred launches); its replay, well under 1 ms."""
-        if not self.use_graphs:
+        if not self.use_graphs or self.hybrid:  # hybrid targets: ragged steps run eagerly
             return
         most = min(max_seqs, self.max_graph_batch)
         seq_buckets = [b for b in RAGGED_SEQS if b < most] + [next((b for b in RAGGED_SEQS if b >= most),
@@ -327,12 +341,19 @@ class ModelRunner:
         g = self.graphs.get((key, bucket, q_len))
         if g is None:  # captured over a placeholder step: launch shapes depend on the bucket only
             g = StepGraph(fn, bucket, q_len, self.max_blocks, self.block_size, self.device, causal=causal,
-                          max_seq_len=self.max_blocks * self.block_size, attn=[attn])
+                          max_seq_len=self.max_blocks * self.block_size, attn=[attn], recurrent=self.hybrid)
             if setup is not None:
                 setup(g)
             n = bucket * q_len
             g.fill([0] * n, [0] * n, [-1] * n, [q_len] * bucket, [[0]] * bucket)
+            for state in self.states.values():
+                state.pending = state.step_rows = None
             g.capture(pool=self.graph_pool)
+            if self.device.type == "cuda" and any(s.pending is not None for s in self.states.values()):
+                # the graph runs the target: its recurrent layers' kept inputs live in its buffers
+                g.aux["pending"] = {i: s.pending for i, s in self.states.items()}
+                for state in self.states.values():
+                    state.pending = None
             self.graphs[(key, bucket, q_len)] = g
         return g
 

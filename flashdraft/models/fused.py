@@ -42,8 +42,10 @@ def _heads_per_program(rows: int, block_d: int) -> int:
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                         stride_x, stride_r, stride_o, stride_ro,
-                        N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr):
-    """One row: r = x + res (rounded to the residual dtype, stored), out = w * rmsnorm(r)."""
+                        N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, OFFSET: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    """One row: r = x + res (rounded to the residual dtype, stored), out = w * rmsnorm(r); OFFSET:
+    out = rmsnorm(r) * (1 + w) in float32, rounded once (the zero-centred norms of hybrid targets)."""
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
@@ -59,10 +61,13 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
         dt = x_ptr.dtype.element_ty
         h = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(h * h, 0) / N + eps)
-    n = (h * inv).to(dt).to(tl.float32)
     w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    if OFFSET:
+        y = h * inv * (1.0 + w)
+    else:
+        y = w * (h * inv).to(dt).to(tl.float32)
     pdl_trigger(USE_PDL)
-    tl.store(out_ptr + row * stride_o + d, (w * n).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + row * stride_o + d, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -209,13 +214,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                eps: float, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rmsnorm(x + residual), x + residual), the sum rounded to x's dtype first, as
-    `RMSNorm(h + a)` computes it. residual None: (weight * rmsnorm(x), x). Any row width."""
+    `RMSNorm(h + a)` computes it. residual None: (weight * rmsnorm(x), x). Any row width.
+    offset: (1 + weight) in float32 and the result in x's dtype, as hybrid.OffsetRMSNorm."""
     n = x.shape[-1]
     x2 = _rows(x)
     rows = x2.shape[0]
-    out = torch.empty(x.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
+    out = torch.empty(x.shape, device=x.device, dtype=x.dtype if offset else torch.promote_types(weight.dtype, x.dtype))
     new_res = torch.empty(x.shape, device=x.device, dtype=x.dtype) if residual is not None else x
     if rows == 0:
         return out, new_res
@@ -224,7 +230,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     o2 = out.view(-1, n)
     block = triton.next_power_of_2(n)
     _add_rmsnorm_kernel[(rows,)](x2, r2, weight, o2, nr2, eps, x2.stride(0), r2.stride(0), o2.stride(0),
-                                 nr2.stride(0), N=n, BLOCK=block, HAS_RES=residual is not None,
+                                 nr2.stride(0), N=n, BLOCK=block, HAS_RES=residual is not None, OFFSET=offset,
                                  num_warps=8 if block >= 4096 else 4, **launch_kwargs(x2))
     return out, new_res
 

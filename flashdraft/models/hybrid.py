@@ -35,6 +35,7 @@ from flashdraft.models.rope import RotaryTable, apply_rope
 from flashdraft.models.transformer import MLP, Embedding, Linear, activation, fused_enabled, linear, load_packed
 
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # packed in this order (GatedDeltaNet.in_proj)
 
 
 def text_config(cfg):
@@ -62,6 +63,33 @@ class RecurrentRows:
     slots: list[int]  # the sequence's state slot
     fresh: list[bool]  # its rows start from zero state (first prefill chunk, recompute)
     keep: list[bool]  # its rows may be rejected: leave the slot, keep inputs for commit()
+    _dev: tuple | None = None
+
+    def device_tensors(self, query_start_loc: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qsl [S+1], seq [S, 3] = slot, fresh, keep) as int32 device tensors for the GDN kernels
+        (models/gdn_triton.py); made once per step, shared by every layer."""
+        if self._dev is None:
+            from flashdraft.engine.graphs import to_device
+
+            S = len(self.slots)
+            host = list(query_start_loc[: S + 1])
+            for slot, fresh, keep in zip(self.slots, self.fresh, self.keep):
+                host += [slot, int(fresh), int(keep)]
+            packed = to_device(host, torch.int32, device)
+            self._dev = packed[: S + 1], packed[S + 1:].view(S, 3)
+        return self._dev
+
+
+@dataclass
+class PendingRows:
+    """A step's inputs of one GDN layer, kept while some of its sequences' rows may be rejected."""
+    rows: RecurrentRows | None  # the step's sequences (a graph's: set by the runner at each replay)
+    query_start_loc: list[int] | None
+    qkv: torch.Tensor
+    b: torch.Tensor
+    a: torch.Tensor
+    mixed: torch.Tensor | None = None  # the conv outputs (kernel path)
+    device_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (qsl, seq) of a graphed step
 
 
 class RecurrentState:
@@ -71,7 +99,8 @@ class RecurrentState:
                  device: torch.device, dtype: torch.dtype):
         self.conv = torch.zeros(num_slots, conv_dim, kernel - 1, device=device, dtype=dtype)
         self.rec = torch.zeros(num_slots, heads, d_k, d_v, device=device, dtype=torch.float32)
-        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = {}
+        self.pending: PendingRows | None = None
+        self.step_rows: RecurrentRows | None = None  # a graphed step's sequences (the runner's, per replay)
 
     def start(self, slot: int, fresh: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv window, state) a sequence's rows start from: its slot's, or zeros when fresh."""
@@ -94,10 +123,9 @@ class GatedDeltaNet(nn.Module):
         self.kernel = cfg.linear_conv_kernel_dim
         self.act = activation(cfg.hidden_act)
         h = cfg.hidden_size
-        self.in_proj_qkv = Linear(h, self.conv_dim, bias=False)
-        self.in_proj_z = Linear(h, self.value_dim, bias=False)
-        self.in_proj_b = Linear(h, self.heads_v, bias=False)
-        self.in_proj_a = Linear(h, self.heads_v, bias=False)
+        # HF's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a as one matrix (one GEMM a step)
+        self.splits = [self.conv_dim, self.value_dim, self.heads_v, self.heads_v]
+        self.in_proj = Linear(h, sum(self.splits), bias=False)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.kernel))
         self.dt_bias = nn.Parameter(torch.ones(self.heads_v))
@@ -114,38 +142,92 @@ class GatedDeltaNet(nn.Module):
         return RecurrentState.bytes_per_slot(self.conv_dim, self.kernel, self.heads_v, self.d_k, self.d_v, dtype)
 
     def forward(self, x: torch.Tensor, state: RecurrentState, batch: AttentionBatch) -> torch.Tensor:
-        qkv, b, a = self.in_proj_qkv(x), self.in_proj_b(x), self.in_proj_a(x)
+        qkv, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
         rec = batch.recurrent
+        if isinstance(rec, torch.Tensor):  # a graphed step (DeviceMeta): its sequences as device tensors
+            return self.forward_graphed(x, qkv, z, b, a, state, batch.query_start_loc, rec)
         if rec is None:  # a placeholder step (kernel warm-up): from zero state, nothing kept
             n = len(batch.query_start_loc) - 1
             rec = RecurrentRows([-1] * n, [True] * n, [False] * n)
-        state.pending.clear()
-        core = torch.zeros(x.shape[0], self.heads_v, self.d_v, device=x.device, dtype=x.dtype)
-        for s, slot in enumerate(rec.slots):
-            r0, r1 = batch.query_start_loc[s], batch.query_start_loc[s + 1]
-            if r1 == r0:
-                continue
-            fresh = rec.fresh[s]
-            conv0, s0 = state.start(slot, fresh)
-            keep = rec.keep[s] and slot >= 0
-            out, conv1, s1 = self.scan(qkv[r0:r1], b[r0:r1], a[r0:r1], conv0, s0, chunked=not keep and r1 - r0 > 1)
-            core[r0:r1] = out
-            if slot < 0:
-                continue
-            if keep:  # rows may be rejected: commit() replays the accepted ones
-                state.pending[slot] = (qkv[r0:r1], b[r0:r1], a[r0:r1], fresh)
-            else:
-                state.conv[slot] = conv1
-                state.rec[slot] = s1
-        z = self.in_proj_z(x).view(-1, self.heads_v, self.d_v)
-        return self.out_proj(self.gated_norm(core, z).reshape(x.shape[0], self.value_dim))
+        pending = PendingRows(rec, batch.query_start_loc, qkv, b, a)
+        if self.kernels(x):
+            from flashdraft.models import gdn_triton
 
-    def commit(self, state: RecurrentState, slot: int, rows: int) -> None:
-        """The slot's state after the first `rows` kept rows of this step (the accepted ones)."""
-        qkv, b, a, fresh = state.pending.pop(slot)
-        _, conv1, s1 = self.scan(qkv[:rows], b[:rows], a[:rows], *state.start(slot, fresh))
-        state.conv[slot] = conv1
-        state.rec[slot] = s1
+            qsl, seq = rec.device_tensors(batch.query_start_loc, x.device)
+            pending.device_rows = qsl, seq
+            pending.mixed = gdn_triton.conv_rows(qkv, self.conv1d.weight, state.conv, qsl, seq)
+            gdn_triton.advance_windows(qkv, state.conv, qsl, seq)
+            core = gdn_triton.recur(pending.mixed, a, b, self.A_log, self.dt_bias, state.rec, qsl, seq,
+                                    self.key_dim, self.heads_k).view(-1, self.heads_v, self.d_v)
+        else:
+            core = torch.zeros(x.shape[0], self.heads_v, self.d_v, device=x.device, dtype=x.dtype)
+            for s, slot in enumerate(rec.slots):
+                r0, r1 = batch.query_start_loc[s], batch.query_start_loc[s + 1]
+                if r1 == r0:
+                    continue
+                keep = rec.keep[s] and slot >= 0
+                out, conv1, s1 = self.scan(qkv[r0:r1], b[r0:r1], a[r0:r1], *state.start(slot, rec.fresh[s]),
+                                           chunked=not keep and r1 - r0 > 1)
+                core[r0:r1] = out
+                if slot >= 0 and not keep:
+                    state.conv[slot] = conv1
+                    state.rec[slot] = s1
+        state.pending = pending if any(rec.keep) else None
+        return self.output(x, core, z)
+
+    def forward_graphed(self, x, qkv, z, b, a, state: RecurrentState, qsl: torch.Tensor, seq: torch.Tensor):
+        """The kernel path over a graph's buffers: the inputs are kept for commit() whatever the
+        sequences' keep flags (a capture cannot look at them); the runner names the step's
+        sequences in state.step_rows."""
+        from flashdraft.models import gdn_triton
+
+        mixed = gdn_triton.conv_rows(qkv, self.conv1d.weight, state.conv, qsl, seq)
+        gdn_triton.advance_windows(qkv, state.conv, qsl, seq)
+        core = gdn_triton.recur(mixed, a, b, self.A_log, self.dt_bias, state.rec, qsl, seq, self.key_dim,
+                                self.heads_k).view(-1, self.heads_v, self.d_v)
+        state.pending = PendingRows(state.step_rows, None, qkv, b, a, mixed, (qsl, seq))
+        return self.output(x, core, z)
+
+    def output(self, x: torch.Tensor, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        z = z.reshape(-1, self.heads_v, self.d_v)
+        if self.kernels(x):
+            from flashdraft.models import gdn_triton
+
+            normed = gdn_triton.gated_norm(core, z, self.norm.weight, self.norm_eps)
+        else:
+            normed = self.gated_norm(core, z)
+        return self.out_proj(normed.reshape(x.shape[0], self.value_dim))
+
+    def kernels(self, x: torch.Tensor) -> bool:
+        """Whether the step runs the Triton GDN kernels (models/gdn_triton.py): on the fused path,
+        for the silu conv activation they implement."""
+        return fused_enabled(x) and self.act is F.silu
+
+    def commit(self, state: RecurrentState, rows: dict[int, int]) -> None:
+        """Each slot of `rows` holds its state after the first rows[slot] kept rows of the last step
+        (the accepted ones)."""
+        p, state.pending = state.pending, None
+        if p is None or p.rows is None:
+            return
+        rec, qsl = p.rows, p.query_start_loc
+        if p.mixed is not None:
+            from flashdraft.engine.graphs import to_device
+            from flashdraft.models import gdn_triton
+
+            qsl_t, seq = p.device_rows
+            take = [rows.get(slot, 0) if keep and slot >= 0 else 0 for slot, keep in zip(rec.slots, rec.keep)]
+            take = to_device(take + [0] * (seq.shape[0] - len(take)), torch.int32, p.qkv.device)  # graph padding
+            gdn_triton.advance_windows(p.qkv, state.conv, qsl_t, seq, take)
+            gdn_triton.recur(p.mixed, p.a, p.b, self.A_log, self.dt_bias, state.rec, qsl_t, seq, self.key_dim,
+                             self.heads_k, take=take)
+            return
+        for s, slot in enumerate(rec.slots):
+            if not rec.keep[s] or slot not in rows:
+                continue
+            r0, r1 = qsl[s], qsl[s] + rows[slot]
+            _, conv1, s1 = self.scan(p.qkv[r0:r1], p.b[r0:r1], p.a[r0:r1], *state.start(slot, rec.fresh[s]))
+            state.conv[slot] = conv1
+            state.rec[slot] = s1
 
     def scan(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv0: torch.Tensor, s0: torch.Tensor,
              chunked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -164,6 +246,8 @@ class GatedDeltaNet(nn.Module):
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # log decay [n, heads_v]
         conv1 = window[:, -(self.kernel - 1):].clone()
+        rep = self.heads_v // self.heads_k
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)  # (older transformers want it)
         if chunked:
             from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
@@ -171,8 +255,7 @@ class GatedDeltaNet(nn.Module):
                                                   initial_state=s0[None], output_final_state=True,
                                                   use_qk_l2norm_in_kernel=True)
             return out[0].to(qkv.dtype), conv1, S[0].float()
-        rep = self.heads_v // self.heads_k
-        q, k, v = q.repeat_interleave(rep, dim=1).float(), k.repeat_interleave(rep, dim=1).float(), v.float()
+        q, k, v = q.float(), k.float(), v.float()
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * self.d_k**-0.5
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         decay = g.exp()
@@ -203,20 +286,26 @@ class GatedAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         bias = bool(getattr(cfg, "attention_bias", False))
         h = cfg.hidden_size
-        # q_proj: per head its query, then its gate (named apart from the q/k/v packing of load_packed)
-        self.q_gate_proj = Linear(h, 2 * self.n_heads * self.head_dim, bias=bias)
+        # HF's q_proj (per head its query, then its gate), k_proj and v_proj packed (load_packed)
         self.kv_size = self.n_kv * self.head_dim
-        self.kv_proj = Linear(h, 2 * self.kv_size, bias=bias)
+        self.splits = [2 * self.n_heads * self.head_dim, self.kv_size, self.kv_size]
+        self.qkv_proj = Linear(h, sum(self.splits), bias=bias)
         self.o_proj = Linear(self.n_heads * self.head_dim, h, bias=bias)
         self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, k_cache, v_cache, attn: AttentionBackend, batch: AttentionBatch):
-        q, gate = self.q_gate_proj(x).view(-1, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k, v = self.kv_proj(x).split(self.kv_size, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(-1, self.n_kv, self.head_dim))
-        v = v.view(-1, self.n_kv, self.head_dim)
+        qg, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
+        q, gate = qg.reshape(-1, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = k.reshape(-1, self.n_kv, self.head_dim)
+        if fused_enabled(x):
+            from flashdraft.models import fused
+
+            q = fused.add_rmsnorm(q, None, self.q_norm.weight, self.q_norm.eps, offset=True)[0]
+            k = fused.add_rmsnorm(k, None, self.k_norm.weight, self.k_norm.eps, offset=True)[0]
+        else:
+            q, k = self.q_norm(q), self.k_norm(k)
+        v = v.reshape(-1, self.n_kv, self.head_dim)
         r = self.rotary_dim
         q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], -1)
         k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], -1)
@@ -260,13 +349,22 @@ class HybridLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, h, cos, sin, cache, attn, batch):
+        if fused_enabled(h):  # each residual add and (1 + w) norm in one kernel
+            from flashdraft.models import fused
+
+            n1, n2 = self.input_layernorm, self.post_attention_layernorm
+            x = fused.add_rmsnorm(h, None, n1.weight, n1.eps, offset=True)[0]
+            x, h = fused.add_rmsnorm(self.mixer(x, cos, sin, cache, attn, batch), h, n2.weight, n2.eps, offset=True)
+            return h + self.mlp.forward_fused(x)
         x = self.input_layernorm(h)
-        if self.kind == "linear_attention":
-            h = h + self.linear_attn(x, cache, batch)
-        else:
-            h = h + self.self_attn(x, cos, sin, cache[0], cache[1], attn, batch)
+        h = h + self.mixer(x, cos, sin, cache, attn, batch)
         x = self.post_attention_layernorm(h)
-        return h + (self.mlp.forward_fused(x) if fused_enabled(x) else self.mlp(x))
+        return h + self.mlp(x)
+
+    def mixer(self, x, cos, sin, cache, attn, batch):
+        if self.kind == "linear_attention":
+            return self.linear_attn(x, cache, batch)
+        return self.self_attn(x, cos, sin, cache[0], cache[1], attn, batch)
 
 
 class HybridLM(nn.Module):
@@ -311,9 +409,14 @@ class HybridLM(nn.Module):
     def make_states(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> dict[int, RecurrentState]:
         return {i: self.layers[i].linear_attn.make_state(num_slots, device, dtype) for i in self.recurrent_layers()}
 
-    def commit_states(self, states: dict[int, RecurrentState], slot: int, rows: int) -> None:
+    def kernels_on(self, x: torch.Tensor) -> bool:
+        """Whether steps over activations like x run the GDN kernels (what CUDA graphs need)."""
+        return all(self.layers[i].linear_attn.kernels(x) for i in self.recurrent_layers())
+
+    def commit_states(self, states: dict[int, RecurrentState], rows: dict[int, int]) -> None:
+        """rows: slot -> the accepted rows of its sequence's last (kept) step."""
         for i, state in states.items():
-            self.layers[i].linear_attn.commit(state, slot, rows)
+            self.layers[i].linear_attn.commit(state, rows)
 
     def setup_rope(self, max_len: int) -> None:
         p = self.embed_tokens.weight
@@ -328,7 +431,12 @@ class HybridLM(nn.Module):
             h = layer(h, cos, sin, kv_cache[i], attn, batch)
             if i in tap_layers:
                 taps[i] = h
-        out = self.norm(h)
+        if fused_enabled(h):
+            from flashdraft.models import fused
+
+            out = fused.add_rmsnorm(h, None, self.norm.weight, self.norm.eps, offset=True)[0]
+        else:
+            out = self.norm(h)
         if len(self.layers) - 1 in taps:  # HF's last hidden_states entry: the final-normed state
             taps[len(self.layers) - 1] = out
         return out, (torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None)
@@ -348,20 +456,19 @@ class HybridLM(nn.Module):
                 continue
             name = name.removeprefix("model.language_model.").removeprefix("model.")
             parts = name.split(".")
-            if len(parts) >= 3 and parts[2] == "linear_attn" and parts[3] in ("in_proj_qkvz", "in_proj_ba"):
-                out.update(self._unpack_next(".".join(parts[:3]), parts[3], w))
+            if len(parts) >= 4 and parts[2] == "linear_attn" and parts[3] in ("in_proj_qkvz", "in_proj_ba"):
+                for key, part in self._unpack_next(".".join(parts[:3]), parts[3], w).items():
+                    out.setdefault(".".join(parts[:3]) + ".in_proj.weight", {})[key] = part
                 continue
-            if len(parts) >= 4 and parts[2] == "self_attn" and parts[3] in ("k_proj", "v_proj"):
-                out.setdefault(".".join(parts[:3]) + ".kv_proj." + parts[-1], {})[parts[3]] = w
+            if len(parts) >= 4 and parts[2] == "linear_attn" and parts[3] in IN_PROJ:
+                out.setdefault(".".join(parts[:3]) + ".in_proj." + parts[-1], {})[parts[3]] = w
                 continue
-            if len(parts) >= 4 and parts[2] == "self_attn" and parts[3] == "q_proj":
-                name = name.replace(".q_proj.", ".q_gate_proj.")
             out[name] = w
-        for key in [k for k in out if ".kv_proj." in k]:
-            pair = out[key]
-            if set(pair) != {"k_proj", "v_proj"}:
-                raise ValueError(f"checkpoint has only {sorted(pair)} of {key.replace('kv_proj', 'k_proj/v_proj')}")
-            out[key] = torch.cat([pair["k_proj"], pair["v_proj"]], 0)
+        for key in [k for k in out if ".in_proj." in k]:
+            parts = out[key]
+            if set(parts) != set(IN_PROJ):
+                raise ValueError(f"checkpoint has only {sorted(parts)} of {key.replace('in_proj', '/'.join(IN_PROJ))}")
+            out[key] = torch.cat([parts[n] for n in IN_PROJ], 0)
         load_packed(self, stack_experts(out))
 
     def _unpack_next(self, prefix: str, kind: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -370,8 +477,7 @@ class HybridLM(nn.Module):
         hk, dk, dv, rep = gdn.heads_k, gdn.d_k, gdn.d_v, gdn.heads_v // gdn.heads_k
         if kind == "in_proj_ba":
             b, a = w.view(hk, 2 * rep, -1).split([rep, rep], dim=1)
-            return {f"{prefix}.in_proj_b.weight": b.reshape(gdn.heads_v, -1),
-                    f"{prefix}.in_proj_a.weight": a.reshape(gdn.heads_v, -1)}
+            return {"in_proj_b": b.reshape(gdn.heads_v, -1), "in_proj_a": a.reshape(gdn.heads_v, -1)}
         q, k, v, z = w.view(hk, 2 * dk + 2 * rep * dv, -1).split([dk, dk, rep * dv, rep * dv], dim=1)
         qkv = torch.cat([q.reshape(gdn.key_dim, -1), k.reshape(gdn.key_dim, -1), v.reshape(gdn.value_dim, -1)])
-        return {f"{prefix}.in_proj_qkv.weight": qkv, f"{prefix}.in_proj_z.weight": z.reshape(gdn.value_dim, -1)}
+        return {"in_proj_qkv": qkv, "in_proj_z": z.reshape(gdn.value_dim, -1)}

@@ -279,7 +279,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
 
     def _commit(self, plans: list[Plan], chosen: dict[int, list[int]]) -> list[Sequence]:
         eng = self.engine
-        advanced, kept, moves = [], [], []
+        advanced, kept, moves, committed = [], [], [], {}
         for i, p in enumerate(plans):
             s = p.seq
             if not p.verify:
@@ -293,13 +293,15 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
                 st.record(a, p.n - 1)
             start = s.num_computed_tokens
             s.num_computed_tokens = start + a + 1
-            eng.runner.commit_states(eng.block_manager, s, a + 1)  # hybrid targets: the accepted rows' state
+            if eng.runner.hybrid:  # the slot now: a sequence that finishes below gives it back
+                committed[eng.block_manager.slot(s.seq_id)] = a + 1
             eng.append_tokens(s, target[: a + 1])
             advanced.append(s)
             if not s.is_finished:
                 if p.path:
                     moves += self._path_moves(s, start, p.path)
                 kept.append((s, start + p.n, a))
+        eng.runner.commit_states(committed)  # hybrid targets: the accepted rows' state
         if moves:  # before poisoning or freeing what lies past the committed length
             self._move_kv(moves)
         for s, end, a in kept:

@@ -213,52 +213,13 @@ def test_eager_steps_padded_to_few_row_counts_give_the_same_tokens(tiny_llama, t
     assert got[PAD_ROWS] == got[0]
 
 
-@pytest.mark.parametrize("kind", ["sliding", "moe", "gpt_oss"])
-@pytest.mark.parametrize("with_drafter", [False, True])
-def test_new_targets_through_graphs(tmp_path, with_drafter, kind):
-    """A target whose upper layers slide (Qwen3 use_sliding_window: the Triton kernels' windows, one backend
-    per mask in the runner), a Qwen3-MoE target (the grouped expert kernels) and a GPT-OSS target (sinks,
-    alternating windows, the kernels' biases and clamped SwiGLU) through the decode, verify and ragged
-    graphs: the eager torch engine's tokens (float32), and with a drafter the same again."""
-    from fixtures import build_random_drafter, build_tiny_model
+def _triton_engine_matches_eager_torch(tmp_path, target, with_drafter: bool, prepare=None) -> None:
+    """A target's tokens on the Triton backend and fused kernels (prepare(llm) first, when given) equal
+    the eager torch engine's (float32), and with a drafter so do the acceptance counts."""
+    from fixtures import build_random_drafter
 
     from flashdraft import LLM, SamplingParams
 
-    if kind == "sliding":
-        target = build_tiny_model(tmp_path / "t", "qwen3", use_sliding_window=True, sliding_window=6,
-                                  max_window_layers=1)
-    else:
-        target = build_tiny_model(tmp_path / "t", "qwen3_moe" if kind == "moe" else "gpt_oss")
-    draft = str(build_random_drafter(tmp_path / "d", target, block_size=4)) if with_drafter else None
-    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
-    kw = dict(device=DEVICE, dtype="float32", kv_block_size=8, draft=draft)
-    eager = LLM(str(target), attention_backend="torch", cuda_graphs=False, **kw)
-    want = [o.token_ids for o in eager.generate(prompts, params)]
-    graphed = LLM(str(target), attention_backend="triton", **kw)
-    runner = graphed.engine.runner
-    if not runner.use_graphs:
-        runner.use_graphs = True
-        if with_drafter:
-            graphed.engine.spec.capture_graphs()
-        else:
-            runner.capture_graphs(("target", ()), 1, True, runner.attn, runner.target_step(()), 3)
-    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
-    if with_drafter:
-        assert graphed.engine.spec_totals() == eager.engine.spec_totals()
-
-
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_text"])
-@pytest.mark.parametrize("with_drafter", [False, True])
-def test_hybrid_targets_on_the_gpu_path(tmp_path, with_drafter, kind):
-    """Hybrid targets (Gated DeltaNet state, gated attention, shared-expert MoE) on the Triton attention
-    backend and fused kernels, steps run eagerly: the eager torch engine's tokens (float32), and with a
-    drafter its acceptance counts too."""
-    from fixtures import build_random_drafter, build_tiny_model
-
-    from flashdraft import LLM, SamplingParams
-
-    target = build_tiny_model(tmp_path / "t", kind)
     draft = str(build_random_drafter(tmp_path / "d", target, block_size=4)) if with_drafter else None
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -266,6 +227,48 @@ def test_hybrid_targets_on_the_gpu_path(tmp_path, with_drafter, kind):
     eager = LLM(str(target), attention_backend="torch", cuda_graphs=False, **kw)
     want = [o.token_ids for o in eager.generate(prompts, params)]
     fast = LLM(str(target), attention_backend="triton", **kw)
+    if prepare is not None:
+        prepare(fast)
     assert [o.token_ids for o in fast.generate(prompts, params)] == want
     if with_drafter:
         assert fast.engine.spec_totals() == eager.engine.spec_totals()
+
+
+@pytest.mark.parametrize("kind", ["sliding", "moe", "gpt_oss"])
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_new_targets_through_graphs(tmp_path, with_drafter, kind):
+    """A target whose upper layers slide (Qwen3 use_sliding_window: the Triton kernels' windows, one backend
+    per mask in the runner), a Qwen3-MoE target (the grouped expert kernels) and a GPT-OSS target (sinks,
+    alternating windows, the kernels' biases and clamped SwiGLU) through the decode, verify and ragged
+    graphs: the eager torch engine's tokens (float32), and with a drafter the same again."""
+    from fixtures import build_tiny_model
+
+    if kind == "sliding":
+        target = build_tiny_model(tmp_path / "t", "qwen3", use_sliding_window=True, sliding_window=6,
+                                  max_window_layers=1)
+    else:
+        target = build_tiny_model(tmp_path / "t", "qwen3_moe" if kind == "moe" else "gpt_oss")
+
+    _triton_engine_matches_eager_torch(tmp_path, target, with_drafter, _graphs_on)
+
+
+def _graphs_on(llm) -> None:
+    """Graphs on (under the interpreter too: the static buffers and padding, run eagerly)."""
+    runner = llm.engine.runner
+    if not runner.use_graphs:
+        runner.use_graphs = True
+        if llm.engine.spec is not None:
+            llm.engine.spec.capture_graphs()
+        else:
+            runner.capture_graphs(("target", ()), 1, True, runner.attn, runner.target_step(()), 3)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_text"])
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_hybrid_targets_on_the_gpu_path(tmp_path, with_drafter, kind):
+    """Hybrid targets (Gated DeltaNet state, gated attention, shared-expert MoE) on the Triton attention
+    backend, the GDN kernels and graphs (decode, and with a drafter the whole DFlash step with its kept
+    rows committed after the graph)."""
+    from fixtures import build_tiny_model
+
+    _triton_engine_matches_eager_torch(tmp_path, build_tiny_model(tmp_path / "t", kind), with_drafter, _graphs_on)

@@ -66,6 +66,26 @@ def test_add_rmsnorm(rows, n, with_residual, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n,with_residual", [(1, 1024, False), (7, 256, True), (3, 5120, True)])
+def test_add_offset_rmsnorm(rows, n, with_residual, dtype):
+    """offset=True against the hybrid targets' zero-centred norm, (1 + w) in float32, rounded once."""
+    from flashdraft.models.hybrid import OffsetRMSNorm
+
+    g = torch.Generator().manual_seed(n + rows)
+    norm = OffsetRMSNorm(n, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(randn(n, gen=g, scale=0.2))
+    x, res = randn(rows, n, dtype=dtype, gen=g), randn(rows, n, dtype=dtype, gen=g, scale=3.0)
+    with torch.no_grad():
+        want_res = x + res if with_residual else x
+        want = norm(want_res)
+    out, new_res = fused.add_rmsnorm(x, res if with_residual else None, norm.weight, norm.eps, offset=True)
+    assert out.dtype == want.dtype and out.shape == want.shape
+    close(new_res, want_res, dtype, "residual")
+    close(out, want, dtype, "normed")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape,dim", [((1,), 64), ((16,), 4096), ((3, 5), 100), ((0,), 64), ((2,), 2500)])
 def test_embedding(shape, dim, dtype):
     """fused_tokens.embedding against nn.Embedding: exact copies of the rows, ids of any shape (int32 or

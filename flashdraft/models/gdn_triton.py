@@ -1,0 +1,199 @@
+"""Gated DeltaNet layers on the GPU: the causal conv and the recurrence of every sequence of a step in
+three Triton launches, reading and writing the state slots in place (models/hybrid.py has the math
+and the torch reference; this file follows it operation for operation, in float32 inside the kernels).
+
+A step's sequences are described by two device tensors, so the launches need no host values and
+can be captured in CUDA graphs: `qsl` [S + 1] (row offsets, int32) and `seq` [S, 3] (slot, fresh,
+keep; slot -1 = a padding sequence). Per step:
+
+    conv      mixed[t] = silu(sum_j w[:, j] x[t - K + 1 + j])     grid (rows, channel blocks)
+              x before the sequence's first row comes from its slot's conv window (zeros when fresh)
+    window    the slot's conv window <- the last K - 1 inputs         grid (sequences, channel blocks)
+    recur     S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q, per row in order
+                                                                      grid (sequences, heads_v, d_v blocks)
+
+Sequences whose rows may be rejected (keep: a DFlash verify) leave their slot as it was; `commit`
+runs the window and recur launches again over the first `take` rows of that step (their conv
+outputs kept from the step), which stores exactly the state after the last accepted row.
+
+Prefill of long prompts could use a chunked kernel (fla-core); the recurrent form here runs every
+length, one row after another inside each program."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_C = 128  # conv channels per program
+BLOCK_V = 32  # value columns of the state per program (the state block is [d_k, BLOCK_V] in registers)
+
+
+@triton.jit
+def _conv_kernel(x_ptr, w_ptr, win_ptr, out_ptr, qsl_ptr, seq_ptr, S, C, stride_x, stride_out,
+                 K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    ends = tl.load(qsl_ptr + 1 + tl.arange(0, BLOCK_S), mask=tl.arange(0, BLOCK_S) < S, other=2**30)
+    s = tl.sum((ends <= t).to(tl.int32))  # the row's sequence
+    if s >= S:
+        return  # a padding row
+    j = t - tl.load(qsl_ptr + s)  # the row's index in its sequence
+    slot = tl.load(seq_ptr + 3 * s)
+    from_slot = (slot >= 0) & (tl.load(seq_ptr + 3 * s + 1) == 0)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for i in tl.static_range(K):
+        idx = j - (K - 1) + i  # < 0: in the conv window before the step's rows
+        xv = tl.load(x_ptr + (t - (K - 1) + i) * stride_x + c, mask=cm & (idx >= 0), other=0.0).to(tl.float32)
+        wv = tl.load(win_ptr + (slot * C + c) * (K - 1) + (K - 1) + idx, mask=cm & (idx < 0) & from_slot,
+                     other=0.0).to(tl.float32)
+        acc += tl.load(w_ptr + c * K + i, mask=cm, other=0.0).to(tl.float32) * (xv + wv)
+    acc = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + t * stride_out + c, acc.to(out_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def _window_kernel(x_ptr, win_ptr, qsl_ptr, seq_ptr, take_ptr, C, stride_x, K: tl.constexpr, COMMIT: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    """The slot's conv window after n more inputs (n: the step's rows, or in a commit `take`)."""
+    s = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    slot = tl.load(seq_ptr + 3 * s)
+    r0 = tl.load(qsl_ptr + s)
+    if COMMIT:
+        n = tl.load(take_ptr + s)
+    else:
+        n = tl.load(qsl_ptr + s + 1) - r0
+        n = tl.where(tl.load(seq_ptr + 3 * s + 2) != 0, 0, n)  # kept rows wait for the commit
+    if (slot < 0) | (n == 0):
+        return
+    from_slot = tl.load(seq_ptr + 3 * s + 1) == 0
+    # in place: entry i of the new window reads entry i + n > i of the old one, so filling i upwards
+    # never reads an entry already written (each program owns its channels)
+    for i in tl.static_range(K - 1):
+        pos = n - (K - 1) + i
+        xv = tl.load(x_ptr + (r0 + pos) * stride_x + c, mask=cm & (pos >= 0), other=0.0)
+        wv = tl.load(win_ptr + (slot * C + c) * (K - 1) + (K - 1) + pos, mask=cm & (pos < 0) & from_slot,
+                     other=0.0)
+        tl.store(win_ptr + (slot * C + c) * (K - 1) + i, (xv.to(tl.float32) + wv.to(tl.float32))
+                 .to(win_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def _recur_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, out_ptr, qsl_ptr, seq_ptr, take_ptr,
+                  stride_m, stride_ab, stride_out, key_dim, HV, rep, scale, DK: tl.constexpr, DV: tl.constexpr,
+                  BLOCK_V: tl.constexpr, COMMIT: tl.constexpr):
+    s = tl.program_id(0)
+    hv = tl.program_id(1)
+    v0 = tl.program_id(2) * BLOCK_V
+    slot = tl.load(seq_ptr + 3 * s)
+    fresh = tl.load(seq_ptr + 3 * s + 1) != 0
+    r0 = tl.load(qsl_ptr + s)
+    if COMMIT:  # the first `take` rows of the step (0: the sequence is not committed here)
+        r1 = r0 + tl.load(take_ptr + s)
+        store = slot >= 0
+    else:
+        r1 = tl.load(qsl_ptr + s + 1)
+        store = (slot >= 0) & (tl.load(seq_ptr + 3 * s + 2) == 0)
+    if r1 == r0:
+        return
+    kk = tl.arange(0, DK)
+    vv = v0 + tl.arange(0, BLOCK_V)
+    sp = state_ptr + ((tl.maximum(slot, 0) * HV + hv) * DK + kk[:, None]) * DV + vv[None, :]
+    st = tl.load(sp, mask=(slot >= 0) & ~fresh, other=0.0)  # [DK, BLOCK_V] float32
+    hk = hv // rep
+    neg_a = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
+    dtb = tl.load(dtb_ptr + hv).to(tl.float32)
+    for t in range(r0, r1):
+        row = mixed_ptr + t * stride_m
+        q = tl.load(row + hk * DK + kk).to(tl.float32)
+        k = tl.load(row + key_dim + hk * DK + kk).to(tl.float32)
+        v = tl.load(row + 2 * key_dim + hv * DV + vv).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+        beta = tl.sigmoid(tl.load(b_ptr + t * stride_ab + hv).to(tl.float32))
+        x = tl.load(a_ptr + t * stride_ab + hv).to(tl.float32) + dtb
+        g = neg_a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # softplus, threshold 20 as torch's
+        st = st * tl.exp(g)
+        delta = (v - tl.sum(st * k[:, None], 0)) * beta
+        st = st + k[:, None] * delta[None, :]
+        if not COMMIT:
+            o = tl.sum(st * q[:, None], 0)
+            tl.store(out_ptr + t * stride_out + hv * DV + vv, o.to(out_ptr.dtype.element_ty))
+    tl.store(sp, st, mask=store)
+
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def conv_rows(qkv: torch.Tensor, weight: torch.Tensor, window: torch.Tensor, qsl: torch.Tensor,
+              seq: torch.Tensor) -> torch.Tensor:
+    """silu(causal depthwise conv) of every row of the step: [T, C] in qkv's dtype."""
+    T, C = qkv.shape
+    K = weight.shape[-1]
+    out = torch.zeros_like(qkv)
+    S = seq.shape[0]
+    if T and S:
+        _conv_kernel[(T, triton.cdiv(C, BLOCK_C))](qkv, weight, window, out, qsl, seq, S, C, qkv.stride(0),
+                                                   out.stride(0), K=K, BLOCK_S=_pow2(S), BLOCK_C=BLOCK_C)
+    return out
+
+
+def advance_windows(qkv: torch.Tensor, window: torch.Tensor, qsl: torch.Tensor, seq: torch.Tensor,
+                    take: torch.Tensor | None = None) -> None:
+    """Each slot's conv window after its sequence's rows (the kept ones skipped), or with `take`
+    after the first take[s] rows of each sequence (a commit)."""
+    S, C, K = seq.shape[0], window.shape[1], window.shape[2] + 1
+    if S:
+        _window_kernel[(S, triton.cdiv(C, BLOCK_C))](qkv, window, qsl, seq, take if take is not None else qsl,
+                                                     C, qkv.stride(0), K=K, COMMIT=take is not None,
+                                                     BLOCK_C=BLOCK_C)
+
+
+def recur(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+          state: torch.Tensor, qsl: torch.Tensor, seq: torch.Tensor, key_dim: int, heads_k: int,
+          take: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The gated delta rule over every sequence's rows from its slot's state (zeros when fresh):
+    outputs [T, heads_v * d_v] in mixed's dtype, each slot's state stored after its rows (the kept
+    ones skipped). With `take`: no outputs, each slot's state after its first take[s] rows."""
+    T = mixed.shape[0]
+    S = seq.shape[0]
+    _, HV, DK, DV = state.shape
+    out = None if take is not None else torch.zeros(T, HV * DV, device=mixed.device, dtype=mixed.dtype)
+    if S:
+        a, b = a.contiguous(), b.contiguous()
+        _recur_kernel[(S, HV, triton.cdiv(DV, BLOCK_V))](
+            mixed, a, b, A_log, dt_bias, state, out if out is not None else mixed, qsl, seq,
+            take if take is not None else qsl, mixed.stride(0), a.stride(0), HV * DV, key_dim, HV, HV // heads_k,
+            DK**-0.5, DK=DK, DV=DV, BLOCK_V=min(BLOCK_V, DV), COMMIT=take is not None)
+    return out
+
+
+@triton.jit
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, eps, heads, stride_z, N: tl.constexpr, BLOCK: tl.constexpr):
+    """One head row: w * rmsnorm(o) (each product rounded as torch rounds it) times silu(z) in float32."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    ok = d < N
+    dt = out_ptr.dtype.element_ty
+    h = tl.load(o_ptr + row * N + d, mask=ok, other=0.0).to(tl.float32)
+    n = (h * tl.rsqrt(tl.sum(h * h, 0) / N + eps)).to(dt).to(tl.float32)
+    hw = (tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32) * n).to(dt).to(tl.float32)
+    z = tl.load(z_ptr + (row // heads) * stride_z + (row % heads) * N + d, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + d, (hw * (z * tl.sigmoid(z))).to(dt), mask=ok)
+
+
+def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GatedDeltaNet.gated_norm in one launch: o [T, heads, d_v], z [T, heads, d_v] (rows may be strided)."""
+    o = o.contiguous()
+    T, heads, n = o.shape
+    if z.stride(2) != 1 or z.stride(1) != n:
+        z = z.contiguous()
+    out = torch.empty_like(o)
+    if T:
+        _gated_norm_kernel[(T * heads,)](o, z, weight, out, eps, heads, z.stride(0), N=n,
+                                         BLOCK=triton.next_power_of_2(n))
+    return out
