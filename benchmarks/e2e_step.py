@@ -1,0 +1,208 @@
+"""The engine's step time end to end, through the public API, at real model shapes with random weights:
+config-only folders (target and a z-lab-shaped DFlash drafter) loaded with load_format="dummy", then
+`LLM.generate` at each concurrency, plain and with the drafter. A step's time is the difference
+between two runs of the same prompts, n + N and n new tokens, over the difference in engine steps,
+so prefill and start-up drop out (n outlasts the prefill chunks, beside which early prompts decode). The random drafter's drafts are never accepted (tau = 1): its arm
+gives the DFlash step's cost, and DFlash step / plain step is the tau at which speculation breaks
+even. Beside each plain step: the memory roofline of the bytes it reads (every weight but the
+embedding table, the context's K/V, a hybrid target's recurrent state read and written) over the
+bandwidth of a device copy measured in the same run.
+
+    python benchmarks/e2e_step.py --target qwen3.5-0.8b --out e2e.json        # a GPU
+    python benchmarks/e2e_step.py --target tiny-hybrid --device cpu            # smoke test, anywhere
+
+Writes one JSON document (stdout, and --out)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from flashdraft import LLM, SamplingParams  # noqa: E402
+from flashdraft.engine.model_runner import kv_bytes_per_token, state_bytes_per_seq  # noqa: E402
+from flashdraft.models.moe import MoE  # noqa: E402
+from flashdraft.speculative.formats import default_target_layer_ids  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks" / "device"))
+from gpu_roofline import GPT_OSS_20B, QWEN3_30B_A3B  # noqa: E402
+
+QWEN35 = dict(model_type="qwen3_5_text", linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+              full_attention_interval=4, vocab_size=248320, head_dim=256, rms_norm_eps=1e-6,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+TARGETS = {
+    # Qwen3.5-27B: 64 layers, 48 Gated DeltaNet (16 key / 48 value heads of 128) and 16 gated attention
+    "qwen3.5-27b": dict(QWEN35, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                        num_attention_heads=24, num_key_value_heads=4, linear_num_key_heads=16,
+                        linear_num_value_heads=48, tie_word_embeddings=False),
+    "qwen3.5-0.8b": dict(QWEN35, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                         num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=16,
+                         linear_num_value_heads=16, tie_word_embeddings=True),
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     tie_word_embeddings=False),
+    # mixtures of experts: no roofline here (it depends on the experts a step's routing reads; the in-graph
+    # figures of benchmarks/device/gpu_roofline.py count them). Random weights make the tokens degenerate
+    # (the random drafter repeats one token; a batch decodes alike), so rows route alike: only the plain
+    # batch-1 step reads what a real one reads.
+    "gpt-oss-20b": dict(GPT_OSS_20B, model_type="gpt_oss", max_position_embeddings=131072, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(QWEN3_30B_A3B, model_type="qwen3_moe", tie_word_embeddings=False),
+    "tiny-hybrid": dict(QWEN35, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32,
+                        linear_num_key_heads=2, linear_num_value_heads=4, vocab_size=1000,
+                        tie_word_embeddings=True),
+}
+
+
+def write_folders(root: Path, target: dict, draft_layers: int, block: int) -> tuple[Path, Path]:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+
+    t, d = root / "target", root / "draft"
+    for f in (t, d):
+        f.mkdir(parents=True, exist_ok=True)
+    kw = dict(target)
+    AutoConfig.for_model(kw.pop("model_type"), **kw).save_pretrained(t)
+    words = {f"w{i}": i for i in range(255)} | {"<eos>": 255}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<eos>").save_pretrained(t)
+    h, n = target["hidden_size"], target["num_hidden_layers"]
+    heads = max(4, h // 128)
+    layer = dict(model_type="qwen3", hidden_size=h, intermediate_size=target["intermediate_size"],
+                 num_hidden_layers=draft_layers, num_attention_heads=heads, num_key_value_heads=min(8, heads),
+                 head_dim=min(128, h // heads), rms_norm_eps=1e-6, rope_theta=1e7, attention_bias=False,
+                 vocab_size=target["vocab_size"], max_position_embeddings=40960)
+    cfg = {**layer, "architectures": ["DFlashDraftModel"], "num_target_layers": n, "block_size": block,
+           "dflash_config": {"mask_token_id": 0, "target_layer_ids": default_target_layer_ids(n, draft_layers)}}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return t, d
+
+
+def copy_bandwidth(device: torch.device) -> float | None:
+    """Bytes per second of a device-to-device copy, counting bytes read and written (best of 10)."""
+    if device.type != "cuda":
+        return None
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del a, b
+    return 2 * (1 << 30) / best
+
+
+def step_bytes(llm: LLM, batch: int, context: int) -> int | None:
+    """What one plain decode step reads: every weight but the embedding table (unless it is also the
+    head), the K/V of `context` tokens per sequence, and each sequence's recurrent state, read and
+    written. None for a mixture of experts."""
+    model, dtype = llm.engine.runner.model, llm.engine.dtype
+    if any(isinstance(m, MoE) for m in model.modules()):
+        return None
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_tokens.weight")
+    if getattr(model, "tied", False):
+        weights += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return weights + batch * (context * kv_bytes_per_token(model, dtype) + 2 * state_bytes_per_seq(model, dtype))
+
+
+def timed(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
+    eng = llm.engine
+    steps = eng.stats["num_steps"]
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, eng.stats["num_steps"] - steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="qwen3.5-0.8b", choices=sorted(TARGETS))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    ap.add_argument("--arms", default="plain,dflash")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    conc = [int(c) for c in args.concurrency.split(",")]
+    result = {"target": args.target, "shape": TARGETS[args.target], "device": torch.cuda.get_device_name(device)
+              if device.type == "cuda" else "cpu", "torch": torch.__version__, "prompt_len": args.prompt_len,
+              "new_tokens": args.new_tokens, "copy_bytes_per_s": copy_bandwidth(device), "arms": {}}
+    bw = result["copy_bytes_per_s"]
+    arms = args.arms.split(",")
+    if device.type == "cuda" and len(arms) > 1:  # one process per arm: each gets the whole GPU
+        with tempfile.TemporaryDirectory() as tmp:
+            for arm in arms:
+                out = Path(tmp) / f"{arm}.json"
+                subprocess.run([sys.executable, __file__, *sys.argv[1:], "--arms", arm, "--out", str(out)], check=True)
+                one = json.loads(out.read_text())
+                result["arms"][arm] = one["arms"][arm]
+                result.update({k: v for k, v in one.items() if k in ("state_bytes_per_seq", "graphs")})
+        arms = []
+    with tempfile.TemporaryDirectory() as tmp:
+        target, draft = write_folders(Path(tmp), TARGETS[args.target], args.draft_layers, args.block)
+        for arm in arms:
+            llm = LLM(str(target), draft=str(draft) if arm == "dflash" else None, device=args.device,
+                      load_format="dummy", max_num_seqs=max(conc), kv_cache_memory_gb=args.kv_cache_memory_gb,
+                      max_model_len=args.prompt_len + args.new_tokens + 64)
+            gen = torch.Generator().manual_seed(0)
+            vocab = TARGETS[args.target]["vocab_size"]
+            rows = []
+            for c in conc:
+                prompts = torch.randint(0, vocab, (c, args.prompt_len), generator=gen).tolist()
+                # the short run outlasts the prefill: prompts are prefilled in chunks of max_num_batched_tokens,
+                # and early ones decode beside later chunks (ragged steps); both runs hold those steps alike
+                short = 2 + -(-c * args.prompt_len // llm.engine.config.max_num_batched_tokens)
+                timed(llm, prompts, short + 4)  # warm-up: every step shape both runs meet (eager ones compile)
+                t1, s1 = timed(llm, prompts, short)
+                tn, sn = timed(llm, prompts, short + args.new_tokens)
+                ms = 1e3 * (tn - t1) / max(sn - s1, 1)
+                row = {"concurrency": c, "ms_per_step": round(ms, 3), "steps": sn - s1,
+                       "tokens_per_step": round(c * args.new_tokens / max(sn - s1, 1), 3)}
+                nbytes = step_bytes(llm, c, args.prompt_len + args.new_tokens // 2)
+                if bw and nbytes:
+                    floor = 1e3 * nbytes / bw
+                    row |= {"roofline_ms": round(floor, 3), "x_roofline": round(ms / floor, 3)}
+                rows.append(row)
+                print(json.dumps({"arm": arm, **row}), flush=True)
+            result["arms"][arm] = rows
+            if arm == "plain":
+                result["state_bytes_per_seq"] = state_bytes_per_seq(llm.engine.runner.model, llm.engine.dtype)
+                result["graphs"] = llm.engine.runner.use_graphs
+            del llm
+            gc.collect()  # the engine and its speculator refer to each other
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if "plain" in result["arms"] and "dflash" in result["arms"]:
+        result["break_even_tau"] = {r["concurrency"]: round(d["ms_per_step"] / r["ms_per_step"], 3)
+                                    for r, d in zip(result["arms"]["plain"], result["arms"]["dflash"])}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
