@@ -6,7 +6,8 @@ so prefill and start-up drop out (n outlasts the prefill chunks, beside which ea
 gives the DFlash step's cost, and DFlash step / plain step is the tau at which speculation breaks
 even. Beside each plain step: the memory roofline of the bytes it reads (every weight but the
 embedding table, the context's K/V, a hybrid target's recurrent state read and written) over the
-bandwidth of a device copy measured in the same run.
+bandwidth of a device copy measured in the same run, and the same step timed inside its CUDA graph
+(replays of the captured decode or whole-DFlash-step graph): end to end minus in graph is host time.
 
     python benchmarks/e2e_step.py --target qwen3.5-0.8b --out e2e.json        # a GPU
     python benchmarks/e2e_step.py --target tiny-hybrid --device cpu            # smoke test, anywhere
@@ -120,6 +121,28 @@ def step_bytes(llm: LLM, batch: int, context: int) -> int | None:
     return weights + batch * (context * kv_bytes_per_token(model, dtype) + 2 * state_bytes_per_seq(model, dtype))
 
 
+def in_graph_ms(llm: LLM, arm: str, batch: int, replays: int = 20) -> float | None:
+    """The same step timed inside its CUDA graph: the captured decode graph (plain) or whole-DFlash-step
+    graph of this batch's bucket, replayed over the inputs of the last step it ran (it rewrites the same
+    K/V slots and states); None without graphs."""
+    eng = llm.engine
+    runner = eng.runner
+    bucket = 1 << (batch - 1).bit_length()
+    key = (("target", ()), bucket, 1) if arm == "plain" else (("dflash", eng.spec.tap_layers), bucket,
+                                                                eng.spec.block_size)
+    g = runner.graphs.get(key)
+    if g is None or not g.captured:
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def timed(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
     eng = llm.engine
     steps = eng.stats["num_steps"]
@@ -185,6 +208,9 @@ def main() -> None:
                 if bw and nbytes:
                     floor = 1e3 * nbytes / bw
                     row |= {"roofline_ms": round(floor, 3), "x_roofline": round(ms / floor, 3)}
+                graph = in_graph_ms(llm, arm, c)
+                if graph is not None:
+                    row["in_graph_ms"] = round(graph, 3)
                 rows.append(row)
                 print(json.dumps({"arm": arm, **row}), flush=True)
             result["arms"][arm] = rows
