@@ -144,21 +144,21 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: RecurrentState, batch: AttentionBatch) -> torch.Tensor:
         qkv, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
         rec = batch.recurrent
-        if isinstance(rec, torch.Tensor):  # a graphed step (DeviceMeta): its sequences as device tensors
-            return self.forward_graphed(x, qkv, z, b, a, state, batch.query_start_loc, rec)
+        if isinstance(rec, torch.Tensor):
+            # a graphed step (DeviceMeta): its sequences as device tensors; the inputs are kept for
+            # commit() whatever the keep flags (a capture cannot look at them), and the runner names
+            # the step's sequences in state.step_rows before each replay
+            qsl = batch.query_start_loc
+            mixed, core = self.run_kernels(qkv, b, a, state, qsl, rec)
+            state.pending = PendingRows(state.step_rows, None, qkv, b, a, mixed, (qsl, rec))
+            return self.output(x, core, z)
         if rec is None:  # a placeholder step (kernel warm-up): from zero state, nothing kept
             n = len(batch.query_start_loc) - 1
             rec = RecurrentRows([-1] * n, [True] * n, [False] * n)
         pending = PendingRows(rec, batch.query_start_loc, qkv, b, a)
         if self.kernels(x):
-            from flashdraft.models import gdn_triton
-
-            qsl, seq = rec.device_tensors(batch.query_start_loc, x.device)
-            pending.device_rows = qsl, seq
-            pending.mixed = gdn_triton.conv_rows(qkv, self.conv1d.weight, state.conv, qsl, seq)
-            gdn_triton.advance_windows(qkv, state.conv, qsl, seq)
-            core = gdn_triton.recur(pending.mixed, a, b, self.A_log, self.dt_bias, state.rec, qsl, seq,
-                                    self.key_dim, self.heads_k).view(-1, self.heads_v, self.d_v)
+            pending.device_rows = rec.device_tensors(batch.query_start_loc, x.device)
+            pending.mixed, core = self.run_kernels(qkv, b, a, state, *pending.device_rows)
         else:
             core = torch.zeros(x.shape[0], self.heads_v, self.d_v, device=x.device, dtype=x.dtype)
             for s, slot in enumerate(rec.slots):
@@ -175,18 +175,15 @@ class GatedDeltaNet(nn.Module):
         state.pending = pending if any(rec.keep) else None
         return self.output(x, core, z)
 
-    def forward_graphed(self, x, qkv, z, b, a, state: RecurrentState, qsl: torch.Tensor, seq: torch.Tensor):
-        """The kernel path over a graph's buffers: the inputs are kept for commit() whatever the
-        sequences' keep flags (a capture cannot look at them); the runner names the step's
-        sequences in state.step_rows."""
+    def run_kernels(self, qkv, b, a, state: RecurrentState, qsl: torch.Tensor, seq: torch.Tensor):
+        """The step on the GPU (models/gdn_triton.py): (conv outputs, recurrence outputs [T, heads_v, d_v])."""
         from flashdraft.models import gdn_triton
 
         mixed = gdn_triton.conv_rows(qkv, self.conv1d.weight, state.conv, qsl, seq)
         gdn_triton.advance_windows(qkv, state.conv, qsl, seq)
         core = gdn_triton.recur(mixed, a, b, self.A_log, self.dt_bias, state.rec, qsl, seq, self.key_dim,
-                                self.heads_k).view(-1, self.heads_v, self.d_v)
-        state.pending = PendingRows(state.step_rows, None, qkv, b, a, mixed, (qsl, seq))
-        return self.output(x, core, z)
+                                self.heads_k)
+        return mixed, core.view(-1, self.heads_v, self.d_v)
 
     def output(self, x: torch.Tensor, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         z = z.reshape(-1, self.heads_v, self.d_v)
@@ -203,9 +200,10 @@ class GatedDeltaNet(nn.Module):
         for the silu conv activation they implement."""
         return fused_enabled(x) and self.act is F.silu
 
-    def commit(self, state: RecurrentState, rows: dict[int, int]) -> None:
+    def commit(self, state: RecurrentState, rows: dict[int, int], takes: dict | None = None) -> None:
         """Each slot of `rows` holds its state after the first rows[slot] kept rows of the last step
-        (the accepted ones)."""
+        (the accepted ones). takes: the device copies of the rows taken per sequence, shared by the
+        layers of one commit (their steps are the same)."""
         p, state.pending = state.pending, None
         if p is None or p.rows is None:
             return
@@ -215,8 +213,12 @@ class GatedDeltaNet(nn.Module):
             from flashdraft.models import gdn_triton
 
             qsl_t, seq = p.device_rows
-            take = [rows.get(slot, 0) if keep and slot >= 0 else 0 for slot, keep in zip(rec.slots, rec.keep)]
-            take = to_device(take + [0] * (seq.shape[0] - len(take)), torch.int32, p.qkv.device)  # graph padding
+            takes = {} if takes is None else takes
+            key = (id(rec), seq.shape[0])
+            if key not in takes:
+                take = [rows.get(slot, 0) if keep and slot >= 0 else 0 for slot, keep in zip(rec.slots, rec.keep)]
+                takes[key] = to_device(take + [0] * (seq.shape[0] - len(take)), torch.int32, p.qkv.device)  # padding
+            take = takes[key]
             gdn_triton.advance_windows(p.qkv, state.conv, qsl_t, seq, take)
             gdn_triton.recur(p.mixed, p.a, p.b, self.A_log, self.dt_bias, state.rec, qsl_t, seq, self.key_dim,
                              self.heads_k, take=take)
@@ -415,8 +417,9 @@ class HybridLM(nn.Module):
 
     def commit_states(self, states: dict[int, RecurrentState], rows: dict[int, int]) -> None:
         """rows: slot -> the accepted rows of its sequence's last (kept) step."""
+        takes: dict = {}
         for i, state in states.items():
-            self.layers[i].linear_attn.commit(state, rows)
+            self.layers[i].linear_attn.commit(state, rows, takes)
 
     def setup_rope(self, max_len: int) -> None:
         p = self.embed_tokens.weight
