@@ -53,9 +53,8 @@ TARGETS = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      tie_word_embeddings=False),
     # mixtures of experts: no roofline here (it depends on the experts a step's routing reads; the in-graph
-    # figures of benchmarks/device/gpu_roofline.py count them). Random weights make the tokens degenerate
-    # (the random drafter repeats one token; a batch decodes alike), so rows route alike: only the plain
-    # batch-1 step reads what a real one reads.
+    # figures of benchmarks/device/gpu_roofline.py count them). The random drafter proposes one token in
+    # every slot, so a verify's rows route alike and read too few experts: its DFlash figures understate.
     "gpt-oss-20b": dict(GPT_OSS_20B, model_type="gpt_oss", max_position_embeddings=131072, tie_word_embeddings=False),
     "qwen3-30b-a3b": dict(QWEN3_30B_A3B, model_type="qwen3_moe", tie_word_embeddings=False),
     "tiny-hybrid": dict(QWEN35, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
