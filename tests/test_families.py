@@ -327,6 +327,30 @@ def test_hybrid_state_slots_in_the_memory_plan(built, caplog):
         LLM(str(folder), draft=None, device="cpu", dtype="float32", kv_cache_memory_gb=per / 2**30)
 
 
+def test_hybrid_memory_plan_reserves_the_kept_verify_rows(built):
+    """On CUDA, a hybrid target's verify graphs keep each row's projections and conv outputs for the commit
+    (RecurrentState.kept_rows): with a drafter the KV plan leaves room for the largest batch bucket at
+    VERIFY_ROWS rows a sequence, as many bytes a row as kept_rows allocates."""
+    from flashdraft.config import EngineConfig
+    from flashdraft.engine.model_runner import VERIFY_ROWS, kv_bytes_per_token, plan_num_blocks
+
+    model = LLM(str(built("qwen3.5")), draft=None, device="cpu", dtype="float32").engine.runner.model
+    n, allocated = 5, 0
+    with torch.no_grad():
+        for i in model.recurrent_layers():
+            gdn = model.layers[i].linear_attn
+            kept = gdn.make_state(1, torch.device("cpu"), torch.float32).kept_rows(
+                gdn.in_proj(torch.zeros(n, model.config.hidden_size)), gdn.conv_dim)
+            allocated += sum(t.numel() * t.element_size() for t in kept)
+    assert model.kept_bytes_per_row(torch.float32) * n == allocated
+    per_block = kv_bytes_per_token(model, torch.float32) * 16
+    blocks = {draft: plan_num_blocks(EngineConfig(draft=draft, kv_cache_memory_gb=0.5, max_num_seqs=6),
+                                     model, torch.device("cuda"), torch.float32, 10**7)
+              for draft in (None, "a/drafter")}
+    reserved = 8 * VERIFY_ROWS * model.kept_bytes_per_row(torch.float32)  # bucket of 6 sequences: 8
+    assert abs((blocks[None] - blocks["a/drafter"]) * per_block - reserved) < per_block
+
+
 def test_training_features_of_a_hybrid_target(built):
     """train-drafter's target features on a hybrid target: a padded batch's taps equal each sequence's
     own (the padding reaches no recurrent state)."""

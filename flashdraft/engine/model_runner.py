@@ -27,6 +27,7 @@ WARM_ROWS = (16, 32, 64)
 # and sequences (a step's attention grid grows with rows x sequences, so both are bucketed)
 RAGGED_ROWS = (32, 64, 128, 256, 512, 1024, 2048)
 RAGGED_SEQS = (4, 16, 64, 256)
+VERIFY_ROWS = 16  # rows a sequence's verify is planned for (memory plan of hybrid targets' kept rows)
 
 
 def make_backend(name: str) -> AttentionBackend:
@@ -92,6 +93,11 @@ def plan_num_blocks(config: EngineConfig, model: DecoderLM, device: torch.device
     # never more than every running sequence at full length could use
     ceiling = config.max_num_seqs * -(-max_model_len // config.kv_block_size)
     budget = memory_budget(config, device) - config.max_num_seqs * state_bytes_per_seq(model, dtype)
+    if hasattr(model, "kept_bytes_per_row") and config.draft not in (None, "auto") and device.type == "cuda":
+        # a hybrid target's verify graphs keep their rows for the commit: the largest batch bucket x
+        # VERIFY_ROWS rows (the block size of z-lab's drafters; the drafter is not loaded yet)
+        bucket = 1 << (min(config.max_num_seqs, config.max_graph_batch) - 1).bit_length()
+        budget -= bucket * VERIFY_ROWS * model.kept_bytes_per_row(dtype)
     return max(1, min(ceiling, int(budget // per_block)))
 
 

@@ -130,11 +130,12 @@ def _pow2(n: int) -> int:
 
 
 def conv_rows(qkv: torch.Tensor, weight: torch.Tensor, window: torch.Tensor, qsl: torch.Tensor,
-              seq: torch.Tensor) -> torch.Tensor:
-    """silu(causal depthwise conv) of every row of the step: [T, C] in qkv's dtype."""
+              seq: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(causal depthwise conv) of every row of the step: [T, C] in qkv's dtype (into `out` when
+    given; its padding rows are left as they are)."""
     T, C = qkv.shape
     K = weight.shape[-1]
-    out = torch.zeros_like(qkv)
+    out = torch.zeros_like(qkv) if out is None else out
     S = seq.shape[0]
     if T and S:
         _conv_kernel[(T, triton.cdiv(C, BLOCK_C))](qkv, weight, window, out, qsl, seq, S, C, qkv.stride(0),

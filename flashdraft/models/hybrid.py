@@ -101,6 +101,18 @@ class RecurrentState:
         self.rec = torch.zeros(num_slots, heads, d_k, d_v, device=device, dtype=torch.float32)
         self.pending: PendingRows | None = None
         self.step_rows: RecurrentRows | None = None  # a graphed step's sequences (the runner's, per replay)
+        # graphed verifies keep their rows' projections and conv outputs here, one buffer for every graph
+        # (a graph's own tensors would stay allocated per graph: gigabytes at 27B shapes); graphs are
+        # captured largest first, so the first allocation holds them all
+        self.kept: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def kept_rows(self, proj: torch.Tensor, conv_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the kept-rows buffers for a step of proj's rows: (projections, conv outputs)."""
+        n = proj.shape[0]
+        if self.kept is None or self.kept[0].shape[0] < n or self.kept[0].shape[1] != proj.shape[1]:
+            self.kept = (torch.empty_like(proj, memory_format=torch.contiguous_format),
+                         torch.empty(n, conv_dim, device=proj.device, dtype=proj.dtype))
+        return self.kept[0][:n], self.kept[1][:n]
 
     def start(self, slot: int, fresh: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv window, state) a sequence's rows start from: its slot's, or zeros when fresh."""
@@ -142,14 +154,22 @@ class GatedDeltaNet(nn.Module):
         return RecurrentState.bytes_per_slot(self.conv_dim, self.kernel, self.heads_v, self.d_k, self.d_v, dtype)
 
     def forward(self, x: torch.Tensor, state: RecurrentState, batch: AttentionBatch) -> torch.Tensor:
-        qkv, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
+        proj = self.in_proj(x)
+        qkv, z, b, a = proj.split(self.splits, dim=-1)
         rec = batch.recurrent
         if isinstance(rec, torch.Tensor):
-            # a graphed step (DeviceMeta): its sequences as device tensors; the inputs are kept for
-            # commit() whatever the keep flags (a capture cannot look at them), and the runner names
-            # the step's sequences in state.step_rows before each replay
+            # a graphed step (DeviceMeta): its sequences as device tensors. A verify graph (rows per
+            # sequence > 1) keeps its inputs for commit() whatever the keep flags (a capture cannot
+            # look at them), in the state's one kept-rows buffer; the runner names the step's
+            # sequences in state.step_rows before each replay
             qsl = batch.query_start_loc
-            mixed, core = self.run_kernels(qkv, b, a, state, qsl, rec)
+            if batch.max_query_len == 1:
+                _, core = self.run_kernels(qkv, b, a, state, qsl, rec)
+                return self.output(x, core, z)
+            kept, mixed = state.kept_rows(proj, self.conv_dim)
+            kept.copy_(proj)
+            qkv, _, b, a = kept.split(self.splits, dim=-1)
+            _, core = self.run_kernels(qkv, b, a, state, qsl, rec, mixed)
             state.pending = PendingRows(state.step_rows, None, qkv, b, a, mixed, (qsl, rec))
             return self.output(x, core, z)
         if rec is None:  # a placeholder step (kernel warm-up): from zero state, nothing kept
@@ -175,11 +195,12 @@ class GatedDeltaNet(nn.Module):
         state.pending = pending if any(rec.keep) else None
         return self.output(x, core, z)
 
-    def run_kernels(self, qkv, b, a, state: RecurrentState, qsl: torch.Tensor, seq: torch.Tensor):
-        """The step on the GPU (models/gdn_triton.py): (conv outputs, recurrence outputs [T, heads_v, d_v])."""
+    def run_kernels(self, qkv, b, a, state: RecurrentState, qsl: torch.Tensor, seq: torch.Tensor, mixed=None):
+        """The step on the GPU (models/gdn_triton.py): (conv outputs, into `mixed` when given;
+        recurrence outputs [T, heads_v, d_v])."""
         from flashdraft.models import gdn_triton
 
-        mixed = gdn_triton.conv_rows(qkv, self.conv1d.weight, state.conv, qsl, seq)
+        mixed = gdn_triton.conv_rows(qkv, self.conv1d.weight, state.conv, qsl, seq, mixed)
         gdn_triton.advance_windows(qkv, state.conv, qsl, seq)
         core = gdn_triton.recur(mixed, a, b, self.A_log, self.dt_bias, state.rec, qsl, seq, self.key_dim,
                                 self.heads_k)
@@ -407,6 +428,12 @@ class HybridLM(nn.Module):
 
     def state_bytes_per_seq(self, dtype: torch.dtype) -> int:
         return sum(self.layers[i].linear_attn.state_bytes(dtype) for i in self.recurrent_layers())
+
+    def kept_bytes_per_row(self, dtype: torch.dtype) -> int:
+        """Bytes a graphed verify row keeps for the commit (RecurrentState.kept_rows), all GDN layers."""
+        size = torch.finfo(dtype).bits // 8
+        return sum(size * (sum(g.splits) + g.conv_dim) for g in (self.layers[i].linear_attn
+                                                                  for i in self.recurrent_layers()))
 
     def make_states(self, num_slots: int, device: torch.device, dtype: torch.dtype) -> dict[int, RecurrentState]:
         return {i: self.layers[i].linear_attn.make_state(num_slots, device, dtype) for i in self.recurrent_layers()}
