@@ -356,7 +356,8 @@ class ModelRunner:
                 state.pending = state.step_rows = None
             g.capture(pool=self.graph_pool)
             if self.device.type == "cuda" and any(s.pending is not None for s in self.states.values()):
-                # the graph runs the target: its recurrent layers' kept inputs live in its buffers
+                # a verify of the target: each GDN layer's record of the rows it keeps (views of the
+                # state's kept-rows buffer), handed to the layer's state at every replay
                 g.aux["pending"] = {i: s.pending for i, s in self.states.items()}
                 for state in self.states.values():
                     state.pending = None
