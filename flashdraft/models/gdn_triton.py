@@ -132,10 +132,11 @@ def _pow2(n: int) -> int:
 def conv_rows(qkv: torch.Tensor, weight: torch.Tensor, window: torch.Tensor, qsl: torch.Tensor,
               seq: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(causal depthwise conv) of every row of the step: [T, C] in qkv's dtype (into `out` when
-    given; its padding rows are left as they are)."""
+    given); padding rows are left unwritten."""
     T, C = qkv.shape
     K = weight.shape[-1]
-    out = torch.zeros_like(qkv) if out is None else out
+    if out is None:  # padding rows stay unwritten: the recurrence reads only its sequences' rows
+        out = torch.empty(T, C, device=qkv.device, dtype=qkv.dtype)
     S = seq.shape[0]
     if T and S:
         _conv_kernel[(T, triton.cdiv(C, BLOCK_C))](qkv, weight, window, out, qsl, seq, S, C, qkv.stride(0),
@@ -165,7 +166,8 @@ def recur(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
     _, HV, DK, DV = state.shape
     out = None if take is not None else torch.zeros(T, HV * DV, device=mixed.device, dtype=mixed.dtype)
     if S:
-        a, b = a.contiguous(), b.contiguous()
+        if a.stride(-1) != 1 or b.stride(-1) != 1 or a.stride(0) != b.stride(0):  # else slices of one projection
+            a, b = a.contiguous(), b.contiguous()
         _recur_kernel[(S, HV, triton.cdiv(DV, BLOCK_V))](
             mixed, a, b, A_log, dt_bias, state, out if out is not None else mixed, qsl, seq,
             take if take is not None else qsl, mixed.stride(0), a.stride(0), HV * DV, key_dim, HV, HV // heads_k,
