@@ -16,6 +16,8 @@ Sequences whose rows may be rejected (keep: a DFlash verify) leave their slot as
 runs the window and recur launches again over the first `take` rows of that step (their conv
 outputs kept from the step), which stores exactly the state after the last accepted row.
 
+The layer's gated RMSNorm (w * rmsnorm(o) * silu(z)) is one more kernel (gated_norm).
+
 Prefill of long prompts could use a chunked kernel (fla-core); the recurrent form here runs every
 length, one row after another inside each program."""
 
