@@ -277,9 +277,9 @@ class ModelRunner:
             rows = RecurrentRows([bm.slot(s.seq_id) for s in seqs], [s.num_computed_tokens == 0 for s in seqs],
                                  [q_len > 1] * len(seqs))
             g.fill(recurrent=[(slot, int(f), int(k)) for slot, f, k in zip(rows.slots, rows.fresh, rows.keep)])
+            captured = g.aux.get("pending")
             for i, state in self.states.items():
                 state.step_rows = rows  # read by the layers when they run (off CUDA, every replay)
-                captured = g.aux.get("pending")
                 if captured is not None:  # the captured step's kept inputs, now this step's
                     captured[i].rows = rows
                     state.pending = captured[i]
