@@ -46,6 +46,9 @@ TARGETS = {
     "qwen3.5-27b": dict(QWEN35, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                         num_attention_heads=24, num_key_value_heads=4, linear_num_key_heads=16,
                         linear_num_value_heads=48, tie_word_embeddings=False),
+    "qwen3.5-4b": dict(QWEN35, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+                       num_attention_heads=16, num_key_value_heads=4, linear_num_key_heads=16,
+                       linear_num_value_heads=32, tie_word_embeddings=True),
     "qwen3.5-0.8b": dict(QWEN35, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
                          num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=16,
                          linear_num_value_heads=16, tie_word_embeddings=True),
@@ -120,17 +123,22 @@ def step_bytes(llm: LLM, batch: int, context: int) -> int | None:
     return weights + batch * (context * kv_bytes_per_token(model, dtype) + 2 * state_bytes_per_seq(model, dtype))
 
 
-def in_graph_ms(llm: LLM, arm: str, batch: int, replays: int = 20) -> float | None:
-    """The same step timed inside its CUDA graph: the captured decode graph (plain) or whole-DFlash-step
-    graph of this batch's bucket, replayed over the inputs of the last step it ran (it rewrites the same
-    K/V slots and states); None without graphs."""
+def step_graph(llm: LLM, arm: str, batch: int):
+    """The captured decode graph (plain) or whole-DFlash-step graph of this batch's bucket, or None."""
     eng = llm.engine
     runner = eng.runner
     bucket = 1 << (batch - 1).bit_length()
     key = (("target", ()), bucket, 1) if arm == "plain" else (("dflash", eng.spec.tap_layers), bucket,
                                                                 eng.spec.block_size)
     g = runner.graphs.get(key)
-    if g is None or not g.captured:
+    return g if g is not None and g.captured else None
+
+
+def in_graph_ms(llm: LLM, arm: str, batch: int, replays: int = 20) -> float | None:
+    """The step timed inside its CUDA graph, replayed over the inputs of the last step it ran (it
+    rewrites the same K/V slots and states); None without graphs."""
+    g = step_graph(llm, arm, batch)
+    if g is None:
         return None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     g.replay()
@@ -140,6 +148,25 @@ def in_graph_ms(llm: LLM, arm: str, batch: int, replays: int = 20) -> float | No
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / replays
+
+
+def kernel_split(llm: LLM, arm: str, batch: int, top: int, replays: int = 10) -> list[dict] | None:
+    """The kernels of the in-graph step by GPU time (torch profiler over graph replays), the `top` first."""
+    g = step_graph(llm, arm, batch)
+    if g is None:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(replays):
+            g.replay()
+        torch.cuda.synchronize()
+    rows = [{"us": round(e.device_time_total / replays, 1), "calls": e.count / replays, "kernel": e.key[:90]}
+            for e in p.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r["us"])
+    return rows[:top]
 
 
 def timed(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
@@ -165,6 +192,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
     ap.add_argument("--arms", default="plain,dflash")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also list the N costliest kernels of each in-graph step (torch profiler)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -210,8 +239,13 @@ def main() -> None:
                 graph = in_graph_ms(llm, arm, c)
                 if graph is not None:
                     row["in_graph_ms"] = round(graph, 3)
-                rows.append(row)
+                split = kernel_split(llm, arm, c, args.profile) if args.profile and graph is not None else None
                 print(json.dumps({"arm": arm, **row}), flush=True)
+                if split:
+                    row["kernels"] = split
+                    for k in split:
+                        print(f"  {k['us']:8.1f} us x{k['calls']:5.0f}  {k['kernel']}", flush=True)
+                rows.append(row)
             result["arms"][arm] = rows
             if arm == "plain":
                 result["state_bytes_per_seq"] = state_bytes_per_seq(llm.engine.runner.model, llm.engine.dtype)
