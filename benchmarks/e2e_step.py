@@ -1,13 +1,14 @@
 """The engine's step time end to end, through the public API, at real model shapes with random weights:
 config-only folders (target and a z-lab-shaped DFlash drafter) loaded with load_format="dummy", then
-`LLM.generate` at each concurrency, plain and with the drafter. A step's time is the difference
-between two runs of the same prompts, n + N and n new tokens, over the difference in engine steps,
-so prefill and start-up drop out (n outlasts the prefill chunks, beside which early prompts decode). The random drafter's drafts are never accepted (tau = 1): its arm
-gives the DFlash step's cost, and DFlash step / plain step is the tau at which speculation breaks
-even. Beside each plain step: the memory roofline of the bytes it reads (every weight but the
-embedding table, the context's K/V, a hybrid target's recurrent state read and written) over the
-bandwidth of a device copy measured in the same run, and the same step timed inside its CUDA graph
-(replays of the captured decode or whole-DFlash-step graph): end to end minus in graph is host time.
+`LLM.generate` at each concurrency, plain and with the drafter. A step's time is the difference between two
+runs of the same prompts, n + N and n new tokens, over the difference in engine steps, so prefill and
+start-up drop out (n outlasts the prefill chunks, beside which early prompts decode). The random drafter's
+drafts are never accepted (tau = 1): its arm gives the DFlash step's cost, and DFlash step / plain step is
+the tau at which speculation breaks even. Beside each plain step: the memory roofline of the bytes it reads
+(every weight but the embedding table, the context's K/V, a hybrid target's recurrent state read and
+written) over the bandwidth of a device copy measured in the same run, and the same step timed inside its
+CUDA graph (replays of the captured decode or whole-DFlash-step graph): end to end minus in graph is host
+time.
 
     python benchmarks/e2e_step.py --target qwen3.5-0.8b --out e2e.json        # a GPU
     python benchmarks/e2e_step.py --target tiny-hybrid --device cpu            # smoke test, anywhere

@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 PAD_ROWS = 32  # = skinny.MAX_ROWS: fewer rows run the Triton GEMMs, one variant for any count
 # row counts of the placeholder steps run at start: the few-row GEMMs' two tile heights (up to 16
-# rows, up to 32) and cuBLAS with the MLP's separate silu * up kernel
+# rows, up to 32) and cuBLAS with the MLP's separate silu * up kernel (and for hybrid targets the
+# chunked GDN kernel, gdn_triton.CHUNKED_MIN_ROWS rows: fla-core tunes its kernels on first use)
 WARM_ROWS = (16, 32, 64)
 # buckets of the graphed ragged steps (prefill chunks beside decode or verify rows): total rows,
 # and sequences (a step's attention grid grows with rows x sequences, so both are bucketed)
@@ -154,7 +155,7 @@ class ModelRunner:
                 compile_variants(cfg.num_attention_heads, cfg.num_key_value_heads, model.head_dim, self.block_size,
                                  dtype, device, window=window, sinks=model.has_sinks)
         with torch.inference_mode():  # the sampler's greedy kernels, both logits dtypes
-            if device.type == "cuda" and fused_enabled(self.k_cache) and not self.hybrid:
+            if device.type == "cuda" and fused_enabled(self.k_cache):
                 for dt in {dtype, torch.float32}:
                     greedy_tokens(torch.zeros(1, cfg.vocab_size, device=device, dtype=dt))
                 for n in WARM_ROWS:  # and every GEMM and fused-kernel variant of eager steps

@@ -71,28 +71,34 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
 
 
 @triton.jit
-def _norm_rope(x, xr, w, wr, c, s, lo, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr):
+def _norm_rope(x, xr, w, wr, c, s, lo, eps, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+               OFFSET: tl.constexpr = False):
     """Head rows x [rows, BLOCK_D] as loaded (activation dtype) and their rotate-half partners xr
-    (lane d holds x[d + D/2] where `lo`, else x[d - D/2]): optional RMSNorm with weights w / wr (at
-    the same lanes), then RoPE with cos/sin c, s. Loading the partners directly avoids register
+    (lane d holds x[d + R/2] where `lo`, else x[d - R/2], R the rotary dims): optional RMSNorm with
+    weights w / wr (at the same lanes; OFFSET: times (1 + w) in float32, rounded once), then RoPE with
+    cos/sin c, s (1 and 0 past the rotary dims). Loading the partners directly avoids register
     shuffles. Returns the rows in the activation dtype."""
     dt = x.dtype
     xf = x.to(tl.float32)
     xrf = xr.to(tl.float32)
     if HAS_NORM:
         inv = tl.rsqrt(tl.sum(xf * xf, 1) / HEAD_DIM + eps)[:, None]
-        xf = (w.to(tl.float32) * (xf * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        xrf = (wr.to(tl.float32) * (xrf * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        if OFFSET:
+            xf = (xf * inv * (1.0 + w.to(tl.float32))).to(dt).to(tl.float32)
+            xrf = (xrf * inv * (1.0 + wr.to(tl.float32))).to(dt).to(tl.float32)
+        else:
+            xf = (w.to(tl.float32) * (xf * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xrf = (wr.to(tl.float32) * (xrf * inv).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     xrf = tl.where(lo, -xrf, xrf)
     return ((xf * c.to(tl.float32)).to(dt).to(tl.float32) + (xrf * s.to(tl.float32)).to(dt).to(tl.float32)).to(dt)
 
 
 @triton.jit
-def _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, d, HEAD_DIM: tl.constexpr):
-    """The rotary cos/sin rows [1, BLOCK_D] of token t's position."""
+def _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, d, ROT: tl.constexpr):
+    """The rotary cos/sin rows [1, BLOCK_D] of token t's position; 1 and 0 past the ROT rotary dims."""
     pos = tl.load(pos_ptr + t).to(tl.int64)
-    c = tl.load(cos_ptr + pos * stride_cos + d, mask=d < HEAD_DIM, other=0.0)[None, :]
-    s = tl.load(sin_ptr + pos * stride_sin + d, mask=d < HEAD_DIM, other=0.0)[None, :]
+    c = tl.load(cos_ptr + pos * stride_cos + d, mask=d < ROT, other=1.0)[None, :]
+    s = tl.load(sin_ptr + pos * stride_sin + d, mask=d < ROT, other=0.0)[None, :]
     return c, s
 
 
@@ -102,25 +108,28 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
                                stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                                N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                               HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program (token, group of BLOCK_H heads) over the packed row's q heads [0, N_HEADS) and k
-    heads [N_HEADS, N_HEADS + N_KV): q rows go to q, k rows (rotated) and the matching v rows (raw)
-    to the caches at the token's slot, unless it is < 0. Lets the next kernel (attention) launch
-    at once: attention reads what this stores only after waiting for it to finish, and meanwhile
-    fetches the K/V cached by earlier steps."""
+                               HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr, ROT: tl.constexpr,
+                               Q_WIDTH: tl.constexpr, OFFSET: tl.constexpr):
+    """Program (token, group of BLOCK_H heads) over the packed row's q heads [0, N_HEADS) (Q_WIDTH
+    apart: a gated head's output gate follows its query) and k heads [N_HEADS, N_HEADS + N_KV): q
+    rows go to q, k rows (rotated) and the matching v rows (raw) to the caches at the token's slot,
+    unless it is < 0. RoPE turns the first ROT dims of a head. Lets the next kernel (attention)
+    launch at once: attention reads what this stores only after waiting for it to finish, and
+    meanwhile fetches the K/V cached by earlier steps."""
     pdl_trigger(USE_PDL)
     pdl_enter(USE_PDL)
-    HALF: tl.constexpr = HEAD_DIM // 2
+    HALF: tl.constexpr = ROT // 2
     t = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # head index in the packed row
     d = tl.arange(0, BLOCK_D)
     lo = (d < HALF)[None, :]
-    rot = tl.where(d < HALF, d + HALF, d - HALF)
+    rot = tl.where(d < HALF, d + HALF, tl.where(d < ROT, d - HALF, d))
     d_ok = (d < HEAD_DIM)[None, :]
     is_q = (r < N_HEADS)[:, None]
     is_k = ((r >= N_HEADS) & (r < N_HEADS + N_KV))[:, None]
     mask = (is_q | is_k) & d_ok
-    row = qkv_ptr + t * stride_t + r[:, None] * HEAD_DIM
+    start = tl.where(r < N_HEADS, r * Q_WIDTH, N_HEADS * Q_WIDTH + (r - N_HEADS) * HEAD_DIM)
+    row = qkv_ptr + t * stride_t + start[:, None]
     x = tl.load(row + d[None, :], mask=mask, other=0.0)
     xr = tl.load(row + rot[None, :], mask=mask, other=0.0)
     if HAS_NORM:
@@ -131,8 +140,8 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
     else:
         w = x
         wr = xr
-    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, d, HEAD_DIM)
-    out = _norm_rope(x, xr, w, wr, c, s, lo, eps, HEAD_DIM, HAS_NORM)
+    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, d, ROT)
+    out = _norm_rope(x, xr, w, wr, c, s, lo, eps, HEAD_DIM, HAS_NORM, OFFSET)
     tl.store(q_ptr + t * stride_qt + r[:, None] * stride_qh + d[None, :], out, mask=is_q & d_ok)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # the slot test as a vector: the interpreter mis-types scalar & vector masks
@@ -235,27 +244,34 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     return out, new_res
 
 
-def _check_rope(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
-    if cos.shape[-1] != head_dim or sin.shape[-1] != head_dim or cos.stride(-1) != 1 or sin.stride(-1) != 1:
-        raise ValueError(f"rope tables must be [max_len, {head_dim}] with unit last stride, "
+def _check_rope(cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> None:
+    if cos.shape[-1] != rotary_dim or sin.shape[-1] != rotary_dim or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError(f"rope tables must be [max_len, {rotary_dim}] with unit last stride, "
                          f"got {tuple(cos.shape)} / {tuple(sin.shape)}")
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None, eps: float,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-    """qkv: [T, (H + 2 * KV) * D] packed projection (q heads, k heads, v heads); cos/sin: full tables
-    [max_len, D] (RotaryTable.cos/.sin) read at `positions` [T]; caches [blocks, page, KV, D].
-    Returns q [T, H, D] after q_norm (when given) and RoPE; K (k_norm, RoPE) and V are stored at
-    slot_mapping [T] (< 0: skipped). q_norm_w and k_norm_w are both given or both None."""
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       gated: bool = False, offset: bool = False) -> torch.Tensor:
+    """qkv: [T, (H + 2 * KV) * D] packed projection (q heads, k heads, v heads; gated: each q head
+    followed by its output gate, [T, (2 H + 2 KV) * D]); cos/sin: full tables [max_len, R]
+    (RotaryTable.cos/.sin, R <= D the rotary dims) read at `positions` [T]; caches [blocks, page, KV,
+    D]. Returns q [T, H, D] after q_norm (when given; offset: (1 + w) norms) and RoPE; K (k_norm,
+    RoPE) and V are stored at slot_mapping [T] (< 0: skipped). q_norm_w and k_norm_w are both given
+    or both None."""
     n_kv, hd = k_cache.shape[2], k_cache.shape[3]
     T = qkv.shape[0]
-    n_heads = qkv.shape[1] // hd - 2 * n_kv
-    if n_heads < 1 or qkv.shape[1] != (n_heads + 2 * n_kv) * hd:
-        raise ValueError(f"qkv width {qkv.shape[1]} is not (H + 2 * {n_kv}) * {hd}")
+    q_width = 2 * hd if gated else hd
+    n_heads = (qkv.shape[1] - 2 * n_kv * hd) // q_width
+    if n_heads < 1 or qkv.shape[1] != n_heads * q_width + 2 * n_kv * hd:
+        raise ValueError(f"qkv width {qkv.shape[1]} is not ({'2 ' if gated else ''}H + 2 * {n_kv}) * {hd}")
     if (q_norm_w is None) != (k_norm_w is None):
         raise ValueError("give both q and k norm weights or neither")
-    _check_rope(cos, sin, hd)
+    rotary = cos.shape[-1]
+    if rotary > hd or rotary % 2:
+        raise ValueError(f"rotary dims {rotary} must be even and at most the head dim {hd}")
+    _check_rope(cos, sin, rotary)
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
@@ -269,8 +285,35 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Te
         qkv, positions, cos, sin, q_norm_w if has_norm else qkv, k_norm_w if has_norm else qkv, q, k_cache, v_cache,
         slot_mapping, eps, qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=hd, BLOCK_H=block_h,
-        BLOCK_D=block_d, PAGE=k_cache.shape[1], HAS_NORM=has_norm, num_warps=4, **launch_kwargs(qkv))
+        BLOCK_D=block_d, PAGE=k_cache.shape[1], HAS_NORM=has_norm, num_warps=4, ROT=rotary, Q_WIDTH=q_width,
+        OFFSET=offset, **launch_kwargs(qkv))
     return q
+
+
+@triton.jit
+def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, heads, stride_gt, stride_gh, N: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, head): out = o * sigmoid(g), the sigmoid rounded to the activation dtype first."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    ok = d < N
+    dt = out_ptr.dtype.element_ty
+    o = tl.load(o_ptr + (t * heads + h) * N + d, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + t * stride_gt + h * stride_gh + d, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (t * heads + h) * N + d, (o * tl.sigmoid(g).to(dt).to(tl.float32)).to(dt), mask=ok)
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """o * sigmoid(gate) as torch rounds it, o [T, H, D] and gate [T, H, D] (rows and heads strided)."""
+    o = o.contiguous()
+    T, heads, n = o.shape
+    if gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    out = torch.empty_like(o)
+    if T:
+        _sigmoid_gate_kernel[(T, heads)](o, gate, out, heads, gate.stride(0), gate.stride(1), N=n,
+                                         BLOCK=triton.next_power_of_2(n))
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

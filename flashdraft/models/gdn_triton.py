@@ -12,14 +12,15 @@ keep; slot -1 = a padding sequence). Per step:
     recur     S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q, per row in order
                                                                       grid (sequences, heads_v, d_v blocks)
 
-Sequences whose rows may be rejected (keep: a DFlash verify) leave their slot as it was; `commit`
-runs the window and recur launches again over the first `take` rows of that step (their conv
-outputs kept from the step), which stores exactly the state after the last accepted row.
+The third column of `seq` is the sequence's mode: KEEP (its rows may be rejected: a DFlash verify)
+leaves the slot as it was, and `commit` runs the window and recur launches again over the first
+`take` rows of that step (their conv outputs kept from the step), which stores exactly the state
+after the last accepted row. CHUNKED (a long committed chunk: a prefill) has its conv and window
+here and its recurrence by fla-core's chunked kernel (`chunked`), which reads the slot's state and
+writes the state after the chunk, as transformers prefills these layers on a GPU. COMMIT (the rest:
+decode rows, short chunks) runs the recurrent form here, one row after another inside each program.
 
-The layer's gated RMSNorm (w * rmsnorm(o) * silu(z)) is one more kernel (gated_norm).
-
-Prefill of long prompts could use a chunked kernel (fla-core); the recurrent form here runs every
-length, one row after another inside each program."""
+The layer's gated RMSNorm (w * rmsnorm(o) * silu(z)) is one more kernel (gated_norm)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ import triton.language as tl
 
 BLOCK_C = 128  # conv channels per program
 BLOCK_V = 32  # value columns of the state per program (the state block is [d_k, BLOCK_V] in registers)
+COMMIT, KEEP, CHUNKED = 0, 1, 2  # a sequence's mode (seq[:, 2])
+CHUNKED_MIN_ROWS = 64  # a committed chunk of at least this many rows takes the chunked kernel (one fla chunk)
 
 
 @triton.jit
@@ -68,7 +71,7 @@ def _window_kernel(x_ptr, win_ptr, qsl_ptr, seq_ptr, take_ptr, C, stride_x, K: t
         n = tl.load(take_ptr + s)
     else:
         n = tl.load(qsl_ptr + s + 1) - r0
-        n = tl.where(tl.load(seq_ptr + 3 * s + 2) != 0, 0, n)  # kept rows wait for the commit
+        n = tl.where(tl.load(seq_ptr + 3 * s + 2) == 1, 0, n)  # kept rows (KEEP) wait for the commit
     if (slot < 0) | (n == 0):
         return
     from_slot = tl.load(seq_ptr + 3 * s + 1) == 0
@@ -96,9 +99,10 @@ def _recur_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, out_ptr
     if COMMIT:  # the first `take` rows of the step (0: the sequence is not committed here)
         r1 = r0 + tl.load(take_ptr + s)
         store = slot >= 0
-    else:
-        r1 = tl.load(qsl_ptr + s + 1)
-        store = (slot >= 0) & (tl.load(seq_ptr + 3 * s + 2) == 0)
+    else:  # the step's rows; none for a CHUNKED sequence (the chunked kernel's)
+        mode = tl.load(seq_ptr + 3 * s + 2)
+        r1 = tl.where(mode == 2, r0, tl.load(qsl_ptr + s + 1))
+        store = (slot >= 0) & (mode == 0)
     if r1 == r0:
         return
     kk = tl.arange(0, DK)
@@ -175,6 +179,89 @@ def recur(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
             take if take is not None else qsl, mixed.stride(0), a.stride(0), HV * DV, key_dim, HV, HV // heads_k,
             DK**-0.5, DK=DK, DV=DV, BLOCK_V=min(BLOCK_V, DV), COMMIT=take is not None)
     return out
+
+
+_fla = None
+
+
+def chunked_available(device: torch.device) -> bool:
+    """Whether fla-core's chunked gated delta rule can run here (CUDA, the package importable)."""
+    global _fla
+    if device.type != "cuda":
+        return False
+    if _fla is None:
+        try:  # imported only on CUDA: the package queries the GPU driver at import
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+            _fla = chunk_gated_delta_rule
+        except ImportError as e:
+            import logging
+
+            logging.getLogger("flashdraft").warning(
+                "fla-core is not importable (%s): GDN prefill runs the recurrent kernel", e)
+            _fla = False
+    return bool(_fla)
+
+
+class ChunkedSpans:
+    """The CHUNKED sequences of a step as the chunked kernel reads them, made once per step and shared
+    by every layer: (first row, end row, slot, fresh) each."""
+
+    def __init__(self, spans: list[tuple[int, int, int, bool]], device: torch.device):
+        from flashdraft.engine.graphs import to_device
+
+        cu = [0]
+        for r0, r1, _, _ in spans:
+            cu.append(cu[-1] + r1 - r0)
+        self.n = cu[-1]
+        # back to back (a prefill step): one slice of the step's rows; else their row indices
+        if all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1)):
+            self.rows, self.first = None, spans[0][0]
+            rows = []
+        else:
+            self.first = None
+            rows = [r for r0, r1, _, _ in spans for r in range(r0, r1)]
+        S = len(spans)
+        self.placeholder = spans[0][2] < 0  # (all of them) from zeros, nothing stored
+        packed = to_device([slot for _, _, slot, _ in spans] + [int(f) for *_, f in spans] + cu + rows, torch.long,
+                           device)
+        self.slots, self.fresh, self.cu = packed[:S], packed[S:2 * S].bool(), packed[2 * S:3 * S + 1]
+        if self.first is None:
+            self.rows = packed[3 * S + 1:]
+        self.cu_cpu = torch.tensor(cu)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The chunks' rows of x [T, ...]."""
+        return x[self.first:self.first + self.n] if self.first is not None else x.index_select(0, self.rows)
+
+    def put(self, out: torch.Tensor, rows: torch.Tensor) -> None:
+        if self.first is not None:
+            out[self.first:self.first + self.n] = rows
+        else:
+            out.index_copy_(0, self.rows, rows)
+
+
+def chunked(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+            state: torch.Tensor, spans: ChunkedSpans, key_dim: int, heads_k: int, out: torch.Tensor) -> None:
+    """The recurrence of the CHUNKED sequences by fla-core's chunked kernel, in one varlen call: their
+    outputs into out [T, heads_v * d_v], and each slot gets the state after its rows (the chunk
+    starts from zeros when fresh)."""
+    _, HV, DK, DV = state.shape
+    N = spans.n
+    m = spans.take(mixed)
+    q = m[:, :key_dim].reshape(1, N, heads_k, DK)
+    k = m[:, key_dim:2 * key_dim].reshape(1, N, heads_k, DK)
+    v = m[:, 2 * key_dim:].reshape(1, N, HV, DV)
+    if spans.placeholder:
+        h0 = state.new_zeros(len(spans.cu_cpu) - 1, HV, DK, DV)
+    else:
+        h0 = state.index_select(0, spans.slots).masked_fill_(spans.fresh[:, None, None, None], 0.0)
+    o, ht = _fla(q, k, v, spans.take(a)[None], spans.take(b)[None], initial_state=h0, output_final_state=True,
+                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                 use_beta_sigmoid_in_kernel=True, cu_seqlens=spans.cu, cu_seqlens_cpu=spans.cu_cpu)
+    spans.put(out, o[0].reshape(N, HV * DV).to(out.dtype))
+    if not spans.placeholder:
+        state.index_copy_(0, spans.slots, ht.to(state.dtype))
 
 
 @triton.jit

@@ -63,20 +63,33 @@ class RecurrentRows:
     slots: list[int]  # the sequence's state slot
     fresh: list[bool]  # its rows start from zero state (first prefill chunk, recompute)
     keep: list[bool]  # its rows may be rejected: leave the slot, keep inputs for commit()
+    spans: object | None = None  # the CHUNKED sequences (gdn_triton.ChunkedSpans; device_tensors)
     _dev: tuple | None = None
 
-    def device_tensors(self, query_start_loc: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qsl [S+1], seq [S, 3] = slot, fresh, keep) as int32 device tensors for the GDN kernels
-        (models/gdn_triton.py); made once per step, shared by every layer."""
+    def device_tensors(self, query_start_loc: list[int], device: torch.device,
+                       chunked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qsl [S+1], seq [S, 3] = slot, fresh, mode) as int32 device tensors for the GDN kernels
+        (models/gdn_triton.py); made once per step, shared by every layer. mode: KEEP for kept rows;
+        with `chunked`, CHUNKED for committed chunks of at least CHUNKED_MIN_ROWS rows (self.spans);
+        else COMMIT."""
         if self._dev is None:
             from flashdraft.engine.graphs import to_device
+            from flashdraft.models.gdn_triton import CHUNKED, CHUNKED_MIN_ROWS, COMMIT, KEEP, ChunkedSpans
 
             S = len(self.slots)
             host = list(query_start_loc[: S + 1])
-            for slot, fresh, keep in zip(self.slots, self.fresh, self.keep):
-                host += [slot, int(fresh), int(keep)]
+            spans = []
+            placeholder = all(slot < 0 for slot in self.slots)  # a warm-up step: its chunks store nothing
+            for s, (slot, fresh, keep) in enumerate(zip(self.slots, self.fresh, self.keep)):
+                r0, r1 = query_start_loc[s], query_start_loc[s + 1]
+                mode = KEEP if keep else COMMIT
+                if chunked and mode == COMMIT and (slot >= 0 or placeholder) and r1 - r0 >= CHUNKED_MIN_ROWS:
+                    mode = CHUNKED
+                    spans.append((r0, r1, slot, fresh))
+                host += [slot, int(fresh), mode]
             packed = to_device(host, torch.int32, device)
             self._dev = packed[: S + 1], packed[S + 1:].view(S, 3)
+            self.spans = ChunkedSpans(spans, device) if spans else None
         return self._dev
 
 
@@ -177,8 +190,10 @@ class GatedDeltaNet(nn.Module):
             rec = RecurrentRows([-1] * n, [True] * n, [False] * n)
         pending = PendingRows(rec, batch.query_start_loc, qkv, b, a)
         if self.kernels(x):
-            pending.device_rows = rec.device_tensors(batch.query_start_loc, x.device)
-            pending.mixed, core = self.run_kernels(qkv, b, a, state, *pending.device_rows)
+            from flashdraft.models.gdn_triton import chunked_available
+
+            pending.device_rows = rec.device_tensors(batch.query_start_loc, x.device, chunked_available(x.device))
+            pending.mixed, core = self.run_kernels(qkv, b, a, state, *pending.device_rows, spans=rec.spans)
         else:
             core = torch.zeros(x.shape[0], self.heads_v, self.d_v, device=x.device, dtype=x.dtype)
             for s, slot in enumerate(rec.slots):
@@ -195,15 +210,19 @@ class GatedDeltaNet(nn.Module):
         state.pending = pending if any(rec.keep) else None
         return self.output(x, core, z)
 
-    def run_kernels(self, qkv, b, a, state: RecurrentState, qsl: torch.Tensor, seq: torch.Tensor, mixed=None):
+    def run_kernels(self, qkv, b, a, state: RecurrentState, qsl: torch.Tensor, seq: torch.Tensor, mixed=None,
+                    spans=None):
         """The step on the GPU (models/gdn_triton.py): (conv outputs, into `mixed` when given;
-        recurrence outputs [T, heads_v, d_v])."""
+        recurrence outputs [T, heads_v, d_v]). spans: the CHUNKED sequences, for the chunked kernel."""
         from flashdraft.models import gdn_triton
 
         mixed = gdn_triton.conv_rows(qkv, self.conv1d.weight, state.conv, qsl, seq, mixed)
         gdn_triton.advance_windows(qkv, state.conv, qsl, seq)
         core = gdn_triton.recur(mixed, a, b, self.A_log, self.dt_bias, state.rec, qsl, seq, self.key_dim,
                                 self.heads_k)
+        if spans:
+            gdn_triton.chunked(mixed, a, b, self.A_log, self.dt_bias, state.rec, spans, self.key_dim, self.heads_k,
+                               core)
         return mixed, core.view(-1, self.heads_v, self.d_v)
 
     def output(self, x: torch.Tensor, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -274,9 +293,10 @@ class GatedDeltaNet(nn.Module):
         if chunked:
             from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-            out, S = torch_chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None], beta=beta[None],
-                                                  initial_state=s0[None], output_final_state=True,
-                                                  use_qk_l2norm_in_kernel=True)
+            # the torch function itself: transformers swaps in fla-core's kernel where it is installed
+            rule = getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule)
+            out, S = rule(q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=s0[None],
+                          output_final_state=True, use_qk_l2norm_in_kernel=True)
             return out[0].to(qkv.dtype), conv1, S[0].float()
         q, k, v = q.float(), k.float(), v.float()
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * self.d_k**-0.5
@@ -317,18 +337,26 @@ class GatedAttention(nn.Module):
         self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, attn: AttentionBackend, batch: AttentionBatch):
-        qg, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
-        q, gate = qg.reshape(-1, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k = k.reshape(-1, self.n_kv, self.head_dim)
-        if fused_enabled(x):
+    def forward(self, x, positions, rope: RotaryTable, k_cache, v_cache, attn: AttentionBackend,
+                batch: AttentionBatch):
+        proj = self.qkv_proj(x)
+        qg = proj[:, :self.splits[0]]
+        gate = qg.reshape(-1, self.n_heads, 2 * self.head_dim)[..., self.head_dim:]
+        if fused_enabled(x):  # one kernel for the (1 + w) q/k norms, the partial RoPE and the K/V store
             from flashdraft.models import fused
 
-            q = fused.add_rmsnorm(q, None, self.q_norm.weight, self.q_norm.eps, offset=True)[0]
-            k = fused.add_rmsnorm(k, None, self.k_norm.weight, self.k_norm.eps, offset=True)[0]
-        else:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = fused.qk_norm_rope_store(proj, positions, rope.cos, rope.sin, self.q_norm.weight, self.k_norm.weight,
+                                         self.q_norm.eps, k_cache, v_cache, batch.slot_mapping, gated=True,
+                                         offset=True)
+            o = attn.forward(q, k_cache, v_cache, batch, self.scale)
+            o = fused.sigmoid_gate(o, gate)
+            return self.o_proj(o.reshape(-1, self.n_heads * self.head_dim))
+        _, k, v = proj.split(self.splits, dim=-1)
+        q = qg.reshape(-1, self.n_heads, 2 * self.head_dim)[..., :self.head_dim]
+        k = k.reshape(-1, self.n_kv, self.head_dim)
+        q, k = self.q_norm(q), self.k_norm(k)
         v = v.reshape(-1, self.n_kv, self.head_dim)
+        cos, sin = rope.lookup(positions)
         r = self.rotary_dim
         q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], -1)
         k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], -1)
@@ -371,23 +399,27 @@ class HybridLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
-    def forward(self, h, cos, sin, cache, attn, batch):
-        if fused_enabled(h):  # each residual add and (1 + w) norm in one kernel
-            from flashdraft.models import fused
-
-            n1, n2 = self.input_layernorm, self.post_attention_layernorm
-            x = fused.add_rmsnorm(h, None, n1.weight, n1.eps, offset=True)[0]
-            x, h = fused.add_rmsnorm(self.mixer(x, cos, sin, cache, attn, batch), h, n2.weight, n2.eps, offset=True)
-            return h + self.mlp.forward_fused(x)
+    def forward(self, h, positions, rope, cache, attn, batch):
         x = self.input_layernorm(h)
-        h = h + self.mixer(x, cos, sin, cache, attn, batch)
+        h = h + self.mixer(x, positions, rope, cache, attn, batch)
         x = self.post_attention_layernorm(h)
         return h + self.mlp(x)
 
-    def mixer(self, x, cos, sin, cache, attn, batch):
+    def forward_fused(self, y, h, positions, rope, cache, attn, batch):
+        """The fused path: y the last layer's output, h its residual stream (None at the first layer);
+        each residual add and (1 + w) norm in one kernel. Returns this layer's (output, residual)."""
+        from flashdraft.models import fused
+
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        x, h = fused.add_rmsnorm(y, h, n1.weight, n1.eps, offset=True)
+        x, h = fused.add_rmsnorm(self.mixer(x, positions, rope, cache, attn, batch), h, n2.weight, n2.eps,
+                                 offset=True)
+        return self.mlp.forward_fused(x), h
+
+    def mixer(self, x, positions, rope, cache, attn, batch):
         if self.kind == "linear_attention":
             return self.linear_attn(x, cache, batch)
-        return self.self_attn(x, cos, sin, cache[0], cache[1], attn, batch)
+        return self.self_attn(x, positions, rope, cache[0], cache[1], attn, batch)
 
 
 class HybridLM(nn.Module):
@@ -454,18 +486,22 @@ class HybridLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache, attn: AttentionBackend,
                 batch: AttentionBatch, tap_layers=()):
-        cos, sin = self.rope.lookup(positions)
         h = self.embed_tokens(input_ids)
         taps: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv_cache[i], attn, batch)
-            if i in tap_layers:
-                taps[i] = h
-        if fused_enabled(h):
+        if fused_enabled(h):  # each layer's residual add folded into the next layer's first norm
             from flashdraft.models import fused
 
-            out = fused.add_rmsnorm(h, None, self.norm.weight, self.norm.eps, offset=True)[0]
+            y, res = h, None
+            for i, layer in enumerate(self.layers):
+                y, res = layer.forward_fused(y, res, positions, self.rope, kv_cache[i], attn, batch)
+                if i in tap_layers:
+                    taps[i] = y + res
+            out = fused.add_rmsnorm(y, res, self.norm.weight, self.norm.eps, offset=True)[0]
         else:
+            for i, layer in enumerate(self.layers):
+                h = layer(h, positions, self.rope, kv_cache[i], attn, batch)
+                if i in tap_layers:
+                    taps[i] = h
             out = self.norm(h)
         if len(self.layers) - 1 in taps:  # HF's last hidden_states entry: the final-normed state
             taps[len(self.layers) - 1] = out

@@ -272,3 +272,21 @@ def test_hybrid_targets_on_the_gpu_path(tmp_path, with_drafter, kind):
     from fixtures import build_tiny_model
 
     _triton_engine_matches_eager_torch(tmp_path, build_tiny_model(tmp_path / "t", kind), with_drafter, _graphs_on)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="fla-core's kernels need a GPU")
+def test_hybrid_prefill_by_the_chunked_kernel(tmp_path, monkeypatch):
+    """Prefill chunks of 8 rows or more through fla-core's chunked kernel (the prompts of 12 and 31 tokens),
+    beside decode and verify rows: the eager torch engine's tokens and acceptance counts (float32)."""
+    from fixtures import build_tiny_model
+
+    from flashdraft.models import gdn_triton
+
+    if not gdn_triton.chunked_available(torch.device(DEVICE)):
+        pytest.skip("fla-core is not installed")
+    monkeypatch.setattr(gdn_triton, "CHUNKED_MIN_ROWS", 8)
+    calls = []
+    real = gdn_triton.chunked
+    monkeypatch.setattr(gdn_triton, "chunked", lambda *a, **k: calls.append(a[6]) or real(*a, **k))
+    _triton_engine_matches_eager_torch(tmp_path, build_tiny_model(tmp_path / "t", "qwen3_5_text"), True, _graphs_on)
+    assert any(31 in spans.cu_cpu.diff().tolist() for spans in calls)

@@ -161,6 +161,42 @@ def test_qk_norm_rope_store(case, T, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 7])
+def test_gated_attention_fused_path(T, dtype):
+    """The hybrid targets' gated attention (per head a query and an output gate, (1 + w) q/k norms,
+    RoPE over a quarter of the head): qk_norm_rope_store(gated, offset) and sigmoid_gate give the
+    torch path's output and K/V cache."""
+    from flashdraft.models.hybrid import GatedAttention
+
+    cfg = tiny_config("qwen3_5_text", 64)
+    torch.manual_seed(T)
+    layer = GatedAttention(cfg, rotary_dim=cfg.head_dim // 4)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.5)
+    layer = layer.to(DEVICE, dtype)
+    rope = RotaryTable(cfg, cfg.head_dim // 4, 300, DEVICE, dtype)
+    page, n_blocks = 8, 4
+    rnd = random.Random(T)
+    slot_mapping = torch.tensor(rnd.sample(range(page * n_blocks), T), device=DEVICE)
+    positions = torch.tensor([rnd.randrange(300) for _ in range(T)], device=DEVICE)
+    x = randn(T, cfg.hidden_size, dtype=dtype, scale=1.0)
+    kv = randn(2, n_blocks, page, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
+    batch = AttentionBatch(slot_mapping, [0, T], [T], [list(range(n_blocks))], page)  # one sequence, causal
+    outs, caches = [], []
+    attn = TorchAttention()
+    attn.prepare(batch, DEVICE)
+    for mode in ("off", "on"):
+        kc, vc = kv[0].clone(), kv[1].clone()
+        with fused_mode(mode), torch.inference_mode():
+            outs.append(layer(x, positions, rope, kc, vc, attn, batch))
+        caches.append((kc, vc))
+    close(outs[1], outs[0], dtype, "output")
+    close(caches[1][0], caches[0][0], dtype, "k cache")
+    assert torch.equal(caches[1][1], caches[0][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,inter", [(1, 96), (3, 1500)])
 def test_silu_mul(T, inter, dtype):
     g = torch.Generator().manual_seed(inter)

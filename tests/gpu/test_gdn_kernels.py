@@ -86,3 +86,54 @@ def test_kernels_match_the_torch_layer(dtype, d_k, d_v):
     run(layer, again, x[r0: r0 + 2], one, True)  # (its projections of 2 rows may round apart from 23 rows')
     torch.testing.assert_close(got.rec[1], again.rec[1], **tol)
     torch.testing.assert_close(got.conv[1], again.conv[1], **tol)
+
+
+@pytest.mark.skipif(INTERPRET, reason="fla-core's kernels need a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_chunks_take_the_chunked_kernel(dtype):
+    """Committed chunks of CHUNKED_MIN_ROWS rows or more (prefill) run fla-core's chunked kernel beside
+    the recurrent kernel's decode and kept rows in one step: outputs, states and windows as the torch
+    layer's (transformers' chunked form for the chunks), and the commit afterwards as well."""
+    from flashdraft.models import gdn_triton
+
+    if not gdn_triton.chunked_available(DEVICE):
+        pytest.skip("fla-core is not installed")
+    cfg, layer, (ref, got) = layer_and_states(dtype, linear_key_head_dim=32, linear_value_head_dim=64)
+    # a fresh 150-row prefill, a decode row, a kept 5-row verify, a 70-row chunk from its slot's state,
+    # a short 9-row chunk (recurrent kernel), then padding
+    lens, slots = [150, 1, 5, 70, 9], [0, 3, 1, 5, 4]
+    rows = RecurrentRows(slots, [True, False, False, False, False], [False, False, True, False, False])
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    T = qsl[-1] + 3
+    x = torch.randn(T, cfg.hidden_size, device=DEVICE, dtype=dtype)
+    rec = RecurrentRows(rows.slots, rows.fresh, rows.keep)
+    batch = AttentionBatch(torch.full((T,), -1, device=DEVICE), qsl, [0] * len(lens), [[]] * len(lens), 16,
+                           recurrent=rec)
+    want = run(layer, ref, x, AttentionBatch(batch.slot_mapping, qsl, batch.seq_lens, batch.block_tables, 16,
+                                             recurrent=RecurrentRows(rows.slots, rows.fresh, rows.keep)), False)
+    out = run(layer, got, x, batch, True)
+    assert rec.spans.rows.tolist() == [*range(0, 150), *range(156, 226)] and rec.spans.slots.tolist() == [0, 5]
+    # the other rows (decode, kept verify, the short chunk) ran the recurrent kernel: as tight as above
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=8e-2, rtol=5e-2)
+    other = [*range(150, 156), *range(226, qsl[-1])]
+    torch.testing.assert_close(out[other], want[other], **tol)
+    # the chunks: fla-core sums by chunks of 64 rows with tf32 (float32) or bf16 products inside its
+    # dots, so elements part by up to ~1e-2; the error over all of them stays at that rounding (a wrong
+    # state, gate or row gives errors of order 1)
+    bound = 1e-2 if dtype == torch.float32 else 3e-2
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    chunk_rows = [*range(0, 150), *range(156, 226)]
+    errors = rel(out[chunk_rows], want[chunk_rows]), rel(got.rec[[0, 5]], ref.rec[[0, 5]])
+    assert max(errors) < bound, errors
+    others = [1, 3, 4, 2]  # the verify's slot untouched, the decode's and short chunk's by the recurrent kernel
+    torch.testing.assert_close(got.rec[others], ref.rec[others], **tol)
+    torch.testing.assert_close(got.conv, ref.conv, atol=0, rtol=0)
+    layer.commit(ref, {1: 3})
+    layer.commit(got, {1: 3})
+    torch.testing.assert_close(got.rec[others], ref.rec[others], **tol)
+    torch.testing.assert_close(got.conv, ref.conv, atol=0, rtol=0)
