@@ -24,12 +24,16 @@ The layer's gated RMSNorm (w * rmsnorm(o) * silu(z)) is one more kernel (gated_n
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 BLOCK_C = 128  # conv channels per program
-BLOCK_V = 32  # value columns of the state per program (the state block is [d_k, BLOCK_V] in registers)
+# value columns of the state per program (the state block is [d_k, BLOCK_V] in registers);
+# FLASHDRAFT_GDN_BLOCK_V sets it (sweeps)
+BLOCK_V = int(os.environ.get("FLASHDRAFT_GDN_BLOCK_V", 32))
 COMMIT, KEEP, CHUNKED = 0, 1, 2  # a sequence's mode (seq[:, 2])
 CHUNKED_MIN_ROWS = 64  # a committed chunk of at least this many rows takes the chunked kernel (one fla chunk)
 
