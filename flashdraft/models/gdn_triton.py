@@ -169,8 +169,9 @@ def recur(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
           state: torch.Tensor, qsl: torch.Tensor, seq: torch.Tensor, key_dim: int, heads_k: int,
           take: torch.Tensor | None = None) -> torch.Tensor | None:
     """The gated delta rule over every sequence's rows from its slot's state (zeros when fresh):
-    outputs [T, heads_v * d_v] in mixed's dtype, each slot's state stored after its rows (the kept
-    ones skipped). With `take`: no outputs, each slot's state after its first take[s] rows."""
+    outputs [T, heads_v * d_v] in mixed's dtype, each slot's state stored after its rows (KEEP ones
+    not stored; CHUNKED ones skipped, the chunked kernel's). With `take`: no outputs, each slot's
+    state after its first take[s] rows."""
     T = mixed.shape[0]
     S = seq.shape[0]
     _, HV, DK, DV = state.shape

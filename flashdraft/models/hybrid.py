@@ -19,7 +19,8 @@ conv window [conv_dim, kernel - 1] and the state [heads_v, d_k, d_v] in float32 
 A step's rows advance their sequence's slot in order; a sequence's first rows (num_computed_tokens
 0: new, or recomputed after preemption) start from zeros. Rows that may be rejected (a DFlash verify)
 leave the slot untouched: the layer keeps their inputs, and commit() replays the accepted ones, so the
-slot holds exactly the state after the last accepted row."""
+slot holds exactly the state after the last accepted row. On the GPU (models/gdn_triton.py) decode and
+verify rows run the recurrent form, and prefill chunks fla-core's chunked form, as transformers does."""
 
 from __future__ import annotations
 
