@@ -258,10 +258,15 @@ def main() -> None:
     if "plain" in result["arms"] and "dflash" in result["arms"]:
         result["break_even_tau"] = {r["concurrency"]: round(d["ms_per_step"] / r["ms_per_step"], 3)
                                     for r, d in zip(result["arms"]["plain"], result["arms"]["dflash"])}
+    emit(result, args.out)
+
+
+def emit(result: dict, out: str | None) -> None:
+    """The run's JSON document to stdout, and to `out` when given."""
     text = json.dumps(result, indent=1)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    if out:
+        Path(out).write_text(text)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from e2e_step import TARGETS, write_folders  # noqa: E402
+from e2e_step import TARGETS, emit, write_folders  # noqa: E402
 
 from flashdraft import LLM, SamplingParams  # noqa: E402
 from flashdraft.models import gdn_triton  # noqa: E402
@@ -60,10 +60,7 @@ def main() -> None:
                     result["ms"].setdefault(f"{n}x{L}", {}).setdefault(arm, []).append(ms)
                     print(json.dumps({"prompts": f"{n}x{L}", "arm": arm, "ms": ms}), flush=True)
         gdn_triton.CHUNKED_MIN_ROWS = default
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit(result, args.out)
 
 
 if __name__ == "__main__":
