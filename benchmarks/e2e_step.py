@@ -6,9 +6,10 @@ start-up drop out (n outlasts the prefill chunks, beside which early prompts dec
 drafts are never accepted (tau = 1): its arm gives the DFlash step's cost, and DFlash step / plain step is
 the tau at which speculation breaks even. Beside each plain step: the memory roofline of the bytes it reads
 (every weight but the embedding table, the context's K/V, a hybrid target's recurrent state read and
-written) over the bandwidth of a device copy measured in the same run, and the same step timed inside its
-CUDA graph (replays of the captured decode or whole-DFlash-step graph): end to end minus in graph is host
-time.
+written) over the bandwidth of a device copy measured in the same run, and the same step's GPU time: its
+CUDA graph replayed (the captured decode or whole-DFlash-step graph) plus the head and greedy choice that
+follow it eagerly. End to end minus GPU time is the time the GPU waits on the host. Arms: plain (async
+scheduling: the next decode step queued before the last one is read), plain-sync (without), dflash.
 
     python benchmarks/e2e_step.py --target qwen3.5-0.8b --out e2e.json        # a GPU
     python benchmarks/e2e_step.py --target tiny-hybrid --device cpu            # smoke test, anywhere
@@ -129,8 +130,8 @@ def step_graph(llm: LLM, arm: str, batch: int):
     eng = llm.engine
     runner = eng.runner
     bucket = 1 << (batch - 1).bit_length()
-    key = (("target", ()), bucket, 1) if arm == "plain" else (("dflash", eng.spec.tap_layers), bucket,
-                                                                eng.spec.block_size)
+    key = (("target", ()), bucket, 1) if eng.spec is None else (("dflash", eng.spec.tap_layers), bucket,
+                                                                  eng.spec.block_size)
     g = runner.graphs.get(key)
     return g if g is not None and g.captured else None
 
@@ -148,6 +149,26 @@ def in_graph_ms(llm: LLM, arm: str, batch: int, replays: int = 20) -> float | No
         g.replay()
     end.record()
     torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def head_ms(llm: LLM, rows: int, replays: int = 20) -> float | None:
+    """The head and greedy choice over `rows` rows, as a step runs them after its graph (eagerly)."""
+    eng = llm.engine
+    if eng.device.type != "cuda":
+        return None
+    from flashdraft.engine.sampler import greedy_tokens
+
+    model = eng.runner.model
+    hidden = torch.randn(rows, model.config.hidden_size, device=eng.device, dtype=eng.dtype)
+    with torch.inference_mode():
+        greedy_tokens(model.compute_logits(hidden, float32=False))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            greedy_tokens(model.compute_logits(hidden, float32=False))
+        end.record()
+        torch.cuda.synchronize()
     return start.elapsed_time(end) / replays
 
 
@@ -192,7 +213,9 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    ap.add_argument("--arms", default="plain,dflash")
+    ap.add_argument("--arms", default="plain,dflash",
+                    help="plain (async scheduling, the CUDA default), plain-sync (each step read before the "
+                         "next is scheduled), dflash")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also list the N costliest kernels of each in-graph step (torch profiler)")
     ap.add_argument("--out", default=None)
@@ -218,7 +241,8 @@ def main() -> None:
         for arm in arms:
             llm = LLM(str(target), draft=str(draft) if arm == "dflash" else None, device=args.device,
                       load_format="dummy", max_num_seqs=max(conc), kv_cache_memory_gb=args.kv_cache_memory_gb,
-                      max_model_len=args.prompt_len + args.new_tokens + 64)
+                      max_model_len=args.prompt_len + args.new_tokens + 64,
+                      async_scheduling=False if arm == "plain-sync" else None)
             gen = torch.Generator().manual_seed(0)
             vocab = TARGETS[args.target]["vocab_size"]
             rows = []
@@ -239,7 +263,12 @@ def main() -> None:
                     row |= {"roofline_ms": round(floor, 3), "x_roofline": round(ms / floor, 3)}
                 graph = in_graph_ms(llm, arm, c)
                 if graph is not None:
-                    row["in_graph_ms"] = round(graph, 3)
+                    # the head and the greedy choice run after the graph: the GPU's whole step is both
+                    head = head_ms(llm, c if llm.engine.spec is None else c * args.block)
+                    row |= {"in_graph_ms": round(graph, 3), "head_ms": round(head, 3),
+                            "gpu_ms": round(graph + head, 3), "host_gap_ms": round(ms - graph - head, 3)}
+                    if "roofline_ms" in row:
+                        row["gpu_x_roofline"] = round((graph + head) / row["roofline_ms"], 3)
                 split = kernel_split(llm, arm, c, args.profile) if args.profile and graph is not None else None
                 print(json.dumps({"arm": arm, **row}), flush=True)
                 if split:
@@ -248,7 +277,7 @@ def main() -> None:
                         print(f"  {k['us']:8.1f} us x{k['calls']:5.0f}  {k['kernel']}", flush=True)
                 rows.append(row)
             result["arms"][arm] = rows
-            if arm == "plain":
+            if arm.startswith("plain"):
                 result["state_bytes_per_seq"] = state_bytes_per_seq(llm.engine.runner.model, llm.engine.dtype)
                 result["graphs"] = llm.engine.runner.use_graphs
             del llm

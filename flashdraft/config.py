@@ -54,6 +54,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto": triton on CUDA when it imports, else torch
     cuda_graphs: bool = True  # replay captured steps (decode, verify, draft) on CUDA with the triton backend
     max_graph_batch: int = 256  # larger batches run eagerly
+    # plain decoding: launch the next decode step before reading the last one's tokens (the host's
+    # scheduling overlaps the GPU; engine.step); None: on CUDA
+    async_scheduling: bool | None = None
     # "auto": the folder's weights; "dummy" (vLLM's name): random weights at the shapes of config.json,
     # target and drafter, for timing models whose weights are not at hand (outputs are meaningless)
     load_format: str = "auto"
@@ -96,6 +99,8 @@ class EngineConfig:
             if self.num_speculative_tokens is not None:
                 raise ValueError("num_speculative_tokens (a chain's length) and speculative_tree_size (a tree's "
                                  "size) both set: choose one")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None (on for CUDA), got {self.async_scheduling!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
@@ -175,6 +180,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: triton on CUDA when it imports, else torch")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plain decoding: queue the next decode step before reading the last one's tokens, so the "
+                        "GPU never waits on the host (default: on for CUDA)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights at config.json's shapes, target and drafter (timing only)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
@@ -196,7 +204,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, attention_backend=args.attention_backend,
-                cuda_graphs=not args.no_cuda_graphs, load_format=args.load_format,
+                cuda_graphs=not args.no_cuda_graphs, async_scheduling=args.async_scheduling,
+                load_format=args.load_format,
                 num_speculative_tokens=args.num_speculative_tokens,
                 speculative_tree_size=args.speculative_tree_size,
                 speculative_disable_batch_size=args.speculative_disable_batch_size,

@@ -21,6 +21,35 @@ from flashdraft.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
+class InFlight:
+    """A launched step's samples, one per sequence, not yet read by the host: on the device, and
+    being copied to pinned host memory behind the step (an event marks the copy's end)."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor):
+        self.seqs, self.tokens = seqs, tokens
+        self.done = None
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = tokens
+
+    def next_ids(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The device ids of the step after this one over `seqs` (a subsequence of this step's):
+        each sequence's sample."""
+        if len(seqs) == len(self.seqs):
+            return self.tokens
+        index = {id(s): i for i, s in enumerate(self.seqs)}
+        return self.tokens[to_device([index[id(s)] for s in seqs], torch.long, self.tokens.device)]
+
+    def read(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
 def shipped_drafter(model: str | None) -> str | None:
     """The drafter this project trained and ships for `model`: only the embedded default has one,
     whether named by None or given as its GGUF file (any path or name of the same file)."""
@@ -94,7 +123,11 @@ class LLMEngine:
             self.runner.capture_ragged_graphs(("target", ()), self.runner.target_step(()), config.max_num_seqs,
                                               config.max_num_batched_tokens)
         self._seed = config.seed
-        self.stats = {"num_steps": 0, "num_preemptions": 0, "num_generated_tokens": 0}
+        # plain decode steps overlap the host's work for the next one (step()); default: on CUDA
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
+            else self.device.type == "cuda"
+        self._inflight: InFlight | None = None
+        self.stats = {"num_steps": 0, "num_preemptions": 0, "num_generated_tokens": 0, "num_overlapped_steps": 0}
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -152,31 +185,90 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one forward over a scheduled batch; return the sequences that advanced."""
+        """Run one forward over a scheduled batch; return the sequences that advanced.
+
+        With async scheduling (plain decoding), a step whose every row samples a token is left in
+        flight: the next call launches the step after it first, its input ids the in-flight step's
+        samples on the device (nothing waits for them), and only then reads those samples and
+        commits them. The GPU thus always has the next step queued while the host schedules,
+        fills buffers, checks stops and streams. A request that finishes at step N had a row in
+        step N+1 too: that row's token is dropped (it was never committed), so stops stay exact."""
         if self.spec is not None:
             return self.spec.step()
+        prev, self._inflight = self._inflight, None
+        advanced: list[Sequence] = []
+        if prev is not None:
+            nxt = self._next_decode(prev)
+            if nxt is not None:  # launched before prev is read: the GPU never waits on the host
+                self._inflight = self._launch(nxt, [[0]] * len(nxt), prev.next_ids(nxt))
+                self.stats["num_overlapped_steps"] += 1
+            advanced = self._complete(prev)
+            if self._inflight is not None:
+                return advanced
         batch = self.scheduler.schedule()
         self.stats["num_preemptions"] += len(batch.preempted)
         if not batch.seqs:
-            return []
+            return advanced
         tokens = [s.token_ids[s.num_computed_tokens: s.num_computed_tokens + n]
                   for s, n in zip(batch.seqs, batch.num_new_tokens)]
-        hidden, _, qsl = self.runner.forward(batch.seqs, tokens, self.block_manager)
-        ready = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                 if s.num_computed_tokens + n == s.num_tokens]
-        for s, n in zip(batch.seqs, batch.num_new_tokens):
-            s.num_computed_tokens += n
-        if ready:
-            rows = [qsl[i + 1] - 1 for i in ready]
-            if rows != list(range(len(rows))):  # a decode batch samples rows 0..n-1: no gather
-                hidden = hidden[to_device(rows, torch.long, self.device)]
-            seqs = [batch.seqs[i] for i in ready]
-            sb = self.runner.sampling_batch(seqs, [s.num_tokens for s in seqs])
-            logits = self.runner.model.compute_logits(hidden[: len(rows)], float32=not sb.all_greedy)
-            for seq, tok in zip(seqs, sample(logits, sb).tolist()):
-                self.append_tokens(seq, [tok])
+        launched = self._launch(batch.seqs, tokens)
+        if launched is None:
+            return advanced
+        if self.async_scheduling and len(launched.seqs) == len(batch.seqs):
+            self._inflight = launched
+            return advanced
+        return advanced + self._complete(launched)
+
+    def _launch(self, seqs: list[Sequence], tokens: list[list[int]], ids: torch.Tensor | None = None
+                ) -> InFlight | None:
+        """Queue the target over `tokens` (each sequence's rows from num_computed_tokens on; `ids`:
+        their values already on the device) and the sampling of every sequence whose rows reach its
+        end; None when none does. Nothing here waits for the GPU."""
+        hidden, _, qsl = self.runner.forward(seqs, tokens, self.block_manager, input_ids=ids)
+        for s, t in zip(seqs, tokens):
+            s.num_computed_tokens += len(t)
         self.stats["num_steps"] += 1
-        return [batch.seqs[i] for i in ready]
+        ready = [i for i, s in enumerate(seqs) if s.num_computed_tokens >= s.num_tokens]
+        if not ready:
+            return None
+        rows = [qsl[i + 1] - 1 for i in ready]
+        if rows != list(range(len(rows))):  # a decode batch samples rows 0..n-1: no gather
+            hidden = hidden[to_device(rows, torch.long, self.device)]
+        seqs = [seqs[i] for i in ready]
+        # the position of the token drawn: one past the rows computed (the in-flight token included)
+        sb = self.runner.sampling_batch(seqs, [s.num_computed_tokens for s in seqs])
+        logits = self.runner.model.compute_logits(hidden[: len(rows)], float32=not sb.all_greedy)
+        return InFlight(seqs, sample(logits, sb))
+
+    def _complete(self, step: InFlight) -> list[Sequence]:
+        """Wait for a launched step's samples and commit them (a request finished or aborted since
+        the launch takes none)."""
+        advanced = []
+        for seq, tok in zip(step.seqs, step.read()):
+            if not seq.is_finished:
+                self.append_tokens(seq, [tok])
+                advanced.append(seq)
+        return advanced
+
+    def _next_decode(self, prev: InFlight) -> list[Sequence] | None:
+        """The sequences of the decode step after `prev`, when it can be scheduled before prev's
+        samples are read: every running sequence is one of prev's, in order (nothing aborted,
+        finished or still prefilling), no waiting request could be admitted, and each has a page for
+        its next token. A request that prev's token surely ends (max_tokens, the context window)
+        gets no row; None when this is not such a step or no request is left."""
+        sched = self.scheduler
+        if sched.running != prev.seqs or (sched.waiting and len(sched.running) < sched.max_num_seqs):
+            return None
+        seqs = [s for s in prev.seqs if not (
+            (s.params.max_tokens is not None and s.num_output_tokens + 1 >= s.params.max_tokens)
+            or s.num_tokens + 1 >= self.max_model_len)]
+        if not seqs or len(seqs) > sched.max_num_batched_tokens:
+            return None
+        for s in seqs:
+            if not self.block_manager.can_fit(s.seq_id, s.num_computed_tokens + 1):
+                return None  # the scheduler decides whom to preempt, once prev is read
+            self.block_manager.allocate(s.seq_id, s.num_computed_tokens + 1)
+        return seqs
 
     def append_tokens(self, seq: Sequence, tokens: list[int]) -> int:
         """Commit tokens one by one, stopping exactly where plain decoding would. Returns how many

@@ -221,23 +221,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager,
-                tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+                tap_layers: tuple[int, ...] = (), input_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
         """Run the target; returns final hidden [T, H], taps [T, n*H] or None, and row offsets
-        (T may count padding rows past the last offset).
+        (T may count padding rows past the last offset). input_ids: the rows' token ids already on
+        the device (an overlapped step's: the samples of the step before), in place of the values
+        of `tokens`, which then only count rows.
         Steps where every sequence brings the same number of tokens (decode, verify)
         replay a captured CUDA graph when graphs are on."""
-        out = self.graphed(("target", tap_layers), seqs, tokens, bm, True, self.attn, self.target_step(tap_layers))
+        out = self.graphed(("target", tap_layers), seqs, tokens, bm, True, self.attn, self.target_step(tap_layers),
+                           input_ids)
         if out is not None:
             (hidden, taps), qsl = out
             return hidden, taps, qsl
         g = self.ragged_graph(("target", tap_layers), seqs, tokens, bm) if self.ragged_graphs else None
         if g is not None:
+            if input_ids is not None:
+                g.input_ids[: input_ids.shape[0]].copy_(input_ids)
             hidden, taps = g.replay()
             qsl = [0]
             for t in tokens:
                 qsl.append(qsl[-1] + len(t))
             return hidden[: qsl[-1]], taps[: qsl[-1]] if taps is not None else None, qsl
         ids, positions, batch = self.build_batch(seqs, tokens, bm)
+        if input_ids is not None:
+            ids[: input_ids.shape[0]] = input_ids
         hidden, taps = self.run(ids, positions, batch, tap_layers)
         return hidden, taps, batch.query_start_loc
 
@@ -248,13 +256,16 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv, self.attn, batch, tap_layers)
 
     def graphed(self, key: tuple, seqs: list[Sequence], tokens: list[list[int]], bm: BlockManager, causal: bool,
-                attn: AttentionBackend, fn) -> tuple | None:
+                attn: AttentionBackend, fn, input_ids: torch.Tensor | None = None) -> tuple | None:
         """Run fn(graph) through the captured graph of this step's shape (bucket of sequences x
         rows per sequence), capturing it on first use; None when the step is not graphable. The
-        outputs (tensors or tuples of tensors, rows first) are cut to this step's rows."""
+        outputs (tensors or tuples of tensors, rows first) are cut to this step's rows. input_ids
+        as in forward."""
         g = self.filled_graph(key, seqs, tokens, bm, causal, attn, fn)
         if g is None:
             return None
+        if input_ids is not None:
+            g.input_ids[: input_ids.shape[0]].copy_(input_ids)
         out = g.replay()
         q_len, n = len(tokens[0]), sum(len(t) for t in tokens)
         cut = tuple(o[:n] if o is not None else None for o in out) if isinstance(out, tuple) else out[:n]

@@ -290,3 +290,30 @@ def test_hybrid_prefill_by_the_chunked_kernel(tmp_path, monkeypatch):
     monkeypatch.setattr(gdn_triton, "chunked", lambda *a, **k: calls.append(a[6]) or real(*a, **k))
     _triton_engine_matches_eager_torch(tmp_path, build_tiny_model(tmp_path / "t", "qwen3_5_text"), True, _graphs_on)
     assert any(31 in spans.cu_cpu.diff().tolist() for spans in calls)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5_text", "gpt_oss"])
+def test_async_scheduling_through_graphs(tmp_path, kind):
+    """Decode steps launched before the last one's samples are read (their input ids copied on the
+    device into the graph's buffer) give the step-by-step engine's tokens and finish reasons: greedy and
+    sampled, different lengths, a stop token met mid-run, batch buckets shrinking as requests end."""
+    from fixtures import build_tiny_model
+
+    from flashdraft import LLM, SamplingParams
+
+    target = build_tiny_model(tmp_path / "t", kind)
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [9, 8, 7]]
+    kw = dict(device=DEVICE, dtype="float32", kv_block_size=8, draft=None, attention_backend="triton")
+    sync, overlap = (LLM(str(target), async_scheduling=a, **kw) for a in (False, True))
+    for llm in (sync, overlap):
+        _graphs_on(llm)
+    base = sync.generate([prompts[2]], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
+    params = [SamplingParams(max_tokens=6, ignore_eos=True),
+              SamplingParams(max_tokens=14, ignore_eos=True, temperature=1.0, seed=3),
+              SamplingParams(max_tokens=16, ignore_eos=True, stop_token_ids=[base[5]]),
+              SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.7, top_p=0.9, seed=4)]
+    want = [(o.token_ids, o.finish_reason) for o in sync.generate(prompts, params)]
+    got = [(o.token_ids, o.finish_reason) for o in overlap.generate(prompts, params)]
+    assert got == want and want[2] == (base[: base.index(base[5]) + 1], "stop")
+    assert overlap.engine.stats["num_overlapped_steps"] > 10 and sync.engine.stats["num_overlapped_steps"] == 0
+    assert overlap.engine.block_manager.num_used_blocks == 0

@@ -1,0 +1,108 @@
+"""Async scheduling (engine.step): the next decode step is launched before the last one's samples
+are read, its input ids those samples on the device. Everything observable must equal the step-by-step
+engine's: tokens, stops, finish reasons, aborts, preemption, requests joining mid-run; and it must
+actually overlap (the engine counts the steps it launched ahead)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashdraft import LLM, SamplingParams
+
+PROMPTS = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12]]
+
+
+def engines(folder, **cfg):
+    return [LLM(str(folder), draft=None, device="cpu", dtype="float32", async_scheduling=a, **cfg) for a in (False, True)]
+
+
+def outputs(llm, prompts, params):
+    return [(o.token_ids, o.finish_reason, o.text) for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama):
+    return engines(tiny_llama)
+
+
+def test_async_equals_sync_greedy_sampled_and_mixed_lengths(pair):
+    sync, overlap = pair
+    greedy = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 20, 11, 1)]
+    sampled = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=n, seed=7 + n, ignore_eos=True) for n in (9, 2, 17, 5)]
+    before = overlap.engine.stats["num_overlapped_steps"]
+    for params in (greedy, sampled):
+        assert outputs(overlap, PROMPTS, params) == outputs(sync, PROMPTS, params)
+    assert overlap.engine.stats["num_overlapped_steps"] - before > 20, "decode steps were meant to overlap"
+    assert sync.engine.stats["num_overlapped_steps"] == 0
+    assert overlap.engine.block_manager.num_used_blocks == 0
+
+
+def test_no_token_past_a_stop(pair):
+    """A request that stops at step N had a row in step N+1 (launched before N was read): that row's
+    token is never committed, and the other requests go on exactly as without overlap."""
+    sync, overlap = pair
+    base = sync.generate([PROMPTS[2]], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
+    stop_tok = base[6]
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=[stop_tok]),
+              SamplingParams(max_tokens=24, ignore_eos=True)]
+    prompts = [PROMPTS[2], PROMPTS[0]]
+    got = outputs(overlap, prompts, params)
+    assert got == outputs(sync, prompts, params)
+    assert got[0][0] == base[: base.index(stop_tok) + 1] and got[0][1] == "stop"
+    text = sync.generate([PROMPTS[1]], SamplingParams(max_tokens=30, ignore_eos=True))[0].text
+    stop = [SamplingParams(max_tokens=30, ignore_eos=True, stop=[text[4:7]])]
+    assert outputs(overlap, [PROMPTS[1]], stop) == outputs(sync, [PROMPTS[1]], stop)
+    assert overlap.engine.block_manager.num_used_blocks == 0
+
+
+def test_abort_while_a_step_is_in_flight(pair):
+    sync, overlap = pair
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in sync.generate(PROMPTS, params)]
+    eng = overlap.engine
+    seqs = [eng.add_request(None, params, prompt_token_ids=p) for p in PROMPTS]
+    for _ in range(6):
+        eng.step()
+    assert eng._inflight is not None, "a decode step was meant to be in flight"
+    victim = seqs[1]
+    kept = list(victim.output_token_ids)
+    eng.abort(victim)
+    while eng.has_unfinished():
+        eng.step()
+    assert victim.finish_reason == "abort" and victim.output_token_ids == kept
+    assert kept == want[1][: len(kept)]
+    assert [s.output_token_ids for i, s in enumerate(seqs) if i != 1] == [w for i, w in enumerate(want) if i != 1]
+    assert eng.block_manager.num_used_blocks == 0
+
+
+def test_requests_joining_and_preemption(tiny_llama):
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    sync, overlap = engines(tiny_llama, num_kv_blocks=12, kv_block_size=8)
+    assert outputs(overlap, PROMPTS, params) == outputs(sync, PROMPTS, params)
+    assert overlap.engine.stats["num_preemptions"] > 0 and overlap.engine.stats["num_overlapped_steps"] > 0
+    eng = overlap.engine
+    first = eng.add_request(None, params, prompt_token_ids=PROMPTS[0])
+    for _ in range(5):
+        eng.step()
+    late = [eng.add_request(None, params, prompt_token_ids=p) for p in PROMPTS[1:]]
+    while eng.has_unfinished():
+        eng.step()
+    want = [o.token_ids for o in sync.generate(PROMPTS, params)]
+    assert [s.output_token_ids for s in [first, *late]] == want
+
+
+def test_hybrid_target(tmp_path_factory):
+    from fixtures import build_tiny_model
+
+    folder = build_tiny_model(tmp_path_factory.mktemp("qwen3.5"), "qwen3_5_text")
+    sync, overlap = engines(folder)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 5, 9, 1)]
+    assert outputs(overlap, PROMPTS, params) == outputs(sync, PROMPTS, params)
+    assert overlap.engine.stats["num_overlapped_steps"] > 0
+
+
+def test_async_scheduling_option_is_checked():
+    from flashdraft.config import EngineConfig
+
+    with pytest.raises(ValueError, match="async_scheduling"):
+        EngineConfig(async_scheduling="yes")
