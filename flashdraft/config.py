@@ -100,7 +100,8 @@ class EngineConfig:
                 raise ValueError("num_speculative_tokens (a chain's length) and speculative_tree_size (a tree's "
                                  "size) both set: choose one")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be True, False or None (on for CUDA), got {self.async_scheduling!r}")
+            raise ValueError(f"async_scheduling must be True, False or None (on for CUDA), "
+                             f"got {self.async_scheduling!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 

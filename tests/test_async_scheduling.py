@@ -13,7 +13,8 @@ PROMPTS = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150,
 
 
 def engines(folder, **cfg):
-    return [LLM(str(folder), draft=None, device="cpu", dtype="float32", async_scheduling=a, **cfg) for a in (False, True)]
+    return [LLM(str(folder), draft=None, device="cpu", dtype="float32", async_scheduling=a, **cfg)
+            for a in (False, True)]
 
 
 def outputs(llm, prompts, params):
@@ -28,7 +29,8 @@ def pair(tiny_llama):
 def test_async_equals_sync_greedy_sampled_and_mixed_lengths(pair):
     sync, overlap = pair
     greedy = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 20, 11, 1)]
-    sampled = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=n, seed=7 + n, ignore_eos=True) for n in (9, 2, 17, 5)]
+    sampled = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=n, seed=7 + n, ignore_eos=True)
+               for n in (9, 2, 17, 5)]
     before = overlap.engine.stats["num_overlapped_steps"]
     for params in (greedy, sampled):
         assert outputs(overlap, PROMPTS, params) == outputs(sync, PROMPTS, params)
