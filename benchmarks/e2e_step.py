@@ -136,9 +136,26 @@ def step_graph(llm: LLM, arm: str, batch: int):
     return g if g is not None and g.captured else None
 
 
+def fill_graph(llm: LLM, prompts: list[list[int]]) -> None:
+    """Run the engine until every prompt decodes in the same step, then abort them: the graphs of that
+    batch's bucket hold a full step's inputs (a timed run's last step of a bucket can be a shrinking
+    batch's: its requests end one after another, as they were admitted)."""
+    eng = llm.engine
+    seqs = [eng.add_request(None, SamplingParams(max_tokens=1 << 20, ignore_eos=True), prompt_token_ids=p)
+            for p in prompts]
+    while not all(s.num_output_tokens >= 2 for s in seqs):
+        eng.step()
+    for _ in range(2):
+        eng.step()
+    for s in seqs:
+        eng.abort(s)
+    if eng.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def in_graph_ms(llm: LLM, arm: str, batch: int, replays: int = 20) -> float | None:
     """The step timed inside its CUDA graph, replayed over the inputs of the last step it ran (it
-    rewrites the same K/V slots and states); None without graphs."""
+    rewrites the same K/V slots and states: run fill_graph first); None without graphs."""
     g = step_graph(llm, arm, batch)
     if g is None:
         return None
@@ -261,6 +278,7 @@ def main() -> None:
                 if bw and nbytes:
                     floor = 1e3 * nbytes / bw
                     row |= {"roofline_ms": round(floor, 3), "x_roofline": round(ms / floor, 3)}
+                fill_graph(llm, prompts)
                 graph = in_graph_ms(llm, arm, c)
                 if graph is not None:
                     # the head and the greedy choice run after the graph: the GPU's whole step is both
