@@ -27,6 +27,17 @@ from gpu_roofline import Clock, Roofline, log, short_error
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
+# --model: the (N, K) of other decoders' GEMMs; Qwen3.5's Gated DeltaNet layers have their own in / out
+# projections (q, k, v, z, b, a as one matrix) beside the gated attention's (query and output gate)
+MODEL_SHAPES = {
+    "qwen3-8b": SHAPES,
+    "qwen3.5-27b": {"gdn_in": (16480, 5120), "gdn_out": (5120, 6144), "qkv": (14336, 5120), "o": (5120, 6144),
+                    "gate_up": (34816, 5120), "down": (5120, 17408)},
+    "qwen3.5-4b": {"gdn_in": (12352, 2560), "gdn_out": (2560, 4096), "qkv": (10240, 2560), "o": (2560, 4096),
+                   "gate_up": (18432, 2560), "down": (2560, 9216), "lm_head": (248320, 2560)},
+    "qwen3.5-0.8b": {"gdn_in": (8224, 1024), "gdn_out": (1024, 2048), "qkv": (5120, 1024), "o": (1024, 2048),
+                     "gate_up": (7168, 1024), "down": (1024, 3584)},
+}
 TINY_SHAPES = {"qkv": (192, 128), "gate_up": (256, 128), "down": (128, 256)}
 
 
@@ -40,8 +51,8 @@ def gemv_configs(tiny: bool):
     return out
 
 
-QUICK_DOT = ((16, 256, 4, 5), (32, 256, 4, 5), (64, 128, 4, 5), (64, 256, 4, 4), (128, 128, 4, 5), (128, 64, 4, 5),
-             (128, 128, 8, 4), (256, 64, 8, 4))
+QUICK_DOT = ((16, 128, 4, 5), (16, 256, 4, 5), (32, 128, 4, 5), (32, 256, 4, 5), (64, 128, 4, 5), (64, 256, 4, 4),
+             (128, 128, 4, 5), (128, 64, 4, 5), (128, 128, 8, 4), (256, 64, 8, 4))
 
 
 def dot_configs(tiny: bool, quick: bool = False):
@@ -82,7 +93,7 @@ class Sweep:
     def gemm(self) -> None:
         from flashdraft.models import skinny
 
-        shapes = TINY_SHAPES if self.args.tiny else SHAPES
+        shapes = TINY_SHAPES if self.args.tiny else MODEL_SHAPES[self.args.model]
         rows = [1, 3] if self.args.tiny else [int(m) for m in self.args.rows.split(",")]
         bw = self.bw
         deadline = time.perf_counter() + self.args.budget_s
@@ -103,6 +114,8 @@ class Sweep:
                               for c in gemv_configs(self.args.tiny)]
                 cands += [("dot", c, lambda i, c=c, x=x, w=ws: skinny.dot(x, w[i % len(w)], **c))
                           for c in dot_configs(self.args.tiny, self.args.quick)]
+                # what the model runs: the tile rules of skinny._dot_tiles
+                cands += [("rules", {}, lambda i, x=x, w=ws: skinny.skinny_linear(x, w[i % len(w)]))]
                 if name == "gate_up":  # the same bytes with the silu * up epilogue: [M, N/2] out
                     cands += [("glu", c, lambda i, c=c, x=x, w=ws: skinny.skinny_linear(
                         x, w[i % len(w)], glu=True, tiles=tuple(c.values()) if c else None))
@@ -126,11 +139,14 @@ class Sweep:
                         row["error"] = short_error(e)
                     self.res["gemm"].append(row)
                 cub = next(r for r in self.res["gemm"] if r["shape"] == name and r["M"] == M and r["kind"] == "cublas")
+                rules = next((r for r in self.res["gemm"] if r["shape"] == name and r["M"] == M
+                              and r["kind"] == "rules" and "us" in r), None)
                 if best and "us" in cub:
                     tiles = {k: best[k] for k in ("block_n", "block_k", "num_warps", "num_stages")}
                     log(f"{name} {N}x{K} M={M}: cublas {cub['us']:.1f} us ({cub['gbps']:.0f} GB/s); best triton "
                         f"{best['kind']} {best['us']:.1f} us ({best['gbps']:.0f} GB/s, "
-                        f"{best['of_copy_bw']:.2f} of copy) {tiles} err {best['rel_err']:.1e}")
+                        f"{best['of_copy_bw']:.2f} of copy) {tiles} err {best['rel_err']:.1e}"
+                        + (f"; tile rules {rules['us']:.1f} us ({rules['of_copy_bw']:.2f})" if rules else ""))
             ws.clear()  # free the copies before the next shape's
             if self.cuda:
                 torch.cuda.empty_cache()
@@ -294,6 +310,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop the sweep after this many seconds")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the GEMM shapes")
+    ap.add_argument("--model", default="qwen3-8b", choices=sorted(MODEL_SHAPES), help="whose GEMM shapes")
     ap.add_argument("--sections", default="gemm,profile,attention_splits")
     ap.add_argument("--rows", default="1,8,16,32", help="GEMM rows (M) to sweep")
     ap.add_argument("--quick", action="store_true", help="GEMM sweep: 8 dot tile configs, no gemv")
