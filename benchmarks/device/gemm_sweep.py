@@ -114,8 +114,11 @@ class Sweep:
                               for c in gemv_configs(self.args.tiny)]
                 cands += [("dot", c, lambda i, c=c, x=x, w=ws: skinny.dot(x, w[i % len(w)], **c))
                           for c in dot_configs(self.args.tiny, self.args.quick)]
-                # what the model runs: the tile rules of skinny._dot_tiles
+                # what the model runs: the tile rules of skinny._dot_tiles (and _dot_split), and those
+                # tiles with K split over 1-4 programs a strip
                 cands += [("rules", {}, lambda i, x=x, w=ws: skinny.skinny_linear(x, w[i % len(w)]))]
+                cands += [("split", {"split": sp}, lambda i, sp=sp, x=x, w=ws: skinny.skinny_linear(
+                    x, w[i % len(w)], split=sp)) for sp in (1, 2, 3, 4)]
                 if name == "gate_up":  # the same bytes with the silu * up epilogue: [M, N/2] out
                     cands += [("glu", c, lambda i, c=c, x=x, w=ws: skinny.skinny_linear(
                         x, w[i % len(w)], glu=True, tiles=tuple(c.values()) if c else None))

@@ -2,8 +2,10 @@
 or draft block), W [N, K] row-major as nn.Linear stores it. At these M a GEMM only streams W: a
 Qwen3-8B decode step reads 15 GB of weights for 0.03 TFLOP, so its time is set by how close the
 weight reads come to the memory bandwidth. Both kernels keep many programs in flight, each streaming
-a strip of BLOCK_N weight rows over the whole K (no split-K: no second kernel, no atomics, the same
-sum order on every call).
+a strip of BLOCK_N weight rows over the whole K, the same sum order on every call. A GEMM of few output
+strips (2,560 columns are 80 strips on 132 SMs) splits K over up to 4 programs a strip instead
+(`_dot_split`): each writes its float32 partial, and the strip's last program to finish (an atomic
+count) adds them in a fixed order: one kernel, and still the same sums whatever the timing.
 
     dot     M <= 32: "swap AB", acc[BLOCK_N, MPAD] += W_strip @ x^T on the tensor cores, MPAD 16 / 32
     gemv    M == 1: acc[BLOCK_N, BLOCK_K] += w * x in float32, one reduction at the end
@@ -36,6 +38,11 @@ from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 MAX_ROWS = 32
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allow 227 KB)
+# split-K (_dot_split): GEMMs of fewer output strips than this split K over up to 4 programs a strip,
+# each streaming at least SPLIT_MIN_K of it
+# (FLASHDRAFT_SPLIT_BELOW=0: never; for A/B runs)
+SPLIT_BELOW = int(os.environ.get("FLASHDRAFT_SPLIT_BELOW", "100"))
+SPLIT_MIN_K = 1024
 
 
 @triton.jit
@@ -80,11 +87,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
 
 
 @triton.jit(do_not_specialize=["M"])  # any row count, one variant per MPAD: nothing compiles mid-serving
-def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MPAD: tl.constexpr, EVEN: tl.constexpr,
-                GLU: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
+                GLU: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+                USE_PDL: tl.constexpr):
     dt = y_ptr.dtype.element_ty
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tile = tl.program_id(0)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, MPAD)
     k = tl.arange(0, BLOCK_K)
     w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
@@ -93,7 +102,9 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
     x_col = x_ptr + m[None, :] * stride_xm  # x^T tile [BLOCK_K, MPAD]
     acc = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_len = K // SPLIT  # SPLIT > 1: this program's share of K (the caller makes it a multiple of BLOCK_K)
+    k_lo = tl.program_id(1) * k_len
+    for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
         kk = k0 + k
         if EVEN:
             w = tl.load(w_row + kk[None, :])
@@ -113,6 +124,28 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, strid
             acc = tl.dot(w, xt.to(w.dtype), acc)
             if GLU:
                 acc_up = tl.dot(wu, xt.to(w.dtype), acc_up)
+    if SPLIT > 1:
+        # each program's float32 partial to its slot; the strip's last program to finish adds the
+        # SPLIT partials in slot order (the same sums whichever finishes last) and stores the result
+        tiles = tl.arange(0, BLOCK_N)[:, None] * MPAD + m[None, :]
+        part = part_ptr + tile * SPLIT * BLOCK_N * MPAD
+        tl.store(part + tl.program_id(1) * BLOCK_N * MPAD + tiles, acc)
+        tl.debug_barrier()  # every thread's partial is written before the count (release) below
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:
+            acc = tl.load(part + tiles, cache_modifier=".cg")
+            for j in range(1, SPLIT):
+                acc += tl.load(part + j * BLOCK_N * MPAD + tiles, cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call (CUDA graphs replay it)
+            _dot_store(acc, acc_up, b_ptr, y_ptr, n, m, M, N, stride_ym, dt, GLU, HAS_BIAS, USE_PDL)
+    else:
+        _dot_store(acc, acc_up, b_ptr, y_ptr, n, m, M, N, stride_ym, dt, GLU, HAS_BIAS, USE_PDL)
+
+
+@triton.jit
+def _dot_store(acc, acc_up, b_ptr, y_ptr, n, m, M, N, stride_ym, dt: tl.constexpr, GLU: tl.constexpr,
+               HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+    """The epilogue: bias, the glu's silu * up, one rounding to y's dtype."""
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
     if GLU:
@@ -166,10 +199,12 @@ def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tupl
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
-                  tiles: tuple[int, int, int, int] | None = None, kernel: str = "dot") -> torch.Tensor:
+                  tiles: tuple[int, int, int, int] | None = None, kernel: str = "dot",
+                  split: int | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias) -> [M, N] for 1 <= M <= MAX_ROWS; glu: w is [gate; up]
     [2N, K] and the result silu(gate) * up [M, N]. tiles (BLOCK_N, BLOCK_K, warps, stages)
-    overrides the rules; kernel="gemv" takes the one-row kernel (M == 1 only)."""
+    overrides the rules; split: programs per output strip (split-K; None: _dot_split's rule, 1 with
+    explicit tiles); kernel="gemv" takes the one-row kernel (M == 1 only)."""
     if kernel not in ("dot", "gemv") or (kernel == "gemv" and x.shape[0] != 1):
         raise ValueError(f"kernel must be 'dot' or, for one row, 'gemv'; got {kernel!r} for {x.shape[0]} rows")
     N, K = w.shape
@@ -194,11 +229,49 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
                                             num_stages=stages, **launch_kwargs(x))
         return y
     bn, bk, warps, stages = tiles or _dot_tiles(M, N, K, x.element_size(), glu)
-    _dot_kernel[(triton.cdiv(N, bn),)](x, w, b, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=bn,
-                                       BLOCK_K=bk, MPAD=16 if M <= 16 else 32, EVEN=N % bn == 0 and K % bk == 0,
-                                       **flags, IEEE=_ieee(w), num_warps=warps, num_stages=stages,
-                                       **launch_kwargs(x))
+    if split is None:
+        split = 1 if tiles is not None or glu else _dot_split(N, K, bn, bk)
+    even = N % bn == 0 and K % bk == 0
+    if split > 1 and (glu or not even or K % (split * bk)):
+        raise ValueError(f"split-K {split} needs no glu and K a multiple of {split} x {bk}, N of {bn}; "
+                         f"got N={N}, K={K}")
+    tiles_n = triton.cdiv(N, bn)
+    mpad = 16 if M <= 16 else 32
+    part, count = y, y  # unused without split-K
+    if split > 1:
+        part = torch.empty(tiles_n * split * bn * mpad, device=x.device, dtype=torch.float32)
+        count = _counters(x.device, tiles_n)
+    _dot_kernel[(tiles_n, split)](x, w, b, y, part, count, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+                                  BLOCK_N=bn, BLOCK_K=bk, MPAD=mpad, EVEN=even, **flags, IEEE=_ieee(w),
+                                  SPLIT=split, num_warps=warps, num_stages=stages, **launch_kwargs(x))
     return y
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Split-K arrival counts, one per output strip: zeros, and left at zero by every call's last
+    program. One buffer per device: the kernels of a stream run one after another."""
+    c = _COUNTS.get(device)
+    if c is None or c.numel() < n:
+        if c is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-K counters must be allocated before graph capture")
+        c = _COUNTS[device] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
+    return c
+
+
+def _dot_split(N: int, K: int, bn: int, bk: int) -> int:
+    """Programs per output strip (split-K): more than one when the strips alone would leave SMs idle
+    (fewer than SPLIT_BELOW strips) and K is long enough that each share still streams a few tiles.
+    A function of the shapes only, never of M, like the tiles: rows round alike in any batch."""
+    strips = -(-N // bn)
+    if strips >= SPLIT_BELOW or N % bn:
+        return 1
+    for split in (4, 3, 2):
+        if strips * split <= 2 * SPLIT_BELOW and K % (split * bk) == 0 and K // split >= SPLIT_MIN_K:
+            return split
+    return 1
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 4, block_k: int = 1024, num_warps: int = 4,
@@ -208,6 +281,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 4, block_k: int = 1024
 
 
 def dot(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: int = 256, num_warps: int = 4,
-        num_stages: int = 5) -> torch.Tensor:
-    """The tensor-core kernel with explicit tiles, any M <= MAX_ROWS (sweeps)."""
-    return skinny_linear(x, w, tiles=(block_n, block_k, num_warps, num_stages))
+        num_stages: int = 5, split: int = 1) -> torch.Tensor:
+    """The tensor-core kernel with explicit tiles and split-K, any M <= MAX_ROWS (sweeps)."""
+    return skinny_linear(x, w, tiles=(block_n, block_k, num_warps, num_stages), split=split)

@@ -84,6 +84,32 @@ def test_rows_do_not_depend_on_batch(N, K):
         assert torch.equal(skinny.skinny_linear(x[i:i + 1], w), full[i:i + 1])
 
 
+@pytest.mark.parametrize("N,K,split", [(64, 1024, 2), (96, 768, 3), (64, 2048, 4)])
+def test_split_k(N, K, split):
+    """K split over `split` programs a strip: float64's values, bitwise the same for a row alone or in a
+    block of 8 or 16 and from call to call whichever program ends last, and the arrival counts left at zero
+    for the next call (CUDA graphs replay the same counts)."""
+    g = torch.Generator().manual_seed(N + K + split)
+    x = torch.randn(16, K, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(DEVICE, torch.bfloat16)
+    b = torch.randn(N, generator=g).to(DEVICE, torch.bfloat16)
+    tiles = (32, 128, 4, 3)
+    full = skinny.skinny_linear(x, w, b, tiles=tiles, split=split)
+    want = reference(x, w, b)
+    assert (full.double() - want).abs().max().item() <= TOL[torch.bfloat16] * max(1.0, want.abs().max().item())
+    for _ in range(3):
+        assert torch.equal(skinny.skinny_linear(x, w, b, tiles=tiles, split=split), full)
+    assert torch.equal(skinny.skinny_linear(x[:8], w, b, tiles=tiles, split=split), full[:8])
+    for i in (0, 15):
+        assert torch.equal(skinny.skinny_linear(x[i:i + 1], w, b, tiles=tiles, split=split), full[i:i + 1])
+    assert not skinny._COUNTS[DEVICE].any()
+    x32, w32 = x.float(), w.float()
+    got = skinny.skinny_linear(x32, w32, tiles=tiles, split=split)
+    assert (got.double() - reference(x32, w32)).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="split-K"):
+        skinny.skinny_linear(x, w, tiles=(32, 128, 4, 3), split=5)
+
+
 def test_strided_rows_and_explicit_tiles():
     """A row view with a stride past its width (a slice of a wider buffer) and every swept tile
     shape of the benchmark give the same values."""
@@ -113,6 +139,16 @@ def test_tile_rules():
                                                 (32, 4, False)), (4096, 151936)):
         bn, bk, _, st = skinny._dot_tiles(M, N, 4096, elem, glu)
         assert st * (bn * (2 if glu else 1) + (16 if M <= 16 else 32)) * bk * elem <= skinny.SMEM_BUDGET
+
+
+def test_split_rule():
+    """K is split only where the strips leave SMs idle, a function of the shapes alone."""
+    assert skinny._dot_split(4096, 12288, 32, 256) == 1  # Qwen3-8B down: 128 strips
+    assert skinny._dot_split(2560, 9216, 32, 256) == 2  # Qwen3.5-4B down: 80 strips
+    assert skinny._dot_split(2560, 4096, 32, 256) == 2  # its attention and Gated DeltaNet outputs
+    assert skinny._dot_split(1024, 2048, 32, 256) == 2  # Qwen3.5-0.8B: 32 strips, shares of 1,024
+    assert skinny._dot_split(2560, 512, 32, 256) == 1  # too short a K to share
+    assert skinny._dot_split(2561, 4096, 32, 256) == 1  # ragged strips stay whole
 
 
 def test_bad_input_is_named():
