@@ -3,7 +3,7 @@ or draft block), W [N, K] row-major as nn.Linear stores it. At these M a GEMM on
 Qwen3-8B decode step reads 15 GB of weights for 0.03 TFLOP, so its time is set by how close the
 weight reads come to the memory bandwidth. Both kernels keep many programs in flight, each streaming
 a strip of BLOCK_N weight rows over the whole K, the same sum order on every call. A GEMM of few output
-strips (2,560 columns are 80 strips on 132 SMs) splits K over up to 4 programs a strip instead
+strips (2,560 columns are 80 strips on 132 SMs) splits K over two programs a strip instead
 (`_dot_split`): each writes its float32 partial, and the strip's last program to finish (an atomic
 count) adds them in a fixed order: one kernel, and still the same sums whatever the timing.
 
@@ -38,8 +38,8 @@ from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 MAX_ROWS = 32
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allow 227 KB)
-# split-K (_dot_split): GEMMs of fewer output strips than this split K over up to 4 programs a strip,
-# each streaming at least SPLIT_MIN_K of it
+# split-K (_dot_split): GEMMs of fewer output strips than this split K over 2 programs a strip, each
+# streaming at least SPLIT_MIN_K of it
 # (FLASHDRAFT_SPLIT_BELOW=0: never; for A/B runs)
 SPLIT_BELOW = int(os.environ.get("FLASHDRAFT_SPLIT_BELOW", "100"))
 SPLIT_MIN_K = 1024
@@ -262,16 +262,16 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _dot_split(N: int, K: int, bn: int, bk: int) -> int:
-    """Programs per output strip (split-K): more than one when the strips alone would leave SMs idle
-    (fewer than SPLIT_BELOW strips) and K is long enough that each share still streams a few tiles.
-    A function of the shapes only, never of M, like the tiles: rows round alike in any batch."""
+    """Programs per output strip (split-K): 2 when a GEMM's strips of 32 rows (N <= 4096) number fewer
+    than SPLIT_BELOW, so that alone they would leave SMs idle, and each half of K still streams at least
+    SPLIT_MIN_K; else 1. A function of the shapes only, never of M, like the tiles: rows round alike in
+    any batch. Swept on an H200 (benchmarks/device/gemm_sweep.py): two halves took Qwen3.5-4B's down
+    projection (2,560 x 9,216) from 20.0 to 17.3 us and its 2,560 x 4,096 outputs from 10.4 to 10.0 us;
+    three or four parts were slower (26-30 us), and so were two for the 27B's wider strips of 64 rows."""
     strips = -(-N // bn)
-    if strips >= SPLIT_BELOW or N % bn:
+    if bn > 32 or strips >= SPLIT_BELOW or N % bn or K % (2 * bk) or K // 2 < SPLIT_MIN_K:
         return 1
-    for split in (4, 3, 2):
-        if strips * split <= 2 * SPLIT_BELOW and K % (split * bk) == 0 and K // split >= SPLIT_MIN_K:
-            return split
-    return 1
+    return 2
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 4, block_k: int = 1024, num_warps: int = 4,

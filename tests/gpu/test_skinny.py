@@ -102,7 +102,7 @@ def test_split_k(N, K, split):
     assert torch.equal(skinny.skinny_linear(x[:8], w, b, tiles=tiles, split=split), full[:8])
     for i in (0, 15):
         assert torch.equal(skinny.skinny_linear(x[i:i + 1], w, b, tiles=tiles, split=split), full[i:i + 1])
-    assert not skinny._COUNTS[DEVICE].any()
+    assert not skinny._COUNTS[x.device].any()
     x32, w32 = x.float(), w.float()
     got = skinny.skinny_linear(x32, w32, tiles=tiles, split=split)
     assert (got.double() - reference(x32, w32)).abs().max().item() < 1e-4
@@ -146,9 +146,13 @@ def test_split_rule():
     assert skinny._dot_split(4096, 12288, 32, 256) == 1  # Qwen3-8B down: 128 strips
     assert skinny._dot_split(2560, 9216, 32, 256) == 2  # Qwen3.5-4B down: 80 strips
     assert skinny._dot_split(2560, 4096, 32, 256) == 2  # its attention and Gated DeltaNet outputs
-    assert skinny._dot_split(1024, 2048, 32, 256) == 2  # Qwen3.5-0.8B: 32 strips, shares of 1,024
+    assert skinny._dot_split(1024, 2048, 32, 256) == 2  # Qwen3.5-0.8B: 32 strips, halves of 1,024
     assert skinny._dot_split(2560, 512, 32, 256) == 1  # too short a K to share
     assert skinny._dot_split(2561, 4096, 32, 256) == 1  # ragged strips stay whole
+    assert skinny._dot_split(5120, 6144, 64, 256) == 1  # Qwen3.5-27B: 80 strips of 64 rows stream well
+    for M in (1, 16, 32):  # what the model runs splits as the rule says, for any M
+        bn, bk, _, _ = skinny._dot_tiles(M, 2560, 9216)
+        assert skinny._dot_split(2560, 9216, bn, bk) == 2
 
 
 def test_bad_input_is_named():
