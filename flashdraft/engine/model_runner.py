@@ -14,7 +14,7 @@ from flashdraft.engine.block_manager import BlockManager
 from flashdraft.engine.graphs import StepGraph, to_device
 from flashdraft.engine.sampler import SamplingBatch, greedy_tokens
 from flashdraft.engine.sequence import Sequence
-from flashdraft.models.hybrid import RecurrentRows
+from flashdraft.models.hybrid import RecurrentRows, take_rows
 from flashdraft.models.transformer import DecoderLM, fused_enabled
 
 log = logging.getLogger(__name__)
@@ -207,9 +207,37 @@ class ModelRunner:
 
     def commit_states(self, rows: dict[int, int]) -> None:
         """Hybrid targets: each state slot of `rows` keeps its state after the first rows[slot] of
-        its sequence's kept rows of the last step (the accepted ones)."""
-        if self.hybrid and rows:
-            self.model.commit_states(self.states, rows)
+        its sequence's kept rows of the last step (the accepted ones). After a graphed verify, one
+        replay of its commit graph (two kernels a GDN layer); else the kernels or the torch scan."""
+        if not (self.hybrid and rows):
+            return
+        first = next(iter(self.states.values())).pending
+        if first is not None and first.commit_graph is not None:
+            graph, take = first.commit_graph
+            take.copy_(torch.tensor(take_rows(first.rows, rows, take.shape[0]), dtype=torch.int32,
+                                    pin_memory=True), non_blocking=True)
+            graph.replay()
+            for state in self.states.values():
+                state.pending = None
+            return
+        self.model.commit_states(self.states, rows)
+
+    def capture_commit(self, pending: dict, bucket: int):
+        """The CUDA graph of a verify graph's commit (HybridLM.commit_pending over its kept rows, the
+        rows each sequence takes read from a [bucket] buffer), captured after the verify: a commit is
+        then one replay instead of two launches a GDN layer from Python."""
+        take = torch.zeros(bucket, dtype=torch.int32, device=self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.inference_mode():  # take 0: the warm-up changes no state
+            self.model.commit_pending(self.states, pending, take)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool), torch.inference_mode():
+            self.model.commit_pending(self.states, pending, take)
+        torch.cuda.synchronize(self.device)
+        return graph, take
 
     def placeholder_batch(self, n: int, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         """A step of one placeholder sequence of n rows (token 0 at positions 0..n-1, keys read
@@ -371,7 +399,9 @@ class ModelRunner:
                 # a verify of the target: each GDN layer's record of the rows it keeps (views of the
                 # state's kept-rows buffer), handed to the layer's state at every replay
                 g.aux["pending"] = {i: s.pending for i, s in self.states.items()}
+                commit = self.capture_commit(g.aux["pending"], bucket)
                 for state in self.states.values():
+                    state.pending.commit_graph = commit
                     state.pending = None
             self.graphs[(key, bucket, q_len)] = g
         return g

@@ -94,6 +94,13 @@ class RecurrentRows:
         return self._dev
 
 
+def take_rows(rec: RecurrentRows, rows: dict[int, int], width: int) -> list[int]:
+    """The rows each sequence of a step commits (its slot's entry of rows for kept ones, else 0),
+    padded with zeros to `width` sequences."""
+    take = [rows.get(slot, 0) if keep and slot >= 0 else 0 for slot, keep in zip(rec.slots, rec.keep)]
+    return take + [0] * (width - len(take))
+
+
 @dataclass
 class PendingRows:
     """A step's inputs of one GDN layer, kept while some of its sequences' rows may be rejected."""
@@ -104,6 +111,8 @@ class PendingRows:
     a: torch.Tensor
     mixed: torch.Tensor | None = None  # the conv outputs (kernel path)
     device_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (qsl, seq) of a graphed step
+    # a captured verify's: (the CUDA graph of every GDN layer's commit kernels, its `take` input buffer)
+    commit_graph: tuple | None = None
 
 
 class RecurrentState:
@@ -251,18 +260,13 @@ class GatedDeltaNet(nn.Module):
         rec, qsl = p.rows, p.query_start_loc
         if p.mixed is not None:
             from flashdraft.engine.graphs import to_device
-            from flashdraft.models import gdn_triton
 
-            qsl_t, seq = p.device_rows
+            seq = p.device_rows[1]
             takes = {} if takes is None else takes
             key = (id(rec), seq.shape[0])
             if key not in takes:
-                take = [rows.get(slot, 0) if keep and slot >= 0 else 0 for slot, keep in zip(rec.slots, rec.keep)]
-                takes[key] = to_device(take + [0] * (seq.shape[0] - len(take)), torch.int32, p.qkv.device)  # padding
-            take = takes[key]
-            gdn_triton.advance_windows(p.qkv, state.conv, qsl_t, seq, take)
-            gdn_triton.recur(p.mixed, p.a, p.b, self.A_log, self.dt_bias, state.rec, qsl_t, seq, self.key_dim,
-                             self.heads_k, take=take)
+                takes[key] = to_device(take_rows(rec, rows, seq.shape[0]), torch.int32, p.qkv.device)
+            self.commit_kernels(state, p, takes[key])
             return
         for s, slot in enumerate(rec.slots):
             if not rec.keep[s] or slot not in rows:
@@ -271,6 +275,16 @@ class GatedDeltaNet(nn.Module):
             _, conv1, s1 = self.scan(p.qkv[r0:r1], p.b[r0:r1], p.a[r0:r1], *state.start(slot, rec.fresh[s]))
             state.conv[slot] = conv1
             state.rec[slot] = s1
+
+    def commit_kernels(self, state: RecurrentState, p: PendingRows, take: torch.Tensor) -> None:
+        """The commit on the GPU: each slot's conv window and state after the first take[s] kept rows
+        of its sequence (two launches for the whole batch; graphed verifies replay them as a graph)."""
+        from flashdraft.models import gdn_triton
+
+        qsl, seq = p.device_rows
+        gdn_triton.advance_windows(p.qkv, state.conv, qsl, seq, take)
+        gdn_triton.recur(p.mixed, p.a, p.b, self.A_log, self.dt_bias, state.rec, qsl, seq, self.key_dim,
+                         self.heads_k, take=take)
 
     def scan(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv0: torch.Tensor, s0: torch.Tensor,
              chunked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -480,6 +494,12 @@ class HybridLM(nn.Module):
         takes: dict = {}
         for i, state in states.items():
             self.layers[i].linear_attn.commit(state, rows, takes)
+
+    def commit_pending(self, states: dict[int, RecurrentState], pending: dict, take: torch.Tensor) -> None:
+        """Every GDN layer's commit kernels over a graphed verify's kept rows (`pending`: layer -> its
+        PendingRows), each sequence taking take[s] rows: what ModelRunner captures as a commit graph."""
+        for i, p in pending.items():
+            self.layers[i].linear_attn.commit_kernels(states[i], p, take)
 
     def setup_rope(self, max_len: int) -> None:
         p = self.embed_tokens.weight
