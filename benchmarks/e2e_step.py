@@ -2,7 +2,8 @@
 config-only folders (target and a z-lab-shaped DFlash drafter) loaded with load_format="dummy", then
 `LLM.generate` at each concurrency, plain and with the drafter. A step's time is the difference between two
 runs of the same prompts, n + N and n new tokens, over the difference in engine steps, so prefill and
-start-up drop out (n outlasts the prefill chunks, beside which early prompts decode). The random drafter's
+start-up drop out (n outlasts the prefill chunks, beside which early prompts decode); beside it, the median
+pace of the longer run's middle steps (`ms_per_step_median`), which a one-off stall does not move. The random drafter's
 drafts are never accepted (tau = 1): its arm gives the DFlash step's cost, and DFlash step / plain step is
 the tau at which speculation breaks even. Beside each plain step: the memory roofline of the bytes it reads
 (every weight but the embedding table, the context's K/V, a hybrid target's recurrent state read and
@@ -208,17 +209,39 @@ def kernel_split(llm: LLM, arm: str, batch: int, top: int, replays: int = 10) ->
     return rows[:top]
 
 
-def timed(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
-    """Seconds and engine steps of one generate call."""
+def timed(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, int, list[float]]:
+    """Seconds and engine steps of one generate call, and the seconds between one `step()` call's
+    return and the next's (a step's pace, host and GPU together: with async scheduling each call
+    waits for the step before)."""
     eng = llm.engine
     steps = eng.stats["num_steps"]
+    returns = []
+    real = eng.step
+
+    def step():
+        out = real()
+        returns.append(time.perf_counter())
+        return out
+
+    eng.step = step
     if eng.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    try:
+        llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    finally:
+        del eng.step  # the class's method again
     if eng.device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0, eng.stats["num_steps"] - steps
+    return time.perf_counter() - t0, eng.stats["num_steps"] - steps, [b - a for a, b in zip(returns, returns[1:])]
+
+
+def middle_median(gaps: list[float]) -> float | None:
+    """The median of a run's step paces over its middle half (past the prefill steps at its start and
+    before the requests end one by one at its end): robust to a one-off stall, unlike the two-run
+    difference."""
+    mid = sorted(gaps[len(gaps) // 4: 3 * len(gaps) // 4])
+    return mid[len(mid) // 2] if mid else None
 
 
 def main() -> None:
@@ -273,11 +296,13 @@ def main() -> None:
                 short = 2 + -(-c * args.prompt_len // llm.engine.config.max_num_batched_tokens)
                 timed(llm, prompts, short + 4)  # warm-up: every step shape both runs meet (eager ones compile)
                 # the faster of two runs each: a one-off stall in either would skew the difference
-                t1, s1 = min(timed(llm, prompts, short) for _ in range(2))
-                tn, sn = min(timed(llm, prompts, short + args.new_tokens) for _ in range(2))
+                t1, s1, _ = min(timed(llm, prompts, short) for _ in range(2))
+                tn, sn, gaps = min(timed(llm, prompts, short + args.new_tokens) for _ in range(2))
                 ms = 1e3 * (tn - t1) / max(sn - s1, 1)
+                pace = middle_median(gaps)
                 row = {"concurrency": c, "ms_per_step": round(ms, 3), "steps": sn - s1,
-                       "tokens_per_step": round(c * args.new_tokens / max(sn - s1, 1), 3)}
+                       "tokens_per_step": round(c * args.new_tokens / max(sn - s1, 1), 3),
+                       "ms_per_step_median": round(1e3 * pace, 3) if pace is not None else None}
                 nbytes = step_bytes(llm, c, args.prompt_len + args.new_tokens // 2)
                 if bw and nbytes:
                     floor = 1e3 * nbytes / bw
