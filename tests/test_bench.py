@@ -263,3 +263,22 @@ def test_unreachable_server_is_a_clear_error(capsys):
     sock.close()
     assert cmd_bench(bench_args("--url", f"http://127.0.0.1:{port}", "--dataset", "mt-bench")) == 1
     assert "cannot list models" in capsys.readouterr().err
+
+
+def test_e2e_step_benchmark_runs_on_cpu(tmp_path):
+    """benchmarks/e2e_step.py (the device step benchmark) end to end on a tiny hybrid shape: both arms,
+    each step counted, the two-run difference and the median pace both present and positive."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_step.py"
+    out = tmp_path / "e2e.json"
+    subprocess.run([sys.executable, str(script), "--target", "tiny-hybrid", "--device", "cpu", "--arms",
+                    "plain,dflash", "--concurrency", "2", "--new-tokens", "8", "--prompt-len", "16",
+                    "--out", str(out)], check=True, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    for arm in ("plain", "dflash"):
+        (row,) = result["arms"][arm]
+        assert row["steps"] == 8 and row["ms_per_step"] > 0 and row["ms_per_step_median"] > 0
+    assert result["break_even_tau"]["2"] > 0
