@@ -39,7 +39,10 @@ from flashdraft.models.moe import MoE  # noqa: E402
 from flashdraft.speculative.formats import default_target_layer_ids  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks" / "device"))
-from gpu_roofline import GPT_OSS_20B, QWEN3_30B_A3B  # noqa: E402
+try:  # the MoE shapes live with the in-graph roofline benchmark, which needs Triton
+    from gpu_roofline import GPT_OSS_20B, QWEN3_30B_A3B  # noqa: E402
+except ImportError:  # a CPU machine without Triton: the dense and hybrid shapes only
+    GPT_OSS_20B = QWEN3_30B_A3B = None
 
 QWEN35 = dict(model_type="qwen3_5_text", linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
               full_attention_interval=4, vocab_size=248320, head_dim=256, rms_norm_eps=1e-6,
@@ -61,8 +64,10 @@ TARGETS = {
     # mixtures of experts: no roofline here (it depends on the experts a step's routing reads; the in-graph
     # figures of benchmarks/device/gpu_roofline.py count them). The random drafter proposes one token in
     # every slot, so a verify's rows route alike and read too few experts: its DFlash figures understate.
-    "gpt-oss-20b": dict(GPT_OSS_20B, model_type="gpt_oss", max_position_embeddings=131072, tie_word_embeddings=False),
-    "qwen3-30b-a3b": dict(QWEN3_30B_A3B, model_type="qwen3_moe", tie_word_embeddings=False),
+    **({"gpt-oss-20b": dict(GPT_OSS_20B, model_type="gpt_oss", max_position_embeddings=131072,
+                            tie_word_embeddings=False),
+        "qwen3-30b-a3b": dict(QWEN3_30B_A3B, model_type="qwen3_moe", tie_word_embeddings=False)}
+       if GPT_OSS_20B is not None else {}),
     "tiny-hybrid": dict(QWEN35, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32,
                         linear_num_key_heads=2, linear_num_value_heads=4, vocab_size=1000,
