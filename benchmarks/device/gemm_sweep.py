@@ -1,7 +1,9 @@
 """Few-row GEMMs of a Qwen3-8B decoder on the GPU: cuBLAS (F.linear) against the Triton kernels of
 flashdraft/models/skinny.py over a sweep of tile configs, at M = 1, 8, 16, 32 rows, and the GPU
 time of a decode step, a 16-row verify and a draft block split by kernel (torch profiler over
-CUDA-graph replays), and the paged attention kernel at every forced split-K count.
+CUDA-graph replays), and the paged attention kernel at every forced split-K count. `--sections moe`
+times the expert kernels (models/moe_triton.py) of --model's MoE shape at --rows tokens, sorted and
+unsorted, and sweeps the unsorted path's tiles.
 
 Every GEMM is timed inside one CUDA graph of `calls` launches that cycle through enough copies of
 the weight to overflow L2 (a decode step reads each layer's weights once, cold), CUDA events around
@@ -37,8 +39,16 @@ MODEL_SHAPES = {
                    "gate_up": (18432, 2560), "down": (2560, 9216), "lm_head": (248320, 2560)},
     "qwen3.5-0.8b": {"gdn_in": (8224, 1024), "gdn_out": (1024, 2048), "qkv": (5120, 1024), "o": (1024, 2048),
                      "gate_up": (7168, 1024), "down": (1024, 3584)},
+    # the MoE targets' dense GEMMs (attention and router; their experts: the moe section)
+    "qwen3-30b-a3b": {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048)},
+    "gpt-oss-20b": {"qkv": (5120, 2880), "o": (2880, 4096), "router": (32, 2880)},
 }
 TINY_SHAPES = {"qkv": (192, 128), "gate_up": (256, 128), "down": (128, 256)}
+# the moe section: (experts, routed per token, hidden, expert width, biases) of fused_moe
+MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768, False), "gpt-oss-20b": (32, 4, 2880, 2880, True)}
+TINY_MOE = (8, 2, 128, 64, True)
+# (BLOCK_N, BLOCK_K, stages) candidates of the unsorted path's two GEMMs, swept one after the other
+MOE_DIRECT_TILES = ((16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 3), (64, 128, 3), (32, 64, 5), (16, 64, 5))
 
 
 def gemv_configs(tiny: bool):
@@ -153,6 +163,72 @@ class Sweep:
             ws.clear()  # free the copies before the next shape's
             if self.cuda:
                 torch.cuda.empty_cache()
+
+    def moe(self) -> None:
+        """fused_moe (slot outputs, as the model calls it) at --rows tokens with random routings, the
+        expert weights read cold (each call routes anew among the layer's experts): the sorted path,
+        the unsorted (direct) path with its tile rules, then its gate_up tiles and its down tiles
+        swept in turn. Bytes: the distinct experts a call reads."""
+        from flashdraft.models import moe_triton
+
+        E, k, H, inter, bias = TINY_MOE if self.args.tiny else MOE_SHAPES[self.args.model]
+        el = torch.finfo(self.dtype).bits // 8
+        g = torch.Generator(device=self.dev).manual_seed(0)
+        wgu = torch.randn(E, 2 * inter, H, device=self.dev, dtype=self.dtype, generator=g) * 0.02
+        wd = torch.randn(E, H, inter, device=self.dev, dtype=self.dtype, generator=g) * 0.02
+        bgu = torch.randn(E, 2 * inter, device=self.dev, dtype=self.dtype, generator=g) if bias else None
+        bd = torch.randn(E, H, device=self.dev, dtype=self.dtype, generator=g) if bias else None
+        act = ("swiglu_oai", 1.702, 7.0) if bias else ("silu",)
+        per_expert = (3 * H * inter + (3 * inter + H if bias else 0)) * el
+        out = self.res["moe"] = []
+        saved = moe_triton.DIRECT_TOKENS, moe_triton.DIRECT_TILES
+        rows = [1, 2] if self.args.tiny else [int(m) for m in self.args.rows.split(",")]
+        try:
+            for T in rows:
+                n_routes = 1 if self.args.tiny else 32
+                ids = [torch.stack([torch.randperm(E, device=self.dev, generator=g)[:k] for _ in range(T)])
+                       for _ in range(n_routes)]
+                w = torch.softmax(torch.randn(T, k, device=self.dev, generator=g), -1).to(self.dtype)
+                x = torch.randn(T, H, device=self.dev, dtype=self.dtype, generator=g)
+                experts = sum(len(set(r.flatten().tolist())) for r in ids) / n_routes
+                nbytes = experts * per_expert
+
+                def fn(i, ids=ids, w=w, x=x):
+                    return moe_triton.fused_moe(x, wgu, wd, w, ids[i % len(ids)], act, bgu, bd, slots=True)
+
+                def timed(kind, direct, tiles):
+                    moe_triton.DIRECT_TOKENS = direct
+                    moe_triton.DIRECT_TILES = tiles
+                    row = {"tokens": T, "kind": kind, "tiles": tiles if direct else None, "experts": experts}
+                    try:
+                        us = self.graph_time(fn, max(8, n_routes))
+                        row |= {"us": us, "of_copy_bw": nbytes / (us * 1e-6) / 1e9 / self.bw}
+                    except Exception as e:
+                        row["error"] = short_error(e)
+                    out.append(row)
+                    return row
+
+                moe_triton.DIRECT_TOKENS = 0
+                ref = fn(0).float()
+                sorted_row = timed("sorted", 0, saved[1])
+                moe_triton.DIRECT_TOKENS = 1 << 30
+                row = timed("direct", 1 << 30, saved[1])
+                row["max_abs_diff"] = float((fn(0).float() - ref).abs().max())
+                best = {"gate_up": saved[1][0], "down": saved[1][1]}
+                for part in ("gate_up", "down"):
+                    cands = MOE_DIRECT_TILES[:1] if self.args.tiny else MOE_DIRECT_TILES
+                    rs = [timed(f"direct {part}", 1 << 30, (c, best["down"]) if part == "gate_up" else (best["gate_up"], c))
+                          for c in cands]
+                    rs = [r for r in rs if "us" in r]
+                    if rs:
+                        best[part] = min(rs, key=lambda r: r["us"])["tiles"][0 if part == "gate_up" else 1]
+                b = timed("direct best", 1 << 30, (best["gate_up"], best["down"]))
+                log(f"moe {self.args.model} T={T} ({experts:.1f} experts, {nbytes / 1e6:.1f} MB): sorted "
+                    f"{sorted_row.get('us', float('nan')):.1f} us, direct {row.get('us', float('nan')):.1f} us, "
+                    f"best direct {b.get('us', float('nan')):.1f} us ({b.get('of_copy_bw', 0):.2f} of copy) "
+                    f"{b['tiles']}")
+        finally:
+            moe_triton.DIRECT_TOKENS, moe_triton.DIRECT_TILES = saved
 
     def roofline_run(self) -> Roofline:
         """The Qwen3-8B-shaped target and 5-layer drafter of gpu_roofline.py, built once."""
@@ -313,7 +389,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop the sweep after this many seconds")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the GEMM shapes")
-    ap.add_argument("--model", default="qwen3-8b", choices=sorted(MODEL_SHAPES), help="whose GEMM shapes")
+    ap.add_argument("--model", default="qwen3-8b", choices=sorted(MODEL_SHAPES), help="whose GEMM shapes (and, "
+                    "for the MoE targets, expert shapes: --sections moe)")
     ap.add_argument("--sections", default="gemm,profile,attention_splits")
     ap.add_argument("--rows", default="1,8,16,32", help="GEMM rows (M) to sweep")
     ap.add_argument("--quick", action="store_true", help="GEMM sweep: 8 dot tile configs, no gemv")

@@ -32,10 +32,12 @@ Tiling (tl.dot needs >= 16 along every dim on real hardware, so BLOCK_M >= 16 ev
 Split-K (flash-decoding): when query tiles x sequences x kv heads cannot fill the GPU (batch 1 x 8
 kv heads is 8 programs for 132 SMs), the key range is cut into up to 2 x SMs / programs partitions
 (at most 64, sized as above) that write unnormalised partials (acc, running max, running sum) to
-a float32 workspace; a small reduce kernel merges them. Partitions past a sequence's real keys
-write neutral partials; the last partition runs to the sequence's end.
+a float32 workspace; a small reduce kernel merges them. The split count is fixed by the grid (a CUDA
+graph's, sized for its longest sequence), but each program cuts its own tile's key range (the window
+on sliding layers) into that many partitions: a 1k-key decode in a graph sized for 40k keys spreads
+over every partition, not over the first two (trailing empty ones write neutral partials).
 
-Compiles: the split count and partition size are runtime arguments, not constants, so eager steps
+Compiles: the split count is a runtime argument, not a constant, so eager steps
 with new sequence lengths (prefill chunks) reuse the compiled kernels; as constants, every new
 length could compile another variant in the middle of serving.
 
@@ -147,9 +149,9 @@ def _attend(q, k, v, key, key_ok, pos, tree, ctx, m_i, l_i, acc, scale_log2, CAU
 # integers that change from step to step are not specialised on (Triton would otherwise compile a
 # variant per divisibility class, "== 1" and "% 16 == 0", the first time a step's token count hits one:
 # a compile stall in the middle of serving)
-@triton.jit(do_not_specialize=["num_tokens", "num_splits", "part", "stride_bt"])
+@triton.jit(do_not_specialize=["num_tokens", "num_splits", "stride_bt"])
 def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
-                 qsl_ptr, seq_lens_ptr, bt_ptr, tree_ptr, sink_ptr, scale_log2, num_tokens, num_heads, num_splits, part,
+                 qsl_ptr, seq_lens_ptr, bt_ptr, tree_ptr, sink_ptr, scale_log2, num_tokens, num_heads, num_splits,
                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  stride_ot, stride_oh, stride_bt,
                  N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -179,10 +181,14 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
         kv_end = tl.minimum(seq_len, tl.max(tl.where(valid, pos, -1)) + 1)
     else:
         kv_end = seq_len
-    lo = split * part
-    hi = tl.where(split == num_splits - 1, kv_end, tl.minimum(kv_end, lo + part))  # the last takes the rest
-    if WINDOW > 0:  # keys before every row's window are skipped (their partitions write neutral partials)
-        lo = tl.maximum(lo, tl.min(tl.where(valid, pos, seq_len)) - WINDOW + 1)
+    first = 0
+    if WINDOW > 0:  # keys before every row's window are never read
+        first = tl.maximum(tl.min(tl.where(valid, pos, seq_len)) - WINDOW + 1, 0)
+    # the tile's own key range [first, kv_end) cut into num_splits partitions of whole key tiles (the
+    # grid is fixed by the graph; the partition follows the sequence): trailing ones may be empty
+    part = tl.cdiv(tl.cdiv(tl.maximum(kv_end - first, 0), num_splits), BLOCK_N) * BLOCK_N
+    lo = first + split * part
+    hi = tl.minimum(kv_end, lo + part)
     n = tl.arange(0, BLOCK_N)
     key = lo + n
     key_ok = key < hi
@@ -242,7 +248,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
 def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_seqs, num_tokens, num_heads, num_splits,
                    stride_ot, stride_oh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ZERO_PADDING: tl.constexpr, USE_PDL: tl.constexpr):
-    """Grid (token, kv head): merges the split-K partials of that token's GROUP query heads into
+    """Grid (token, head group): merges the split-K partials of that token's GROUP query heads into
     normalised output, BLOCK_S partitions per load (one load for <= BLOCK_S splits). Small programs
     over tokens rather than a loop over the partitions per query tile: a 16-row verify at batch 1
     has 128 of them instead of 8 (H100: 14.7 us per layer before)."""
@@ -345,8 +351,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_d, block_m, block_n, warps = _tiles(hd, group, meta.max_query_len)
     tiles = triton.cdiv(meta.max_query_len, block_m // group)
     if num_splits is None:
-        num_splits = _num_splits(tiles * S * n_kv, meta.max_seq_len, q.device)
-    part = triton.cdiv(triton.cdiv(max(meta.max_seq_len, 1), num_splits), block_n) * block_n
+        keys = meta.max_seq_len  # the most keys a tile reads: on sliding layers, its window and rows
+        if meta.window is not None:
+            keys = min(keys, meta.window + meta.max_query_len)
+        num_splits = _num_splits(tiles * S * n_kv, keys, q.device)
     if zero_padding and num_splits == 1:
         out.zero_()
     ws = _workspace(q.device, num_splits, T, H, hd) if num_splits > 1 else (out, out, out)
@@ -357,17 +365,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _attn_kernel[(tiles, S * n_kv, num_splits)](
         q, k_cache, v_cache, out, *ws, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         meta.tree_mask if tree else meta.seq_lens, sinks if sinks is not None else meta.seq_lens,
-        scale * 1.4426950408889634, T, H, num_splits, part,
+        scale * 1.4426950408889634, T, H, num_splits,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         out.stride(0), out.stride(1), meta.block_tables.stride(0), **consts, BLOCK_N=block_n,
         PAGE=k_cache.shape[1], CAUSAL=meta.causal, TREE=tree, WINDOW=meta.window or 0, SINK=sinks is not None,
         SPLIT=num_splits > 1,
         F32_DOT=INTERPRET or q.dtype == torch.float32, num_warps=warps, **launch_kwargs(q))
     if num_splits > 1:
-        _reduce_kernel[(T, n_kv)](out, *ws, meta.query_start_loc, S, T, H, num_splits, out.stride(0), out.stride(1),
-                                  GROUP=group, BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=hd, BLOCK_D=block_d,
-                                  BLOCK_S=max(1, REDUCE_SPLITS // triton.next_power_of_2(group)),
-                                  ZERO_PADDING=zero_padding, num_warps=4, **launch_kwargs(q))
+        # a program per (token, kv head) merges the group's heads; too few of those to fill the GPU
+        # (a decode at batch 1: 4-8) read the partials at a few SMs' bandwidth, so then one per query head
+        g = group if T * n_kv >= _sm_count(q.device) else 1
+        _reduce_kernel[(T, H // g)](out, *ws, meta.query_start_loc, S, T, H, num_splits, out.stride(0), out.stride(1),
+                                    GROUP=g, BLOCK_G=triton.next_power_of_2(g), HEAD_DIM=hd, BLOCK_D=block_d,
+                                    BLOCK_S=max(1, REDUCE_SPLITS // triton.next_power_of_2(g)),
+                                    ZERO_PADDING=zero_padding, num_warps=4, **launch_kwargs(q))
     return out
 
 
@@ -376,16 +387,18 @@ def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: t
     """Compile, before serving, every attention variant an eager step (prefill, mixed prefill +
     decode) can pick: each query-tile height (from the step's longest query, 16 to the cap rows)
     with and without split-K (tree: the variants with token-tree masks, for steps that verify
-    trees). Otherwise the first step that needs one compiles it mid-run, a stall of a second or
-    so. Returns how many variants were launched."""
+    trees), and the split-K merge both per query head and per kv head (below and above the token
+    count that fills the GPU). Otherwise the first step that needs one compiles it mid-run, a stall
+    of a second or so. Returns how many variants were launched."""
     group = n_heads // n_kv
     heights = {}
     for q_len in (1 << i for i in range(12)):
         heights.setdefault(_tiles(head_dim, group, q_len)[1], q_len)
-    pages = triton.cdiv(max(heights.values()), page) + 1
+    merge_rows = triton.cdiv(_sm_count(device), n_kv)  # the fewest tokens whose merge takes a kv head a program
+    pages = triton.cdiv(max(*heights.values(), merge_rows), page) + 1
     k = torch.zeros(pages, page, n_kv, head_dim, device=device, dtype=dtype)
     v = torch.zeros_like(k)
-    for q_len in heights.values():
+    for q_len in (*heights.values(), merge_rows):
         batch = AttentionBatch(slot_mapping=torch.full((q_len,), -1, dtype=torch.long), query_start_loc=[0, q_len],
                                seq_lens=[pages * page], block_tables=[list(range(pages))], block_size=page,
                                causal=causal, tree_mask=torch.zeros(q_len, dtype=torch.long) if tree else None,
@@ -395,7 +408,7 @@ def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: t
         for splits in (1, 2):
             paged_attention(q, k, v, meta, 1.0, num_splits=splits,
                             sinks=torch.zeros(n_heads, device=device) if sinks else None)
-    return 2 * len(heights)
+    return 2 * len(heights) + 2
 
 
 class TritonAttention(AttentionBackend):

@@ -43,14 +43,20 @@ def _heads_per_program(rows: int, block_d: int) -> int:
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                         stride_x, stride_r, stride_o, stride_ro,
                         N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, OFFSET: tl.constexpr,
-                        USE_PDL: tl.constexpr):
+                        PARTS: tl.constexpr, USE_PDL: tl.constexpr):
     """One row: r = x + res (rounded to the residual dtype, stored), out = w * rmsnorm(r); OFFSET:
-    out = rmsnorm(r) * (1 + w) in float32, rounded once (the zero-centred norms of hybrid targets)."""
+    out = rmsnorm(r) * (1 + w) in float32, rounded once (the zero-centred norms of hybrid targets).
+    PARTS > 1: x is that many consecutive rows of N, summed in order in float32 and rounded first."""
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     ok = d < N
     x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
+    if PARTS > 1:
+        xs = x.to(tl.float32)
+        for p in tl.static_range(1, PARTS):
+            xs += tl.load(x_ptr + row * stride_x + p * N + d, mask=ok, other=0.0).to(tl.float32)
+        x = xs.to(x_ptr.dtype.element_ty)
     if HAS_RES:
         dt = res_out_ptr.dtype.element_ty
         r = tl.load(res_ptr + row * stride_r + d, mask=ok, other=0.0)
@@ -226,12 +232,21 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
                 eps: float, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rmsnorm(x + residual), x + residual), the sum rounded to x's dtype first, as
     `RMSNorm(h + a)` computes it. residual None: (weight * rmsnorm(x), x). Any row width.
-    offset: (1 + weight) in float32 and the result in x's dtype, as hybrid.OffsetRMSNorm."""
+    offset: (1 + weight) in float32 and the result in x's dtype, as hybrid.OffsetRMSNorm.
+    x [..., P, n] beside residual [..., n]: P parts of each row (a MoE's weighted expert outputs),
+    summed in order in float32 and rounded to x's dtype before the add, as x.sum(-2) would."""
     n = x.shape[-1]
+    parts = 1
+    if residual is not None and x.dim() == residual.dim() + 1:
+        if x.shape[:-2] != residual.shape[:-1] or x.shape[-1] != residual.shape[-1]:
+            raise ValueError(f"parts {tuple(x.shape)} do not fit the residual {tuple(residual.shape)}")
+        parts = x.shape[-2]
+        x = x.reshape(*x.shape[:-2], parts * n)
     x2 = _rows(x)
     rows = x2.shape[0]
-    out = torch.empty(x.shape, device=x.device, dtype=x.dtype if offset else torch.promote_types(weight.dtype, x.dtype))
-    new_res = torch.empty(x.shape, device=x.device, dtype=x.dtype) if residual is not None else x
+    shape = x.shape[:-1] + (n,)
+    out = torch.empty(shape, device=x.device, dtype=x.dtype if offset else torch.promote_types(weight.dtype, x.dtype))
+    new_res = torch.empty(shape, device=x.device, dtype=x.dtype) if residual is not None else x
     if rows == 0:
         return out, new_res
     r2 = _rows(residual) if residual is not None else x2
@@ -240,7 +255,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     block = triton.next_power_of_2(n)
     _add_rmsnorm_kernel[(rows,)](x2, r2, weight, o2, nr2, eps, x2.stride(0), r2.stride(0), o2.stride(0),
                                  nr2.stride(0), N=n, BLOCK=block, HAS_RES=residual is not None, OFFSET=offset,
-                                 num_warps=8 if block >= 4096 else 4, **launch_kwargs(x2))
+                                 PARTS=parts, num_warps=8 if block >= 4096 else 4, **launch_kwargs(x2))
     return out, new_res
 
 

@@ -97,7 +97,9 @@ class MoE(nn.Module):
 
         return route_topk(linear(x, self.gate.weight), self.top_k, True, self.norm_topk_prob)
 
-    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_fused(self, x: torch.Tensor, slots: bool = False) -> torch.Tensor:
+        """The kernel path: [T, H], or with slots the k weighted expert outputs [T, k, H] for the next
+        fused.add_rmsnorm to sum (the torch fallback then still returns [T, H])."""
         from flashdraft.models.moe_triton import fused_moe
 
         act = self.kernel_act()
@@ -105,7 +107,8 @@ class MoE(nn.Module):
             return self.forward(x)
         w, idx = self.route_fused(x)
         ex = self.experts
-        return fused_moe(x, ex.gate_up_proj, ex.down_proj, w, idx, act, ex.gate_up_proj_bias, ex.down_proj_bias)
+        return fused_moe(x, ex.gate_up_proj, ex.down_proj, w, idx, act, ex.gate_up_proj_bias, ex.down_proj_bias,
+                         slots=slots)
 
 
 class GptOssMoE(MoE):

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16  # rows of one expert per program (decode routes one row per expert: padding dominates)
 # (BLOCK_N, BLOCK_K, pipeline stages) of the expert GEMMs: narrower strips and longer K tiles up to
@@ -41,20 +43,46 @@ SMALL_TILES, TILES = (32, 128, 4), (64, 64, 3)
 _FORCED = os.environ.get("FLASHDRAFT_MOE_TILES")
 if _FORCED:
     SMALL_TILES = TILES = tuple(int(v) for v in _FORCED.split(","))
+# Direct (unsorted) path: while the routed rows T * k are at most half the experts, each routed row
+# takes its own programs, its expert read straight from the routing: no sort, and no grid of padding
+# blocks (Qwen3-30B-A3B pads 8 routed rows to 121 blocks of 16). Rows that share an expert read it
+# once each, which stays rare below that bound. H200 (benchmarks/device/gemm_sweep.py --sections moe,
+# sorted / direct, us): Qwen3-30B-A3B at 1 / 2 / 4 / 8 tokens 33.0 / 24.3, 49.2 / 41.7, 78.5 / 72.5,
+# 128.5 / 122.8; GPT-OSS-20B 63.2 / 54.9, 102.2 / 99.0, 170.7 / 169.2, 254.4 / 277.7.
+# Tiles (BLOCK_N, BLOCK_K, stages) of its gate_up and down GEMMs (the sweep's best were within 3% of
+# these). FLASHDRAFT_MOE_DIRECT=N takes it up to N tokens instead; FLASHDRAFT_MOE_DIRECT_TILES=
+# "n,k,stages,n,k,stages" sets the tiles (sweeps).
+DIRECT_TOKENS = int(os.environ["FLASHDRAFT_MOE_DIRECT"]) if "FLASHDRAFT_MOE_DIRECT" in os.environ else None
+DIRECT_TILES = (32, 128, 4), (32, 128, 4)
+_FORCED = os.environ.get("FLASHDRAFT_MOE_DIRECT_TILES")
+if _FORCED:
+    _t = tuple(int(v) for v in _FORCED.split(","))
+    DIRECT_TILES = _t[:3], _t[3:]
+
+
+@triton.jit
+def _block_rows(b, rows_ptr, block_expert_ptr, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """Program b's expert, its BLOCK_M rows of h and their slots (token * k + j; -1: padding).
+    Sorted: block b of the expert-sorted rows (expert -1: past the last block). DIRECT: routed row b
+    alone (block_expert_ptr holds the routing's expert ids), its one slot b at row b of h."""
+    i = tl.arange(0, BLOCK_M)
+    if DIRECT:
+        return tl.load(block_expert_ptr + b).to(tl.int32), b + i, tl.where(i == 0, b, -1).to(tl.int64)
+    m = b * BLOCK_M + i
+    return tl.load(block_expert_ptr + b).to(tl.int32), m, tl.load(rows_ptr + m).to(tl.int64)
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, b_ptr, h_ptr, rows_ptr, block_expert_ptr, K, INTER, k_slots, stride_x,
                     stride_we, stride_wn, stride_be, stride_h, alpha, limit, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, BIAS: tl.constexpr,
-                    OAI: tl.constexpr):
+                    OAI: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
-    e = tl.load(block_expert_ptr + b)
+    e, m, slot = _block_rows(b, rows_ptr, block_expert_ptr, BLOCK_M, DIRECT)
     if e < 0:
         return
-    m = b * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(rows_ptr + m)  # -1: padding
     valid = slot >= 0
     token = tl.where(valid, slot // k_slots, 0)
     n = n0 + tl.arange(0, BLOCK_N)
@@ -91,20 +119,21 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, h_ptr, rows_ptr, block_expert_ptr, K, I
     else:
         s = (g / (1.0 + tl.exp(-g))).to(dt)
         h = (s.to(tl.float32) * u).to(dt)
+    pdl_trigger(USE_PDL)
     tl.store(h_ptr + m[:, None] * stride_h + n[None, :], h, mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, b_ptr, y_ptr, rows_ptr, block_expert_ptr, weight_ptr, K, N, stride_h, stride_we,
                  stride_wn, stride_be, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, BIAS: tl.constexpr):
+                 BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, BIAS: tl.constexpr, DIRECT: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     b = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
-    e = tl.load(block_expert_ptr + b)
+    e, m, slot = _block_rows(b, rows_ptr, block_expert_ptr, BLOCK_M, DIRECT)
     if e < 0:
         return
-    m = b * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(rows_ptr + m)
     valid = slot >= 0
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -126,15 +155,17 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, y_ptr, rows_ptr, block_expert_ptr, weight_
         acc = (acc + tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :])
         acc = acc.to(dt).to(tl.float32)
     y = (acc * wt[:, None]).to(dt)
+    pdl_trigger(USE_PDL)
     tl.store(y_ptr + tl.where(valid, slot, 0)[:, None] * stride_y + n[None, :], y, mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _topk_kernel(logits_ptr, w_ptr, idx_ptr, E, stride, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                 SOFTMAX_ALL: tl.constexpr, NORM: tl.constexpr):
+                 SOFTMAX_ALL: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
     """One token's routing from its router logits: SOFTMAX_ALL (Qwen3-MoE) the top-k of the softmax over
     every expert, renormalised over the k when NORM; else (GPT-OSS) the softmax over the top-k logits.
     Ties go to the lower expert index."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     e = tl.arange(0, EP)
     vals = tl.load(logits_ptr + t * stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -160,6 +191,7 @@ def _topk_kernel(logits_ptr, w_ptr, idx_ptr, E, stride, K: tl.constexpr, KP: tl.
     else:
         z = tl.where(j < K, tl.exp(top - tl.max(top, axis=0)), 0.0)
         w = z / tl.sum(z, axis=0)
+    pdl_trigger(USE_PDL)
     tl.store(w_ptr + t * K + j, w.to(w_ptr.dtype.element_ty), mask=j < K)
     tl.store(idx_ptr + t * K + j, ids.to(tl.int64), mask=j < K)
 
@@ -171,7 +203,8 @@ def route_topk(logits: torch.Tensor, k: int, softmax_all: bool, norm: bool) -> t
     w = torch.empty(T, k, device=logits.device, dtype=logits.dtype)
     idx = torch.empty(T, k, device=logits.device, dtype=torch.int64)
     _topk_kernel[(T,)](logits, w, idx, E, logits.stride(0), K=k, KP=triton.next_power_of_2(k),
-                       EP=max(16, triton.next_power_of_2(E)), SOFTMAX_ALL=softmax_all, NORM=norm, num_warps=1)
+                       EP=max(16, triton.next_power_of_2(E)), SOFTMAX_ALL=softmax_all, NORM=norm, num_warps=1,
+                       **launch_kwargs(logits))
     return w, idx
 
 
@@ -182,10 +215,12 @@ SMALL_SORT = SMALL_ROWS
 
 @triton.jit
 def _sort_small_kernel(ids_ptr, rows_ptr, block_expert_ptr, M, E, P, BLOCK: tl.constexpr, EP: tl.constexpr,
-                       CHUNK: tl.constexpr, BM: tl.constexpr):
+                       CHUNK: tl.constexpr, BCHUNK: tl.constexpr, BM: tl.constexpr, USE_PDL: tl.constexpr):
     """sort_by_expert in one program for M <= BLOCK rows: per-expert counts, padded starts and each
-    row's rank among its expert's rows from an [experts, rows] match matrix, then every output entry
-    from a match against the rows' destinations."""
+    row's rank among its expert's rows from an [experts, rows] match matrix; then every output entry
+    set to -1, and each row stored at its destination (a scatter, after a barrier); then each block's
+    expert, from the padded ends."""
+    pdl_enter(USE_PDL)
     i = tl.arange(0, BLOCK)
     ex = tl.arange(0, EP)
     ids = tl.load(ids_ptr + i, mask=i < M, other=EP)  # past M: an expert that matches none
@@ -193,16 +228,19 @@ def _sort_small_kernel(ids_ptr, rows_ptr, block_expert_ptr, M, E, P, BLOCK: tl.c
     counts = tl.sum(hit.to(tl.int32), axis=1)
     padded = (counts + BM - 1) // BM * BM
     ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
     total = tl.max(ends, axis=0)
+    starts = ends - padded
     # each row's place: its expert's start plus the rows of that expert before it (a running count)
     place = starts[:, None] + tl.cumsum(hit.to(tl.int32), axis=1) - 1
-    dest = tl.where(i < M, tl.sum(tl.where(hit, place, 0), axis=0), -1)
+    dest = tl.sum(tl.where(hit, place, 0), axis=0)
+    pdl_trigger(USE_PDL)
     for p0 in range(0, P, CHUNK):
         p = p0 + tl.arange(0, CHUNK)
-        val = tl.max(tl.where(dest[None, :] == p[:, None], i[None, :], -1), axis=1)
-        tl.store(rows_ptr + p, val.to(tl.int64), mask=p < P)
-        b = p0 // BM + tl.arange(0, CHUNK)
+        tl.store(rows_ptr + p, tl.full([CHUNK], -1, tl.int64), mask=p < P)
+    tl.debug_barrier()  # every -1 is written before any row lands on its place
+    tl.store(rows_ptr + dest, i.to(tl.int64), mask=i < M)
+    for b0 in range(0, P // BM, BCHUNK):
+        b = b0 + tl.arange(0, BCHUNK)
         bstart = b * BM
         e_of = tl.sum(((ends[None, :] <= bstart[:, None]) & (ex[None, :] < E)).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + b, tl.where(bstart < total, e_of, -1), mask=bstart < P)
@@ -223,7 +261,8 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M,
         block_expert = torch.empty(P // block, dtype=torch.int32, device=ids.device)
         _sort_small_kernel[(1,)](flat.contiguous(), rows, block_expert, M, E, P,
                                  BLOCK=max(16, triton.next_power_of_2(M)), EP=max(16, triton.next_power_of_2(E)),
-                                 CHUNK=64, BM=block, num_warps=4 if M <= 64 else 8)
+                                 CHUNK=1024, BCHUNK=64, BM=block, num_warps=4 if M <= 64 else 8,
+                                 **launch_kwargs(flat))
         return rows, block_expert
     order = flat.argsort(stable=True)
     counts = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
@@ -243,9 +282,11 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M,
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor, act: tuple = ("silu",), b_gate_up: torch.Tensor | None = None,
-              b_down: torch.Tensor | None = None) -> torch.Tensor:
+              b_down: torch.Tensor | None = None, slots: bool = False) -> torch.Tensor:
     """x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], routing weights and expert ids [T, k], biases
-    [E, 2I] and [E, H] or None -> [T, H]. act: ("silu",) or ("swiglu_oai", alpha, limit)."""
+    [E, 2I] and [E, H] or None -> [T, H]; slots: the k weighted expert outputs [T, k, H] unsummed
+    (fused.add_rmsnorm sums them in slot order, saving a launch). act: ("silu",) or
+    ("swiglu_oai", alpha, limit)."""
     if act[0] not in ("silu", "swiglu_oai"):
         raise NotImplementedError(f"the Triton expert kernels have no activation {act[0]!r}")
     oai = act[0] == "swiglu_oai"
@@ -255,21 +296,26 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
     E, two_i, _ = w_gate_up.shape
     inter, k = two_i // 2, ids.shape[1]
     x = x.contiguous()
-    rows, block_expert = sort_by_expert(ids, E)
-    P = rows.shape[0]
-    h = torch.empty(P, inter, device=x.device, dtype=x.dtype)
+    direct = T * k <= E // 2 if DIRECT_TOKENS is None else T <= DIRECT_TOKENS
+    if direct:  # program row b = routed row b, its expert from ids
+        rows = block_expert = ids.contiguous().view(-1)
+        nb = T * k
+        (bn, bk, stages), (bn_d, bk_d, stages_d) = DIRECT_TILES
+    else:
+        rows, block_expert = sort_by_expert(ids, E)
+        nb = rows.shape[0] // BLOCK_M
+        bn, bk, stages = bn_d, bk_d, stages_d = SMALL_TILES if T * k <= SMALL_ROWS else TILES
+    h = torch.empty(nb * (1 if direct else BLOCK_M), inter, device=x.device, dtype=x.dtype)
     y = torch.empty(T * k, H, device=x.device, dtype=x.dtype)
     f32 = INTERPRET or x.dtype == torch.float32  # the interpreter's bf16 dot is not to be trusted
-    nb = P // BLOCK_M
-    bn, bk, stages = SMALL_TILES if T * k <= SMALL_ROWS else TILES
     bg = b_gate_up if bias else w_gate_up  # a placeholder pointer when there is no bias
     bd = b_down if bias else w_down
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
         x, w_gate_up, bg, h, rows, block_expert, H, inter, k, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         bg.stride(0), h.stride(0), alpha, limit, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=f32,
-        BIAS=bias, OAI=oai, num_warps=4, num_stages=stages)
-    _down_kernel[(nb, triton.cdiv(H, bn))](
+        BIAS=bias, OAI=oai, DIRECT=direct, num_warps=4, num_stages=stages, **launch_kwargs(x))
+    _down_kernel[(nb, triton.cdiv(H, bn_d))](
         h, w_down, bd, y, rows, block_expert, weights.contiguous().view(-1), inter, H, h.stride(0), w_down.stride(0),
-        w_down.stride(1), bd.stride(0), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-        F32_DOT=f32, BIAS=bias, num_warps=4, num_stages=stages)
-    return y.view(T, k, H).sum(1)
+        w_down.stride(1), bd.stride(0), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=bn_d, BLOCK_K=bk_d,
+        F32_DOT=f32, BIAS=bias, DIRECT=direct, num_warps=4, num_stages=stages_d, **launch_kwargs(x))
+    return y.view(T, k, H) if slots else y.view(T, k, H).sum(1)

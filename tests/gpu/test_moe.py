@@ -17,6 +17,7 @@ if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 from flashdraft.models.moe import GptOssMoE, MoE  # noqa: E402
+from flashdraft.models import fused, moe_triton  # noqa: E402
 from flashdraft.models.moe_triton import fused_moe, sort_by_expert  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -80,9 +81,13 @@ def test_fused_routing_matches_torch(family, norm, T, E, k):
 @pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 8, 2), (16, 6, 3), (70, 8, 2), (5, 4, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_fused_moe_matches_torch(T, E, k, dtype, family):
+@pytest.mark.parametrize("direct", [None, 0, 10**6])
+def test_fused_moe_matches_torch(T, E, k, dtype, family, direct, monkeypatch):
     """The expert kernels on the torch routing (bf16 router logits tie often, and the two paths may
-    break a tie apart); in float32 the whole fused forward, routing kernels included."""
+    break a tie apart); in float32 the whole fused forward, routing kernels included. direct: up to
+    that many tokens take the unsorted path (0: always the sort; None: the default rule)."""
+    if direct is not None:
+        monkeypatch.setattr(moe_triton, "DIRECT_TOKENS", direct)
     m = moe(E=E, k=k, dtype=dtype, seed=T, family=family)
     x = torch.randn(T, 96, generator=torch.Generator().manual_seed(T)).to(DEVICE, dtype) * 3
     ex = m.experts
@@ -96,6 +101,31 @@ def test_fused_moe_matches_torch(T, E, k, dtype, family):
     for out in (got, whole):
         err = (out.float() - want.float()).abs().max().item() / max(want.float().abs().max().item(), 1e-6)
         assert err < tol, err
+
+
+@pytest.mark.parametrize("T", [1, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_outputs_summed_by_the_next_norm(T, dtype):
+    """slots=True: the k weighted expert outputs, unsummed; fused.add_rmsnorm given them beside a
+    residual sums them in slot order first, as their torch sum (rounded to the dtype) would be added.
+    A layer stack through forward_layers_fused hands its MoE outputs over this way."""
+    m = moe(E=8, k=3, dtype=dtype, seed=T)
+    x = torch.randn(T, 96, generator=torch.Generator().manual_seed(T)).to(DEVICE, dtype) * 3
+    res = torch.randn(T, 96, generator=torch.Generator().manual_seed(9)).to(DEVICE, dtype)
+    weight = (1 + 0.2 * torch.randn(96, generator=torch.Generator().manual_seed(2))).to(DEVICE, dtype)
+    with torch.inference_mode():
+        parts = m.forward_fused(x, slots=True)
+        summed = m.forward_fused(x)
+        assert parts.shape == (T, 3, 96)
+        torch.testing.assert_close(parts.float().sum(1).to(dtype), summed, rtol=0, atol=0)
+        out, new_res = fused.add_rmsnorm(parts, res, weight, 1e-6)
+        want, want_res = fused.add_rmsnorm(summed, res, weight, 1e-6)
+    if INTERPRET and dtype == torch.bfloat16:  # the interpreter casts float32 to bf16 by truncation
+        torch.testing.assert_close(new_res, want_res, rtol=2 ** -6, atol=2 ** -5)  # two truncations
+    else:
+        assert torch.equal(new_res, want_res) and torch.equal(out, want)
+    with pytest.raises(ValueError, match="do not fit the residual"):
+        fused.add_rmsnorm(parts[:, :, :64], res, weight, 1e-6)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])

@@ -42,7 +42,7 @@ def reference(x, w, bias=None, glu=False):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M", [1, 2, 7, 16, 17, 32])
-@pytest.mark.parametrize("N,K", [(64, 256), (50, 96), (33, 576)])
+@pytest.mark.parametrize("N,K", [(64, 256), (50, 96), (33, 576), (300, 1000)])
 @pytest.mark.parametrize("variant", ["plain", "bias", "glu"])
 def test_matches_float64(dtype, M, N, K, variant):
     g = torch.Generator().manual_seed(M * 1000 + N + K)
@@ -132,6 +132,8 @@ def test_tile_rules():
     for M in (1, 16, 32):  # the same K blocking for every M: rows round alike
         assert skinny._dot_tiles(M, 151936, 4096)[:3] == skinny._dot_tiles(1, 151936, 4096)[:3]
     assert skinny._dot_tiles(8, 1536, 576)[:2] == (32, 64)  # SmolLM2: 576 = 9 x 64
+    assert skinny._dot_tiles(1, 5120, 2880)[:2] == (64, 128)  # GPT-OSS: 2,880 = 22.5 x 128, a masked last tile
+    assert skinny._dot_tiles(1, 32, 2880)[:2] == (16, 128)  # its router
     # what does not fit in shared memory pipelines less: float32, the glu's two strips
     assert skinny._dot_tiles(16, 4096, 4096, elem=4) == (32, 256, 4, 4)
     assert skinny._dot_tiles(16, 4096, 4096, glu=True) == (32, 128, 4, 3)

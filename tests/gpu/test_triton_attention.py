@@ -372,6 +372,8 @@ def test_new_lengths_and_token_counts_do_not_compile_new_variants(q_len):
     lengths = [300, 333, 420, 555, 640, 777, 901, 1000]
     check(make_case([q_len], [lengths[0]], n_kv=2, group=4, hd=64, dtype=torch.bfloat16, seed=7))
     check(make_case([q_len, q_len], [lengths[0]] * 2, n_kv=2, group=4, hd=64, dtype=torch.bfloat16, seed=7))
+    # as the engine does at start: the variants of the split-K merge for many tokens too
+    triton_paged.compile_variants(8, 2, 64, 16, torch.bfloat16, DEVICE)
     before = _compiled_variants(triton_paged._attn_kernel), _compiled_variants(triton_paged._reduce_kernel)
     for n, ctx in enumerate(lengths[1:]):
         check(make_case([q_len], [ctx], n_kv=2, group=4, hd=64, dtype=torch.bfloat16, seed=n))
