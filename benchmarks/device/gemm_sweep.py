@@ -129,6 +129,12 @@ class Sweep:
                 cands += [("rules", {}, lambda i, x=x, w=ws: skinny.skinny_linear(x, w[i % len(w)]))]
                 cands += [("split", {"split": sp}, lambda i, sp=sp, x=x, w=ws: skinny.skinny_linear(
                     x, w[i % len(w)], split=sp)) for sp in (1, 2, 3, 4)]
+                if self.args.split_tiles:  # split-K with explicit tiles and pipeline depths
+                    cands += [("dot", dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st, split=sp),
+                               lambda i, c=(bn, bk, 4, st, sp), x=x, w=ws: skinny.dot(x, w[i % len(w)], *c))
+                              for bn, bk, st, sp in itertools.product((16, 32, 64), (128, 256), (2, 3, 4, 5),
+                                                                      (1, 2, 3, 4))
+                              if K % (sp * bk) == 0 and N % bn == 0 and (sp == 1 or bn <= 64)]
                 if name == "gate_up":  # the same bytes with the silu * up epilogue: [M, N/2] out
                     cands += [("glu", c, lambda i, c=c, x=x, w=ws: skinny.skinny_linear(
                         x, w[i % len(w)], glu=True, tiles=tuple(c.values()) if c else None))
@@ -155,7 +161,7 @@ class Sweep:
                 rules = next((r for r in self.res["gemm"] if r["shape"] == name and r["M"] == M
                               and r["kind"] == "rules" and "us" in r), None)
                 if best and "us" in cub:
-                    tiles = {k: best[k] for k in ("block_n", "block_k", "num_warps", "num_stages")}
+                    tiles = {k: best[k] for k in ("block_n", "block_k", "num_warps", "num_stages", "split") if k in best}
                     log(f"{name} {N}x{K} M={M}: cublas {cub['us']:.1f} us ({cub['gbps']:.0f} GB/s); best triton "
                         f"{best['kind']} {best['us']:.1f} us ({best['gbps']:.0f} GB/s, "
                         f"{best['of_copy_bw']:.2f} of copy) {tiles} err {best['rel_err']:.1e}"
@@ -368,7 +374,8 @@ class Sweep:
             tri = sorted((r for r in grp if r["kind"] in ("gemv", "dot")), key=lambda r: r["us"])
             if cub and tri:
                 b = tri[0]
-                cfg = (f"{b['block_n']}x{b['block_k']} w{b['num_warps']} s{b['num_stages']}" if "block_n" in b
+                cfg = (f"{b['block_n']}x{b['block_k']} w{b['num_warps']} s{b['num_stages']}"
+                       + (f" split {b['split']}" if b.get("split", 1) > 1 else "") if "block_n" in b
                        else "tile rules")
                 lines.append(f"| {name} | {M} | {cub[0]['us']:.1f} | {cub[0]['gbps']:.0f} | {b['us']:.1f} | "
                              f"{b['gbps']:.0f} | {b['of_copy_bw']:.2f} | {b['kind']} {cfg} |")
@@ -394,6 +401,8 @@ def main() -> None:
     ap.add_argument("--sections", default="gemm,profile,attention_splits")
     ap.add_argument("--rows", default="1,8,16,32", help="GEMM rows (M) to sweep")
     ap.add_argument("--quick", action="store_true", help="GEMM sweep: 8 dot tile configs, no gemv")
+    ap.add_argument("--split-tiles", action="store_true",
+                    help="GEMM sweep: also split-K 1-4 over strips of 16-64 rows and 2-5 pipeline stages")
     args = ap.parse_args()
     s = Sweep(args)
     try:

@@ -3,7 +3,7 @@ or draft block), W [N, K] row-major as nn.Linear stores it. At these M a GEMM on
 Qwen3-8B decode step reads 15 GB of weights for 0.03 TFLOP, so its time is set by how close the
 weight reads come to the memory bandwidth. Both kernels keep many programs in flight, each streaming
 a strip of BLOCK_N weight rows over the whole K, the same sum order on every call. A GEMM of few output
-strips (2,560 columns are 80 strips on 132 SMs) splits K over two programs a strip instead
+rows (2,560 columns are 40 strips of 64 on 132 SMs) splits K over two programs a strip instead
 (`_dot_split`): each writes its float32 partial, and the strip's last program to finish (an atomic
 count) adds them in a fixed order: one kernel, and still the same sums whatever the timing.
 
@@ -38,10 +38,10 @@ from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 MAX_ROWS = 32
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allow 227 KB)
-# split-K (_dot_split): GEMMs of fewer output strips than this split K over 2 programs a strip, each
+# split-K (_dot_split): GEMMs of fewer output rows than this split K over 2 programs a strip, each
 # streaming at least SPLIT_MIN_K of it
 # (FLASHDRAFT_SPLIT_BELOW=0: never; for A/B runs)
-SPLIT_BELOW = int(os.environ.get("FLASHDRAFT_SPLIT_BELOW", "100"))
+SPLIT_BELOW = int(os.environ.get("FLASHDRAFT_SPLIT_BELOW", "3200"))
 SPLIT_MIN_K = 1024
 
 
@@ -174,8 +174,10 @@ def _gemv_tiles(N: int, K: int) -> tuple[int, int, int, int]:
 def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages): 32 x 256 x 5 stages for N <= 4096, 64 x 256 x 4 for
     N > 16384 (vocabulary heads), else 64 x 128 x 5; glu two strips of 32 x 128 x 3: as swept best on
-    the 8B shapes at M = 1-32 (within 1-3%). Never a function of M: a row rounds the same in a
-    one-row decode and in a verify block.
+    the 8B shapes at M = 1-32 (within 1-3%). Narrow outputs (2,048 <= N < SPLIT_BELOW) 64 x 256 x 5
+    with K in halves, routers (N <= 256) 16 x 128 x 5: as swept best on the Qwen3.5-4B and MoE shapes
+    at M = 1 (see _dot_split). Never a function of M: a row rounds the same in a one-row decode and in
+    a verify block.
     Fewer stages (then a shorter BLOCK_K) when the pipelined W and x tiles would not fit in shared
     memory (float32)."""
     mpad = 16 if M <= 16 else 32
@@ -183,6 +185,8 @@ def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tupl
         bn, bk, stages = 32, 128, 3
     elif N <= 256:  # MoE routers: a few strips, latency-bound (H200, GPT-OSS's 32 x 2,880: 6.2 against 7.1 us)
         bn, bk, stages = 16, 128, 5
+    elif 2048 <= N < SPLIT_BELOW:  # narrow outputs: 32-48 strips of 64 rows, K split in two (_dot_split)
+        bn, bk, stages = 64, 256, 5
     elif N <= 4096:  # 64-row strips would leave SMs idle: 128 programs of 32 rows
         bn, bk, stages = 32, 256, 5
     elif N > 16384:  # vocabulary heads: 64 x 256 x 4 (H100, 151,936 x 4096: 410 against 413 us at M = 16)
@@ -268,14 +272,16 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _dot_split(N: int, K: int, bn: int, bk: int) -> int:
-    """Programs per output strip (split-K): 2 when a GEMM's strips of 32 rows (N <= 4096) number fewer
-    than SPLIT_BELOW, so that alone they would leave SMs idle, and each half of K still streams at least
-    SPLIT_MIN_K; else 1. A function of the shapes only, never of M, like the tiles: rows round alike in
-    any batch. Swept on an H200 (benchmarks/device/gemm_sweep.py): two halves took Qwen3.5-4B's down
-    projection (2,560 x 9,216) from 20.0 to 17.3 us and its 2,560 x 4,096 outputs from 10.4 to 10.0 us;
-    three or four parts were slower (26-30 us), and so were two for the 27B's wider strips of 64 rows."""
-    strips = -(-N // bn)
-    if bn > 32 or strips >= SPLIT_BELOW or N % bn or K % (2 * bk) or K // 2 < SPLIT_MIN_K:
+    """Programs per output strip (split-K): 2 when a GEMM has fewer than SPLIT_BELOW output rows, so
+    that its strips alone would leave SMs idle, and each half of K still streams at least SPLIT_MIN_K;
+    else 1. A function of the shapes only, never of M, like the tiles: rows round alike in any batch.
+    Swept on an H200 at one row (benchmarks/device/gemm_sweep.py --split-tiles): 2,048-2,880 outputs
+    read fastest as strips of 64 x 256 in two halves of K (Qwen3.5-4B's 2,560 x 4,096 in 8.2 us and
+    2,560 x 9,216 in 14.6 us, against 10.0 and 17.3 us as 32-row strips in halves, 9.0 and 16.8 us
+    as 64-row strips whole; Qwen3-30B-A3B's 2,048 x 4,096 7.5 against 8.1 us, GPT-OSS-20B's
+    2,880 x 4,096 8.7-8.9 against 10.2 us); three or four parts were slower, and so were two for the
+    27B's 5,120 outputs (80 strips of 64 rows)."""
+    if N >= SPLIT_BELOW or N % bn or K % (2 * bk) or K // 2 < SPLIT_MIN_K:
         return 1
     return 2
 

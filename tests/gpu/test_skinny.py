@@ -152,6 +152,9 @@ def test_split_rule():
     assert skinny._dot_split(2560, 512, 32, 256) == 1  # too short a K to share
     assert skinny._dot_split(2561, 4096, 32, 256) == 1  # ragged strips stay whole
     assert skinny._dot_split(5120, 6144, 64, 256) == 1  # Qwen3.5-27B: 80 strips of 64 rows stream well
+    assert skinny._dot_split(2560, 4096, 64, 256) == 2  # the 4B's tiles: 40 strips of 64 rows in halves
+    assert skinny._dot_tiles(1, 2560, 4096)[:2] == skinny._dot_tiles(32, 2560, 4096)[:2] == (64, 256)
+    assert skinny._dot_tiles(1, 4096, 4096)[:2] == (32, 256)  # Qwen3-8B's o: 128 strips, whole
     for M in (1, 16, 32):  # what the model runs splits as the rule says, for any M
         bn, bk, _, _ = skinny._dot_tiles(M, 2560, 9216)
         assert skinny._dot_split(2560, 9216, bn, bk) == 2
