@@ -149,7 +149,7 @@ class Sweep:
                         y = fn(0).float()
                         want = ref if kind != "glu" else torch.nn.functional.silu(ref[:, : N // 2]) * ref[:, N // 2:]
                         err = float((y - want).abs().max() / want.abs().max())
-                        us = self.graph_time(fn, calls)
+                        us = self.graph_time(fn, max(8, calls))
                         gbps = (wbytes + M * K * el + M * N * el) / (us * 1e-6) / 1e9
                         row |= {"us": us, "gbps": gbps, "of_copy_bw": gbps / bw, "rel_err": err}
                         if kind in ("gemv", "dot") and (best is None or us < best["us"]):
@@ -161,7 +161,8 @@ class Sweep:
                 rules = next((r for r in self.res["gemm"] if r["shape"] == name and r["M"] == M
                               and r["kind"] == "rules" and "us" in r), None)
                 if best and "us" in cub:
-                    tiles = {k: best[k] for k in ("block_n", "block_k", "num_warps", "num_stages", "split") if k in best}
+                    tiles = {k: best[k] for k in ("block_n", "block_k", "num_warps", "num_stages", "split")
+                             if k in best}
                     log(f"{name} {N}x{K} M={M}: cublas {cub['us']:.1f} us ({cub['gbps']:.0f} GB/s); best triton "
                         f"{best['kind']} {best['us']:.1f} us ({best['gbps']:.0f} GB/s, "
                         f"{best['of_copy_bw']:.2f} of copy) {tiles} err {best['rel_err']:.1e}"
@@ -202,12 +203,12 @@ class Sweep:
                 def fn(i, ids=ids, w=w, x=x):
                     return moe_triton.fused_moe(x, wgu, wd, w, ids[i % len(ids)], act, bgu, bd, slots=True)
 
-                def timed(kind, direct, tiles):
+                def timed(kind, direct, tiles, T=T, experts=experts, nbytes=nbytes, fn=fn, calls=n_routes):
                     moe_triton.DIRECT_TOKENS = direct
                     moe_triton.DIRECT_TILES = tiles
                     row = {"tokens": T, "kind": kind, "tiles": tiles if direct else None, "experts": experts}
                     try:
-                        us = self.graph_time(fn, max(8, n_routes))
+                        us = self.graph_time(fn, max(8, calls))
                         row |= {"us": us, "of_copy_bw": nbytes / (us * 1e-6) / 1e9 / self.bw}
                     except Exception as e:
                         row["error"] = short_error(e)
@@ -223,8 +224,8 @@ class Sweep:
                 best = {"gate_up": saved[1][0], "down": saved[1][1]}
                 for part in ("gate_up", "down"):
                     cands = MOE_DIRECT_TILES[:1] if self.args.tiny else MOE_DIRECT_TILES
-                    rs = [timed(f"direct {part}", 1 << 30, (c, best["down"]) if part == "gate_up" else (best["gate_up"], c))
-                          for c in cands]
+                    rs = [timed(f"direct {part}", 1 << 30,
+                                (c, best["down"]) if part == "gate_up" else (best["gate_up"], c)) for c in cands]
                     rs = [r for r in rs if "us" in r]
                     if rs:
                         best[part] = min(rs, key=lambda r: r["us"])["tiles"][0 if part == "gate_up" else 1]

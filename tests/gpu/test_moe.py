@@ -16,8 +16,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from flashdraft.models.moe import GptOssMoE, MoE  # noqa: E402
 from flashdraft.models import fused, moe_triton  # noqa: E402
+from flashdraft.models.moe import GptOssMoE, MoE  # noqa: E402
 from flashdraft.models.moe_triton import fused_moe, sort_by_expert  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
