@@ -62,8 +62,9 @@ TARGETS = {
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      tie_word_embeddings=False),
     # mixtures of experts: no roofline here (it depends on the experts a step's routing reads; the in-graph
-    # figures of benchmarks/device/gpu_roofline.py count them). The random drafter proposes one token in
-    # every slot, so a verify's rows route alike and read too few experts: its DFlash figures understate.
+    # figures of benchmarks/device/gpu_roofline.py count them); batches route apart with --sample and the
+    # redrawn routers (spread_routers). The random drafter proposes one token in every slot, so a verify's
+    # rows route alike and read too few experts: its DFlash figures understate.
     **({"gpt-oss-20b": dict(GPT_OSS_20B, model_type="gpt_oss", max_position_embeddings=131072,
                             tie_word_embeddings=False),
         "qwen3-30b-a3b": dict(QWEN3_30B_A3B, model_type="qwen3_moe", tie_word_embeddings=False)}
@@ -121,7 +122,8 @@ def copy_bandwidth(device: torch.device) -> float | None:
 def step_bytes(llm: LLM, batch: int, context: int) -> int | None:
     """What one plain decode step reads: every weight but the embedding table (unless it is also the
     head), the K/V of `context` tokens per sequence, and each sequence's recurrent state, read and
-    written. None for a mixture of experts."""
+    written. None for a mixture of experts (the experts read depend on the routing; the in-graph
+    tables of benchmarks/device/gpu_roofline.py count them)."""
     model, dtype = llm.engine.runner.model, llm.engine.dtype
     if any(isinstance(m, MoE) for m in model.modules()):
         return None
@@ -129,6 +131,23 @@ def step_bytes(llm: LLM, batch: int, context: int) -> int | None:
     if getattr(model, "tied", False):
         weights += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     return weights + batch * (context * kv_bytes_per_token(model, dtype) + 2 * state_bytes_per_seq(model, dtype))
+
+
+def spread_routers(llm: LLM, std: float) -> None:
+    """Redraw every router's weights N(0, std), and zero the biases outside the experts. Dummy weights
+    (uniform in +-1e-3) give every token nearly the same router logits, and dummy attention biases add
+    one shared vector to every token's stream, so a batch routes to a few experts; this spreads it, as
+    a trained router does (the in-graph roofline tables draw whole models N(0, 0.02) instead)."""
+    model = llm.engine.runner.model
+    gen = torch.Generator(device=llm.engine.device).manual_seed(1)
+    with torch.no_grad():
+        experts = {id(p) for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters()}
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") and id(p) not in experts:
+                p.zero_()
+        for m in model.modules():
+            if isinstance(m, MoE):
+                (m.gate if hasattr(m, "gate") else m.router).weight.normal_(0, std, generator=gen)
 
 
 def step_graph(llm: LLM, arm: str, batch: int):
@@ -142,13 +161,13 @@ def step_graph(llm: LLM, arm: str, batch: int):
     return g if g is not None and g.captured else None
 
 
-def fill_graph(llm: LLM, prompts: list[list[int]]) -> None:
+def fill_graph(llm: LLM, prompts: list[list[int]], temperature: float = 0.0) -> None:
     """Run the engine until every prompt decodes in the same step, then abort them: the graphs of that
     batch's bucket hold a full step's inputs (a timed run's last step of a bucket can be a shrinking
     batch's: its requests end one after another, as they were admitted)."""
     eng = llm.engine
-    seqs = [eng.add_request(None, SamplingParams(max_tokens=1 << 20, ignore_eos=True), prompt_token_ids=p)
-            for p in prompts]
+    seqs = [eng.add_request(None, SamplingParams(max_tokens=1 << 20, ignore_eos=True, temperature=temperature),
+                            prompt_token_ids=p) for p in prompts]
     while not all(s.num_output_tokens >= 2 for s in seqs):
         eng.step()
     for _ in range(2):
@@ -214,7 +233,7 @@ def kernel_split(llm: LLM, arm: str, batch: int, top: int, replays: int = 10) ->
     return rows[:top]
 
 
-def timed(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, int, list[float]]:
+def timed(llm: LLM, prompts: list[list[int]], tokens: int, temperature: float = 0.0) -> tuple[float, int, list[float]]:
     """Seconds and engine steps of one generate call, and the seconds between one `step()` call's
     return and the next's (a step's pace, host and GPU together: with async scheduling each call
     waits for the step before)."""
@@ -233,7 +252,7 @@ def timed(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, int, 
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     try:
-        llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+        llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=temperature))
     finally:
         del eng.step  # the class's method again
     if eng.device.type == "cuda":
@@ -264,6 +283,11 @@ def main() -> None:
                          "next is scheduled), dflash")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also list the N costliest kernels of each in-graph step (torch profiler)")
+    ap.add_argument("--sample", action="store_true",
+                    help="sample at temperature 1 instead of greedy: with dummy weights every sequence "
+                         "then decodes its own tokens (greedy ones coincide, and so would their experts)")
+    ap.add_argument("--router-std", type=float, default=1.0,
+                    help="mixtures of experts: router weights redrawn N(0, std) (spread_routers); 0 keeps them")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -289,6 +313,8 @@ def main() -> None:
                       load_format="dummy", max_num_seqs=max(conc), kv_cache_memory_gb=args.kv_cache_memory_gb,
                       max_model_len=args.prompt_len + args.new_tokens + 64,
                       async_scheduling=False if arm == "plain-sync" else None)
+            if args.router_std > 0:
+                spread_routers(llm, args.router_std)
             gc.collect()
             gc.freeze()  # as the server does: no collection pass over start-up's objects stalls a timed run
             gen = torch.Generator().manual_seed(0)
@@ -299,10 +325,11 @@ def main() -> None:
                 # the short run outlasts the prefill: prompts are prefilled in chunks of max_num_batched_tokens,
                 # and early ones decode beside later chunks (ragged steps); both runs hold those steps alike
                 short = 2 + -(-c * args.prompt_len // llm.engine.config.max_num_batched_tokens)
-                timed(llm, prompts, short + 4)  # warm-up: every step shape both runs meet (eager ones compile)
+                temp = 1.0 if args.sample else 0.0
+                timed(llm, prompts, short + 4, temp)  # warm-up: every step shape both runs meet (eager ones compile)
                 # the faster of two runs each: a one-off stall in either would skew the difference
-                t1, s1, _ = min(timed(llm, prompts, short) for _ in range(2))
-                tn, sn, gaps = min(timed(llm, prompts, short + args.new_tokens) for _ in range(2))
+                t1, s1, _ = min(timed(llm, prompts, short, temp) for _ in range(2))
+                tn, sn, gaps = min(timed(llm, prompts, short + args.new_tokens, temp) for _ in range(2))
                 ms = 1e3 * (tn - t1) / max(sn - s1, 1)
                 pace = middle_median(gaps)
                 row = {"concurrency": c, "ms_per_step": round(ms, 3), "steps": sn - s1,
@@ -312,7 +339,7 @@ def main() -> None:
                 if bw and nbytes:
                     floor = 1e3 * nbytes / bw
                     row |= {"roofline_ms": round(floor, 3), "x_roofline": round(ms / floor, 3)}
-                fill_graph(llm, prompts)
+                fill_graph(llm, prompts, temp)
                 graph = in_graph_ms(llm, arm, c)
                 if graph is not None:
                     # the head and the greedy choice run after the graph: the GPU's whole step is both

@@ -10,9 +10,11 @@ the expert count, never from the routing), so a program owns BLOCK_M rows of one
 
 with act silu(gate) * up (Qwen3-MoE, no biases) or GPT-OSS's clamped SwiGLU (models/moe.py),
 
-and the token's output is the sum of its k slots (in slot order: deterministic). An expert's weights
-are read once per block of its rows: at decode (one token, k experts of one row each) a step reads the
-k experts' weights once, the memory floor; blocks past the padded end return at once. Rounding
+and the token's output is the sum of its k slots (in slot order: deterministic; with slots=True left to
+the next fused.add_rmsnorm). An expert's weights are read once per block of its rows; blocks past the
+padded end return at once. At decode sizes (T * k at most half the experts) the rows are not sorted:
+each routed row is a block of its own, its expert taken from the routing (DIRECT), so a batch-1 step
+reads its k experts once, the memory floor, with no sort and no padding blocks. Rounding
 follows the torch path (models/moe.py): gate and up (bias added) rounded to the activation dtype, the
 activation's steps in float32, each rounded as torch rounds it; the routing weight is applied to the
 down projection's rounded output (bias added)."""
