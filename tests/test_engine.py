@@ -218,6 +218,28 @@ def test_sampling_noise_in_row_chunks_draws_the_same_tokens(monkeypatch):
     assert (got != logits.argmax(-1)).sum() > 5  # rows that sampled something else than the argmax
 
 
+def test_sampling_reads_nothing_back_when_the_host_knows_the_filters(llama):
+    """The engine's SamplingBatch says on the host whether any row filters by top-k / top-p, and
+    sample() then never reads those tensors back (a read waits for the device: the step in flight
+    would stop overlapping the next). Tensors on the meta device fail on any read."""
+    from flashdraft.engine.sequence import Sequence
+
+    vocab = llama.engine.runner.model.config.vocab_size
+    seqs = [Sequence([5, 6], SamplingParams(temperature=0.7)), Sequence([7], SamplingParams(temperature=1.0)),
+            Sequence([8], SamplingParams(temperature=0.5, top_k=5)), Sequence([9], SamplingParams(top_p=0.9))]
+    flags = [(b.any_top_k, b.any_top_p) for b in (llama.engine.runner.sampling_batch(seqs[:n], [1] * n)
+                                                    for n in (2, 3, 4))]
+    assert flags == [(False, False), (True, False), (True, True)]
+    n = 3
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(0))
+    kw = dict(temperature=torch.tensor([0.7, 1.0, 0.0]), seeds=torch.arange(n), positions=torch.full((n,), 4),
+              all_greedy=False)
+    meta = SamplingBatch(top_k=torch.empty(n, device="meta"), top_p=torch.empty(n, device="meta"),
+                         any_top_k=False, any_top_p=False, **kw)
+    plain = SamplingBatch(top_k=torch.full((n,), vocab), top_p=torch.ones(n), **kw)
+    assert torch.equal(sample(logits, meta), sample(logits, plain))
+
+
 def test_greedy_tie_breaks_to_lowest_id():
     logits = torch.tensor([[0.0, 5.0, 1.0, 5.0]])
     sb = SamplingBatch(torch.zeros(1), torch.tensor([4]), torch.ones(1), torch.zeros(1, dtype=torch.long),

@@ -425,11 +425,15 @@ class ModelRunner:
         temps = [s.params.temperature for s in seqs]
         if not any(temps):
             return SamplingBatch(None, None, None, None, None, all_greedy=True)
+        top_k = [s.params.top_k if s.params.top_k > 0 else vocab for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
         return SamplingBatch(
             temperature=to_device(temps, torch.float32, dev),
-            top_k=to_device([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], torch.long, dev),
-            top_p=to_device([s.params.top_p for s in seqs], torch.float32, dev),
+            top_k=to_device(top_k, torch.long, dev),
+            top_p=to_device(top_p, torch.float32, dev),
             seeds=to_device([s.seed for s in seqs], torch.int64, dev),
             positions=to_device(positions, torch.int64, dev),
             all_greedy=False,
+            any_top_k=any(k < vocab for k in top_k),
+            any_top_p=any(p < 1.0 for p in top_p),
         )

@@ -59,15 +59,22 @@ class SamplingBatch:
     seeds: torch.Tensor | None  # [N] int64
     positions: torch.Tensor | None  # [N] int64: position of the token being chosen
     all_greedy: bool
+    # whether any row has top-k below the vocabulary / top-p below 1, known on the host (None: read from
+    # the tensors, a wait for the device: an engine step would lose its overlap with the next)
+    any_top_k: bool | None = None
+    any_top_p: bool | None = None
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
-    """Temperature, then top-k, then top-p; excluded tokens get -inf."""
+                  top_p: torch.Tensor, need_k: bool | None = None, need_p: bool | None = None) -> torch.Tensor:
+    """Temperature, then top-k, then top-p; excluded tokens get -inf. need_k / need_p: whether any row
+    filters by top-k / top-p, when the caller knows it (else read back from the tensors)."""
     logits = logits / temperature.clamp_min(1e-6)[:, None]
     vocab = logits.shape[-1]
-    need_k = bool((top_k < vocab).any())
-    need_p = bool((top_p < 1.0).any())
+    if need_k is None:
+        need_k = bool((top_k < vocab).any())
+    if need_p is None:
+        need_p = bool((top_p < 1.0).any())
     if not (need_k or need_p):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -104,7 +111,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     greedy = greedy_tokens(logits)
     if sb.all_greedy:
         return greedy
-    filtered = filter_logits(logits, sb.temperature, sb.top_k, sb.top_p)
+    filtered = filter_logits(logits, sb.temperature, sb.top_k, sb.top_p, sb.any_top_k, sb.any_top_p)
     vocab = logits.shape[-1]
     step = max(1, NOISE_CHUNK // vocab)
     sampled = torch.empty_like(greedy)
