@@ -30,7 +30,7 @@ import triton.language as tl
 from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-BLOCK_M = 16  # rows of one expert per program (decode routes one row per expert: padding dominates)
+BLOCK_M = 16  # sorted rows of one expert per program (tl.dot's least; a DIRECT block fills one of them)
 # (BLOCK_N, BLOCK_K, pipeline stages) of the expert GEMMs: narrower strips and longer K tiles up to
 # SMALL_ROWS routed rows (decode batches, small verify blocks: few rows per expert, the weights streamed
 # by more programs), the wider tiles above. On an H200 at GPT-OSS-20B shapes the small tiles took decode
@@ -211,7 +211,8 @@ def route_topk(logits: torch.Tensor, k: int, softmax_all: bool, norm: bool) -> t
 
 
 # up to this many routed rows one program sorts them (_sort_small_kernel): on an H200 it saved 0.4-1.0 ms
-# a step at 64-128 rows (24-48 layers) but cost 1.5 ms at 256 rows (Qwen3-30B-A3B, batch 32)
+# a step at 64-128 rows (24-48 layers) but cost 1.5 ms at 256 rows (Qwen3-30B-A3B, batch 32), measured
+# when it matched every padded slot against every row; the scatter since has not been timed at 256
 SMALL_SORT = SMALL_ROWS
 
 
