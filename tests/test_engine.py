@@ -194,6 +194,8 @@ def test_gumbel_noise_is_the_documented_hash():
                 assert math.isclose(float(noise[r, j]), want, rel_tol=1e-5, abs_tol=1e-5), (r, j, tok)
     assert torch.equal(g[:, 40:41], gumbel_noise(torch.tensor(seeds), torch.tensor(positions), 1,
                                                  torch.full((len(seeds), 1), 40)))
+    # the token hash of a vocabulary is made once and kept: a second call draws the same noise
+    assert torch.equal(g, gumbel_noise(torch.tensor(seeds), torch.tensor(positions), vocab))
 
 
 def test_sampling_noise_in_row_chunks_draws_the_same_tokens(monkeypatch):

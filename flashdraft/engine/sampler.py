@@ -41,11 +41,23 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int,
     seeds = seeds.to(torch.int64)
     key = _mix32_((seeds & _M32) ^ _mix32_((seeds >> 32) & _M32 ^ 0x9E3779B9))
     key = _mix32_(key ^ _mix32_(positions.to(torch.int64) & _M32))
-    tok = torch.arange(vocab, device=seeds.device, dtype=torch.int64) if token_ids is None else token_ids.long()
-    tok = _mix32_(tok * 0x9E3779B1 & _M32)
+    tok = _token_hash(vocab, seeds.device) if token_ids is None else _mix32_(token_ids.long() * 0x9E3779B1 & _M32)
     h = _mix32_(key[:, None] ^ (tok if tok.dim() == 2 else tok[None, :]))
     u = h.bitwise_right_shift_(8).to(torch.float32).add_(0.5).mul_(1.0 / (1 << 24))  # in (0, 1), exact
     return u.log_().neg_().log_().neg_()
+
+
+_TOKEN_HASH: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _token_hash(vocab: int, device: torch.device) -> torch.Tensor:
+    """The token half of the noise's key for ids 0..vocab-1: the same every step, so made once per
+    vocabulary and device (some twenty elementwise passes over the vocabulary each step otherwise)."""
+    key = (vocab, device)
+    if key not in _TOKEN_HASH:
+        tok = torch.arange(vocab, device=device, dtype=torch.int64)
+        _TOKEN_HASH[key] = _mix32_(tok * 0x9E3779B1 & _M32)
+    return _TOKEN_HASH[key]
 
 
 @dataclass
