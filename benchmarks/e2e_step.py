@@ -7,7 +7,8 @@ pace of the longer run's middle steps (`ms_per_step_median`), which a one-off st
 drafts are never accepted (tau = 1): its arm gives the DFlash step's cost, and DFlash step / plain step is
 the tau at which speculation breaks even. Beside each plain step: the memory roofline of the bytes it reads
 (every weight but the embedding table, the context's K/V, a hybrid target's recurrent state read and
-written) over the bandwidth of a device copy measured in the same run, and the same step's GPU time: its
+written; of a mixture of experts, only the experts one decode step of the batch routes to, counted in an
+eager step) over the bandwidth of a device copy measured in the same run, and the same step's GPU time: its
 CUDA graph replayed (the captured decode or whole-DFlash-step graph) plus the head and greedy choice that
 follow it eagerly. End to end minus GPU time is the time the GPU waits on the host. Arms: plain (async
 scheduling: the next decode step queued before the last one is read), plain-sync (without), dflash.
@@ -61,14 +62,18 @@ TARGETS = {
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      tie_word_embeddings=False),
-    # mixtures of experts: no roofline here (it depends on the experts a step's routing reads; the in-graph
-    # figures of benchmarks/device/gpu_roofline.py count them); batches route apart with --sample and the
-    # redrawn routers (spread_routers). The random drafter proposes one token in every slot, so a verify's
-    # rows route alike and read too few experts: its DFlash figures understate.
+    # mixtures of experts: the roofline counts the experts one eager decode step of the batch reads
+    # (experts_read); batches route apart with --sample and the redrawn routers (spread_routers). The
+    # random drafter proposes one token in every slot, so a verify's rows route alike and read too few
+    # experts: its DFlash figures understate.
     **({"gpt-oss-20b": dict(GPT_OSS_20B, model_type="gpt_oss", max_position_embeddings=131072,
                             tie_word_embeddings=False),
         "qwen3-30b-a3b": dict(QWEN3_30B_A3B, model_type="qwen3_moe", tie_word_embeddings=False)}
        if GPT_OSS_20B is not None else {}),
+    "tiny-moe": dict(model_type="qwen3_moe", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=1000, num_experts=8,
+                     num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1,
+                     mlp_only_layers=[], tie_word_embeddings=False),
     "tiny-hybrid": dict(QWEN35, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=32, linear_key_head_dim=32, linear_value_head_dim=32,
                         linear_num_key_heads=2, linear_num_value_heads=4, vocab_size=1000,
@@ -119,18 +124,56 @@ def copy_bandwidth(device: torch.device) -> float | None:
     return 2 * (1 << 30) / best
 
 
-def step_bytes(llm: LLM, batch: int, context: int) -> int | None:
+def step_bytes(llm: LLM, batch: int, context: int, experts: list[int] | None = None) -> int | None:
     """What one plain decode step reads: every weight but the embedding table (unless it is also the
     head), the K/V of `context` tokens per sequence, and each sequence's recurrent state, read and
-    written. None for a mixture of experts (the experts read depend on the routing; the in-graph
-    tables of benchmarks/device/gpu_roofline.py count them)."""
+    written; of a mixture of experts only the experts each MoE layer's routing picked (`experts`, one
+    count per layer, from experts_read; None: no figure)."""
     model, dtype = llm.engine.runner.model, llm.engine.dtype
-    if any(isinstance(m, MoE) for m in model.modules()):
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if moes and experts is None:
         return None
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_tokens.weight")
+    skip = {id(p) for m in moes for p in m.experts.parameters()}
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                  if n != "embed_tokens.weight" and id(p) not in skip)
     if getattr(model, "tied", False):
         weights += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    for n, m in zip(experts or [], moes):  # an expert's share of each stacked tensor (dim 0: experts)
+        weights += n * sum(p[0].numel() * p.element_size() for p in m.experts.parameters())
     return weights + batch * (context * kv_bytes_per_token(model, dtype) + 2 * state_bytes_per_seq(model, dtype))
+
+
+def _keeping(route, rows: int, keep):
+    """route (a bound routing method) that also hands the expert ids of every call of `rows` rows to keep."""
+    def wrapped(x):
+        w, idx = route(x)
+        if x.shape[0] == rows:
+            keep(idx)
+        return w, idx
+    return wrapped
+
+
+def experts_read(llm: LLM, prompts: list[list[int]], temperature: float) -> list[int] | None:
+    """How many experts each MoE layer reads in a decode step of these prompts (None without MoE
+    layers): the engine steps them eagerly (graphs off meanwhile) until all decode in one step, as
+    fill_graph does, keeping every layer's routing of the last step of that many rows."""
+    runner = llm.engine.runner
+    moes = [m for m in runner.model.modules() if isinstance(m, MoE)]
+    if not moes:
+        return None
+    rows, seen = len(prompts), {}
+    for m in moes:  # the torch path routes by route(), the fused path by route_fused()
+        for name in ("route", "route_fused"):
+            m.__dict__[name] = _keeping(getattr(m, name), rows, lambda idx, m=m: seen.__setitem__(id(m), idx))
+    graphs, runner.use_graphs = runner.use_graphs, False
+    try:
+        fill_graph(llm, prompts, temperature)
+    finally:
+        runner.use_graphs = graphs
+        for m in moes:
+            m.__dict__.pop("route", None)
+            m.__dict__.pop("route_fused", None)
+    return [len(torch.unique(seen[id(m)])) for m in moes] if len(seen) == len(moes) else None
 
 
 def spread_routers(llm: LLM, std: float) -> None:
@@ -335,7 +378,10 @@ def main() -> None:
                 row = {"concurrency": c, "ms_per_step": round(ms, 3), "steps": sn - s1,
                        "tokens_per_step": round(c * args.new_tokens / max(sn - s1, 1), 3),
                        "ms_per_step_median": round(1e3 * pace, 3) if pace is not None else None}
-                nbytes = step_bytes(llm, c, args.prompt_len + args.new_tokens // 2)
+                experts = experts_read(llm, prompts, temp) if arm.startswith("plain") else None
+                nbytes = step_bytes(llm, c, args.prompt_len + args.new_tokens // 2, experts)
+                if experts is not None:
+                    row["experts_read"] = sum(experts)
                 if bw and nbytes:
                     floor = 1e3 * nbytes / bw
                     row |= {"roofline_ms": round(floor, 3), "x_roofline": round(ms / floor, 3)}

@@ -282,3 +282,39 @@ def test_e2e_step_benchmark_runs_on_cpu(tmp_path):
         (row,) = result["arms"][arm]
         assert row["steps"] == 8 and row["ms_per_step"] > 0 and row["ms_per_step_median"] > 0
     assert result["break_even_tau"]["2"] > 0
+
+
+def test_e2e_step_counts_the_experts_a_moe_step_reads(tmp_path):
+    """On a tiny Qwen3-MoE shape (2 layers, 2 of 8 experts a token): one sequence's decode step reads
+    its 2 experts in each layer; four sampled sequences read between 2 and 8 a layer."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_step.py"
+    out = tmp_path / "e2e.json"
+    subprocess.run([sys.executable, str(script), "--target", "tiny-moe", "--device", "cpu", "--arms", "plain",
+                    "--concurrency", "1,4", "--new-tokens", "4", "--prompt-len", "16", "--sample",
+                    "--out", str(out)], check=True, capture_output=True, timeout=600)
+    one, four = json.loads(out.read_text())["arms"]["plain"]
+    assert one["experts_read"] == 2 * 2 and 2 * 2 <= four["experts_read"] <= 2 * 8
+
+
+def test_experts_read_counts_distinct_experts(tmp_path):
+    """experts_read counts each layer's distinct experts, not its routed rows: four copies of one
+    prompt decode alike (greedy), so they read one token's 2 experts a layer between them."""
+    import importlib.util
+    from pathlib import Path
+
+    from flashdraft import LLM
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_step.py"
+    spec = importlib.util.spec_from_file_location("e2e_step_under_test", path)
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    target, _ = e2e.write_folders(tmp_path, e2e.TARGETS["tiny-moe"], 1, 4)
+    llm = LLM(str(target), draft=None, device="cpu", load_format="dummy", max_num_seqs=4)
+    e2e.spread_routers(llm, 1.0)
+    prompt = list(range(3, 19))
+    assert e2e.experts_read(llm, [prompt] * 4, 0.0) == [2, 2]
+    assert all(2 <= n <= 8 for n in e2e.experts_read(llm, [[i + 3] * 16 for i in range(4)], 1.0))
