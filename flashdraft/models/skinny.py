@@ -42,6 +42,7 @@ SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allo
 # streaming at least SPLIT_MIN_K of it
 # (FLASHDRAFT_SPLIT_BELOW=0: never; for A/B runs)
 SPLIT_BELOW = int(os.environ.get("FLASHDRAFT_SPLIT_BELOW", "3200"))
+NARROW_BELOW = 3200  # outputs of 2,048 rows up to this many stream as 64-row strips (_dot_tiles)
 SPLIT_MIN_K = 1024
 
 
@@ -174,7 +175,7 @@ def _gemv_tiles(N: int, K: int) -> tuple[int, int, int, int]:
 def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages): 32 x 256 x 5 stages for N <= 4096, 64 x 256 x 4 for
     N > 16384 (vocabulary heads), else 64 x 128 x 5; glu two strips of 32 x 128 x 3: as swept best on
-    the 8B shapes at M = 1-32 (within 1-3%). Narrow outputs (2,048 <= N < SPLIT_BELOW) 64 x 256 x 5
+    the 8B shapes at M = 1-32 (within 1-3%). Narrow outputs (2,048 <= N < NARROW_BELOW) 64 x 256 x 5
     with K in halves, routers (N <= 256) 16 x 128 x 5: as swept best on the Qwen3.5-4B and MoE shapes
     at M = 1 (see _dot_split). Never a function of M: a row rounds the same in a one-row decode and in
     a verify block.
@@ -185,7 +186,7 @@ def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tupl
         bn, bk, stages = 32, 128, 3
     elif N <= 256:  # MoE routers: a few strips, latency-bound (H200, GPT-OSS's 32 x 2,880: 6.2 against 7.1 us)
         bn, bk, stages = 16, 128, 5
-    elif 2048 <= N < SPLIT_BELOW:  # narrow outputs: 32-48 strips of 64 rows, K split in two (_dot_split)
+    elif 2048 <= N < NARROW_BELOW:  # narrow outputs: 32-48 strips of 64 rows, K split in two (_dot_split)
         bn, bk, stages = 64, 256, 5
     elif N <= 4096:  # 64-row strips would leave SMs idle: 128 programs of 32 rows
         bn, bk, stages = 32, 256, 5
