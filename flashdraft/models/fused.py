@@ -306,8 +306,10 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Te
 
 
 @triton.jit
-def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, heads, stride_gt, stride_gh, N: tl.constexpr, BLOCK: tl.constexpr):
+def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, heads, stride_gt, stride_gh, N: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     """Program (row, head): out = o * sigmoid(g), the sigmoid rounded to the activation dtype first."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK)
@@ -315,6 +317,7 @@ def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, heads, stride_gt, stride_gh, N: 
     dt = out_ptr.dtype.element_ty
     o = tl.load(o_ptr + (t * heads + h) * N + d, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + t * stride_gt + h * stride_gh + d, mask=ok, other=0.0).to(tl.float32)
+    pdl_trigger(USE_PDL)
     tl.store(out_ptr + (t * heads + h) * N + d, (o * tl.sigmoid(g).to(dt).to(tl.float32)).to(dt), mask=ok)
 
 
@@ -327,7 +330,7 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(o)
     if T:
         _sigmoid_gate_kernel[(T, heads)](o, gate, out, heads, gate.stride(0), gate.stride(1), N=n,
-                                         BLOCK=triton.next_power_of_2(n))
+                                         BLOCK=triton.next_power_of_2(n), **launch_kwargs(o))
     return out
 
 

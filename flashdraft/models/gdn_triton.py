@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
+
 BLOCK_C = 128  # conv channels per program
 # value columns of the state per program (the state block is [d_k, BLOCK_V] in registers);
 # FLASHDRAFT_GDN_BLOCK_V sets it (sweeps)
@@ -40,7 +42,12 @@ CHUNKED_MIN_ROWS = 64  # a committed chunk of at least this many rows takes the 
 
 @triton.jit
 def _conv_kernel(x_ptr, w_ptr, win_ptr, out_ptr, qsl_ptr, seq_ptr, S, C, stride_x, stride_out,
-                 K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+                 K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, WINDOW: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    """WINDOW (every sequence has at most one row: decode): the row's program also moves its
+    channels' conv window on by its input, as _window_kernel would (entry i - 1 <- tap i, each
+    entry written after the tap that reads it)."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
@@ -51,6 +58,7 @@ def _conv_kernel(x_ptr, w_ptr, win_ptr, out_ptr, qsl_ptr, seq_ptr, S, C, stride_
     j = t - tl.load(qsl_ptr + s)  # the row's index in its sequence
     slot = tl.load(seq_ptr + 3 * s)
     from_slot = (slot >= 0) & (tl.load(seq_ptr + 3 * s + 1) == 0)
+    move = (slot >= 0) & (tl.load(seq_ptr + 3 * s + 2) != 1)  # WINDOW: not a kept row (KEEP waits for the commit)
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for i in tl.static_range(K):
         idx = j - (K - 1) + i  # < 0: in the conv window before the step's rows
@@ -58,14 +66,19 @@ def _conv_kernel(x_ptr, w_ptr, win_ptr, out_ptr, qsl_ptr, seq_ptr, S, C, stride_
         wv = tl.load(win_ptr + (slot * C + c) * (K - 1) + (K - 1) + idx, mask=cm & (idx < 0) & from_slot,
                      other=0.0).to(tl.float32)
         acc += tl.load(w_ptr + c * K + i, mask=cm, other=0.0).to(tl.float32) * (xv + wv)
+        if WINDOW and i > 0:
+            tl.store(win_ptr + (slot * C + c) * (K - 1) + i - 1, (xv + wv).to(win_ptr.dtype.element_ty),
+                     mask=cm & move)
     acc = acc * tl.sigmoid(acc)
+    pdl_trigger(USE_PDL)
     tl.store(out_ptr + t * stride_out + c, acc.to(out_ptr.dtype.element_ty), mask=cm)
 
 
 @triton.jit
 def _window_kernel(x_ptr, win_ptr, qsl_ptr, seq_ptr, take_ptr, C, stride_x, K: tl.constexpr, COMMIT: tl.constexpr,
-                   BLOCK_C: tl.constexpr):
+                   BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
     """The slot's conv window after n more inputs (n: the step's rows, or in a commit `take`)."""
+    pdl_enter(USE_PDL)
     s = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
@@ -79,6 +92,7 @@ def _window_kernel(x_ptr, win_ptr, qsl_ptr, seq_ptr, take_ptr, C, stride_x, K: t
     if (slot < 0) | (n == 0):
         return
     from_slot = tl.load(seq_ptr + 3 * s + 1) == 0
+    pdl_trigger(USE_PDL)
     # in place: entry i of the new window reads entry i + n > i of the old one, so filling i upwards
     # never reads an entry already written (each program owns its channels)
     for i in tl.static_range(K - 1):
@@ -92,11 +106,19 @@ def _window_kernel(x_ptr, win_ptr, qsl_ptr, seq_ptr, take_ptr, C, stride_x, K: t
 
 @triton.jit
 def _recur_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, out_ptr, qsl_ptr, seq_ptr, take_ptr,
-                  stride_m, stride_ab, stride_out, key_dim, HV, rep, scale, DK: tl.constexpr, DV: tl.constexpr,
-                  BLOCK_V: tl.constexpr, COMMIT: tl.constexpr):
+                  stride_m, stride_ab, stride_out, key_dim, HV, rep, scale, T, DK: tl.constexpr, DV: tl.constexpr,
+                  BLOCK_V: tl.constexpr, COMMIT: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (sequence, value head, BLOCK_V value columns). The last sequence's programs also zero
+    the output rows past every sequence's (a graph's padding rows), so no row is left unwritten."""
+    pdl_enter(USE_PDL)
     s = tl.program_id(0)
     hv = tl.program_id(1)
     v0 = tl.program_id(2) * BLOCK_V
+    vv = v0 + tl.arange(0, BLOCK_V)
+    if not COMMIT:
+        if s == tl.num_programs(0) - 1:
+            for t in range(tl.load(qsl_ptr + s + 1), T):
+                tl.store(out_ptr + t * stride_out + hv * DV + vv, tl.zeros([BLOCK_V], dtype=out_ptr.dtype.element_ty))
     slot = tl.load(seq_ptr + 3 * s)
     fresh = tl.load(seq_ptr + 3 * s + 1) != 0
     r0 = tl.load(qsl_ptr + s)
@@ -110,7 +132,6 @@ def _recur_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, out_ptr
     if r1 == r0:
         return
     kk = tl.arange(0, DK)
-    vv = v0 + tl.arange(0, BLOCK_V)
     sp = state_ptr + ((tl.maximum(slot, 0) * HV + hv) * DK + kk[:, None]) * DV + vv[None, :]
     st = tl.load(sp, mask=(slot >= 0) & ~fresh, other=0.0)  # [DK, BLOCK_V] float32
     hk = hv // rep
@@ -132,6 +153,7 @@ def _recur_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, out_ptr
         if not COMMIT:
             o = tl.sum(st * q[:, None], 0)
             tl.store(out_ptr + t * stride_out + hv * DV + vv, o.to(out_ptr.dtype.element_ty))
+    pdl_trigger(USE_PDL)
     tl.store(sp, st, mask=store)
 
 
@@ -140,9 +162,10 @@ def _pow2(n: int) -> int:
 
 
 def conv_rows(qkv: torch.Tensor, weight: torch.Tensor, window: torch.Tensor, qsl: torch.Tensor,
-              seq: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+              seq: torch.Tensor, out: torch.Tensor | None = None, window_too: bool = False) -> torch.Tensor:
     """silu(causal depthwise conv) of every row of the step: [T, C] in qkv's dtype (into `out` when
-    given); padding rows are left unwritten."""
+    given); padding rows are left unwritten. window_too (only when no sequence has more than one
+    row): the conv windows move on in the same launch, as advance_windows would move them."""
     T, C = qkv.shape
     K = weight.shape[-1]
     if out is None:  # padding rows stay unwritten: the recurrence reads only its sequences' rows
@@ -150,7 +173,8 @@ def conv_rows(qkv: torch.Tensor, weight: torch.Tensor, window: torch.Tensor, qsl
     S = seq.shape[0]
     if T and S:
         _conv_kernel[(T, triton.cdiv(C, BLOCK_C))](qkv, weight, window, out, qsl, seq, S, C, qkv.stride(0),
-                                                   out.stride(0), K=K, BLOCK_S=_pow2(S), BLOCK_C=BLOCK_C)
+                                                   out.stride(0), K=K, BLOCK_S=_pow2(S), BLOCK_C=BLOCK_C,
+                                                   WINDOW=window_too, **launch_kwargs(qkv))
     return out
 
 
@@ -162,7 +186,7 @@ def advance_windows(qkv: torch.Tensor, window: torch.Tensor, qsl: torch.Tensor, 
     if S:
         _window_kernel[(S, triton.cdiv(C, BLOCK_C))](qkv, window, qsl, seq, take if take is not None else qsl,
                                                      C, qkv.stride(0), K=K, COMMIT=take is not None,
-                                                     BLOCK_C=BLOCK_C)
+                                                     BLOCK_C=BLOCK_C, **launch_kwargs(qkv))
 
 
 def recur(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -175,14 +199,16 @@ def recur(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
     T = mixed.shape[0]
     S = seq.shape[0]
     _, HV, DK, DV = state.shape
-    out = None if take is not None else torch.zeros(T, HV * DV, device=mixed.device, dtype=mixed.dtype)
+    out = None if take is not None else torch.empty(T, HV * DV, device=mixed.device, dtype=mixed.dtype)
     if S:
         if a.stride(-1) != 1 or b.stride(-1) != 1 or a.stride(0) != b.stride(0):  # else slices of one projection
             a, b = a.contiguous(), b.contiguous()
         _recur_kernel[(S, HV, triton.cdiv(DV, BLOCK_V))](
             mixed, a, b, A_log, dt_bias, state, out if out is not None else mixed, qsl, seq,
             take if take is not None else qsl, mixed.stride(0), a.stride(0), HV * DV, key_dim, HV, HV // heads_k,
-            DK**-0.5, DK=DK, DV=DV, BLOCK_V=min(BLOCK_V, DV), COMMIT=take is not None)
+            DK**-0.5, T, DK=DK, DV=DV, BLOCK_V=min(BLOCK_V, DV), COMMIT=take is not None, **launch_kwargs(mixed))
+    elif out is not None:
+        out.zero_()
     return out
 
 
@@ -270,8 +296,10 @@ def chunked(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.
 
 
 @triton.jit
-def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, eps, heads, stride_z, N: tl.constexpr, BLOCK: tl.constexpr):
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, eps, heads, stride_z, N: tl.constexpr, BLOCK: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     """One head row: w * rmsnorm(o) (each product rounded as torch rounds it) times silu(z) in float32."""
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     ok = d < N
@@ -280,6 +308,7 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, eps, heads, stride_z, N: tl
     n = (h * tl.rsqrt(tl.sum(h * h, 0) / N + eps)).to(dt).to(tl.float32)
     hw = (tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32) * n).to(dt).to(tl.float32)
     z = tl.load(z_ptr + (row // heads) * stride_z + (row % heads) * N + d, mask=ok, other=0.0).to(tl.float32)
+    pdl_trigger(USE_PDL)
     tl.store(out_ptr + row * N + d, (hw * (z * tl.sigmoid(z))).to(dt), mask=ok)
 
 
@@ -292,5 +321,5 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     out = torch.empty_like(o)
     if T:
         _gated_norm_kernel[(T * heads,)](o, z, weight, out, eps, heads, z.stride(0), N=n,
-                                         BLOCK=triton.next_power_of_2(n))
+                                         BLOCK=triton.next_power_of_2(n), **launch_kwargs(o))
     return out

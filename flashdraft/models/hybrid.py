@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from flashdraft.attention.base import AttentionBackend, AttentionBatch
 from flashdraft.models.moe import MoE, is_moe_layer, stack_experts
 from flashdraft.models.rope import RotaryTable, apply_rope
-from flashdraft.models.transformer import MLP, Embedding, Linear, activation, fused_enabled, linear, load_packed
+from flashdraft.models.transformer import (MLP, Embedding, Linear, activation, fused_enabled, linear, load_packed,
+                                         skinny_enabled)
 
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # packed in this order (GatedDeltaNet.in_proj)
@@ -187,7 +188,7 @@ class GatedDeltaNet(nn.Module):
             # sequences in state.step_rows before each replay
             qsl = batch.query_start_loc
             if batch.max_query_len == 1:
-                _, core = self.run_kernels(qkv, b, a, state, qsl, rec)
+                _, core = self.run_kernels(qkv, b, a, state, qsl, rec, single=True)
                 return self.output(x, core, z)
             kept, mixed = state.kept_rows(proj, self.conv_dim)
             kept.copy_(proj)
@@ -202,8 +203,11 @@ class GatedDeltaNet(nn.Module):
         if self.kernels(x):
             from flashdraft.models.gdn_triton import chunked_available
 
-            pending.device_rows = rec.device_tensors(batch.query_start_loc, x.device, chunked_available(x.device))
-            pending.mixed, core = self.run_kernels(qkv, b, a, state, *pending.device_rows, spans=rec.spans)
+            qsl = batch.query_start_loc
+            pending.device_rows = rec.device_tensors(qsl, x.device, chunked_available(x.device))
+            single = all(qsl[s + 1] - qsl[s] <= 1 for s in range(len(qsl) - 1))
+            pending.mixed, core = self.run_kernels(qkv, b, a, state, *pending.device_rows, spans=rec.spans,
+                                                   single=single)
         else:
             core = torch.zeros(x.shape[0], self.heads_v, self.d_v, device=x.device, dtype=x.dtype)
             for s, slot in enumerate(rec.slots):
@@ -221,13 +225,15 @@ class GatedDeltaNet(nn.Module):
         return self.output(x, core, z)
 
     def run_kernels(self, qkv, b, a, state: RecurrentState, qsl: torch.Tensor, seq: torch.Tensor, mixed=None,
-                    spans=None):
+                    spans=None, single: bool = False):
         """The step on the GPU (models/gdn_triton.py): (conv outputs, into `mixed` when given;
-        recurrence outputs [T, heads_v, d_v]). spans: the CHUNKED sequences, for the chunked kernel."""
+        recurrence outputs [T, heads_v, d_v]). spans: the CHUNKED sequences, for the chunked kernel.
+        single: no sequence has more than one row (decode), so the conv launch moves the windows on."""
         from flashdraft.models import gdn_triton
 
-        mixed = gdn_triton.conv_rows(qkv, self.conv1d.weight, state.conv, qsl, seq, mixed)
-        gdn_triton.advance_windows(qkv, state.conv, qsl, seq)
+        mixed = gdn_triton.conv_rows(qkv, self.conv1d.weight, state.conv, qsl, seq, mixed, window_too=single)
+        if not single:
+            gdn_triton.advance_windows(qkv, state.conv, qsl, seq)
         core = gdn_triton.recur(mixed, a, b, self.A_log, self.dt_bias, state.rec, qsl, seq, self.key_dim,
                                 self.heads_k)
         if spans:
@@ -240,6 +246,12 @@ class GatedDeltaNet(nn.Module):
         if self.kernels(x):
             from flashdraft.models import gdn_triton
 
+            flat = core.reshape(x.shape[0], self.value_dim)
+            if skinny_enabled(flat):  # the gated norm inside the out_proj GEMM's tile loads
+                from flashdraft.models.skinny import Prologue, skinny_linear
+
+                return skinny_linear(flat, self.out_proj.weight, self.out_proj.bias,
+                                     prologue=Prologue.gated_norm(z, self.norm.weight, self.norm_eps))
             normed = gdn_triton.gated_norm(core, z, self.norm.weight, self.norm_eps)
         else:
             normed = self.gated_norm(core, z)
@@ -364,6 +376,11 @@ class GatedAttention(nn.Module):
                                          self.q_norm.eps, k_cache, v_cache, batch.slot_mapping, gated=True,
                                          offset=True)
             o = attn.forward(q, k_cache, v_cache, batch, self.scale)
+            flat = o.reshape(-1, self.n_heads * self.head_dim)
+            if skinny_enabled(flat):  # the gate inside the o_proj GEMM's tile loads
+                from flashdraft.models.skinny import Prologue, skinny_linear
+
+                return skinny_linear(flat, self.o_proj.weight, self.o_proj.bias, prologue=Prologue.sigmoid_gate(gate))
             o = fused.sigmoid_gate(o, gate)
             return self.o_proj(o.reshape(-1, self.n_heads * self.head_dim))
         _, k, v = proj.split(self.splits, dim=-1)

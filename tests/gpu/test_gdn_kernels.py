@@ -137,3 +137,42 @@ def test_long_chunks_take_the_chunked_kernel(dtype):
     layer.commit(got, {1: 3})
     torch.testing.assert_close(got.rec[others], ref.rec[others], **tol)
     torch.testing.assert_close(got.conv, ref.conv, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_move_their_windows_in_the_conv_launch(dtype):
+    """A step whose sequences have one row each (decode) moves the conv windows inside the conv launch
+    (no window launch): windows, states and outputs as the torch layer's, a kept row's slot untouched,
+    and the padding rows' outputs zero (the recurrence kernel writes them)."""
+    from flashdraft.models import gdn_triton
+
+    cfg, layer, (ref, got) = layer_and_states(dtype, linear_key_head_dim=32, linear_value_head_dim=64)
+    calls = []
+    real = gdn_triton.advance_windows
+    gdn_triton.advance_windows = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        # a decode row from its slot, a fresh one, a kept one (a one-row verify), a padding sequence
+        lens, slots = [1, 1, 1, 0], [3, 0, 1, -1]
+        rows = RecurrentRows(slots, [False, True, False, True], [False, False, True, False])
+        qsl = [0, 1, 2, 3, 3]
+        T = 5
+        x = torch.randn(T, cfg.hidden_size, device=DEVICE, dtype=dtype)
+
+        def batch():
+            return AttentionBatch(torch.full((T,), -1, device=DEVICE), qsl, [0] * 4, [[]] * 4, 16,
+                                  recurrent=RecurrentRows(rows.slots, rows.fresh, rows.keep))
+
+        want = run(layer, ref, x, batch(), False)
+        out = run(layer, got, x, batch(), True)
+    finally:
+        gdn_triton.advance_windows = real
+    assert not calls
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=8e-2, rtol=5e-2)
+    torch.testing.assert_close(out[:3], want[:3], **tol)
+    assert (out[3:] == 0).all()
+    torch.testing.assert_close(got.rec, ref.rec, **tol)
+    torch.testing.assert_close(got.conv, ref.conv, atol=0, rtol=0)
+    layer.commit(ref, {1: 1})
+    layer.commit(got, {1: 1})
+    torch.testing.assert_close(got.rec, ref.rec, **tol)
+    torch.testing.assert_close(got.conv, ref.conv, atol=0, rtol=0)
