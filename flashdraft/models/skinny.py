@@ -199,15 +199,15 @@ def _gemv_tiles(N: int, K: int) -> tuple[int, int, int, int]:
     return max(4, 4096 // bk), bk, 4, 3
 
 
-def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tuple[int, int, int, int]:
+def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False, aux: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages): 32 x 256 x 5 stages for N <= 4096, 64 x 256 x 4 for
     N > 16384 (vocabulary heads), else 64 x 128 x 5; glu two strips of 32 x 128 x 3: as swept best on
     the 8B shapes at M = 1-32 (within 1-3%). Narrow outputs (2,048 <= N < NARROW_BELOW) 64 x 256 x 5
     with K in halves, routers (N <= 256) 16 x 128 x 5: as swept best on the Qwen3.5-4B and MoE shapes
     at M = 1 (see _dot_split). Never a function of M: a row rounds the same in a one-row decode and in
     a verify block.
-    Fewer stages (then a shorter BLOCK_K) when the pipelined W and x tiles would not fit in shared
-    memory (float32)."""
+    Fewer stages (then a shorter BLOCK_K) when the pipelined W and x tiles (aux: and a Prologue's
+    second input tile) would not fit in shared memory (float32)."""
     mpad = 16 if M <= 16 else 32
     if glu:
         bn, bk, stages = 32, 128, 3
@@ -226,7 +226,7 @@ def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tupl
     # tiles, 9.8 us in 128-wide ones, H200)
     bk = _largest_dividing(K, tuple(b for b in (256, 128) if b <= bk)) or \
         (bk if K >= 4 * bk else _largest_dividing(K, tuple(b for b in (64, 32, 16) if b <= bk)) or bk)
-    while stages * (bn * (2 if glu else 1) + mpad) * bk * elem > SMEM_BUDGET:
+    while stages * (bn * (2 if glu else 1) + mpad * (2 if aux else 1)) * bk * elem > SMEM_BUDGET:
         if stages > 3:
             stages -= 1
         elif bk > 16:
@@ -307,9 +307,10 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     flags = dict(GLU=glu, HAS_BIAS=bias is not None)
     b = bias if bias is not None else w
-    bn, bk, warps, stages = tiles or _dot_tiles(M, N, K, x.element_size(), glu)
+    bn, bk, warps, stages = tiles or _dot_tiles(M, N, K, x.element_size(), glu, aux=prologue is not None)
     if prologue is not None and (kernel == "gemv" or not prologue.fits(bk)):
         x, prologue = prologue.apply(x), None
+        bn, bk, warps, stages = tiles or _dot_tiles(M, N, K, x.element_size(), glu)
     if kernel == "gemv":
         bn, bk, warps, stages = tiles or _gemv_tiles(N, K)
         _gemv_kernel[(triton.cdiv(N, bn),)](x, w, b, y, N, K, w.stride(0), BLOCK_N=bn, BLOCK_K=bk,

@@ -136,6 +136,9 @@ def test_tile_rules():
     assert skinny._dot_tiles(1, 32, 2880)[:2] == (16, 128)  # its router
     # what does not fit in shared memory pipelines less: float32, the glu's two strips
     assert skinny._dot_tiles(16, 4096, 4096, elem=4) == (32, 256, 4, 4)
+    # a Prologue's aux tile is pipelined beside x's: the narrow 64 x 256 strips keep 4 stages, not 5
+    assert skinny._dot_tiles(1, 2560, 4096) == (64, 256, 4, 5)
+    assert skinny._dot_tiles(1, 2560, 4096, aux=True) == (64, 256, 4, 4)
     assert skinny._dot_tiles(16, 4096, 4096, glu=True) == (32, 128, 4, 3)
     for (M, elem, glu), N in itertools.product(((1, 2, True), (16, 4, True), (32, 4, True), (32, 2, False),
                                                 (32, 4, False)), (4096, 151936)):
