@@ -270,10 +270,33 @@ def kernel_split(llm: LLM, arm: str, batch: int, top: int, replays: int = 10) ->
         for _ in range(replays):
             g.replay()
         torch.cuda.synchronize()
-    rows = [{"us": round(e.device_time_total / replays, 1), "calls": e.count / replays, "kernel": e.key[:90]}
+    added = critical_path(p.events())
+    rows = [{"us": round(e.device_time_total / replays, 1), "calls": e.count / replays, "kernel": e.key[:90],
+             "added_us": round(added.get(e.key, 0.0) / replays, 1)}
             for e in p.key_averages() if e.device_time_total > 0]
     rows.sort(key=lambda r: -r["us"])
     return rows[:top]
+
+
+def critical_path(events, gap_us: float = 10.0) -> dict[str, float]:
+    """Microseconds each kernel adds to the stream's span, summed by kernel name: its end minus the
+    previous kernel's end (kernels of a stream end in order; with PDL a kernel starts before its
+    predecessor ends, so its duration overstates what it adds). A kernel starting more than gap_us
+    after the previous one ended (the next replay) adds its own duration."""
+    from torch.autograd import DeviceType
+
+    ks = sorted(((e.time_range.start, e.time_range.end, e.key) for e in events
+                 if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start), key=lambda k: k[0])
+    out: dict[str, float] = {}
+    prev_end = None
+    for start, end, key in ks:
+        if prev_end is None or start - prev_end > gap_us:
+            add = end - start
+        else:
+            add = max(0.0, end - prev_end)
+        out[key] = out.get(key, 0.0) + add
+        prev_end = end if prev_end is None else max(prev_end, end)
+    return out
 
 
 def timed(llm: LLM, prompts: list[list[int]], tokens: int, temperature: float = 0.0) -> tuple[float, int, list[float]]:

@@ -318,3 +318,26 @@ def test_experts_read_counts_distinct_experts(tmp_path):
     prompt = list(range(3, 19))
     assert e2e.experts_read(llm, [prompt] * 4, 0.0) == [2, 2]
     assert all(2 <= n <= 8 for n in e2e.experts_read(llm, [[i + 3] * 16 for i in range(4)], 1.0))
+
+
+def test_critical_path_counts_what_each_kernel_adds():
+    """Overlapping kernels (PDL) add only what they run past their predecessor; a kernel after a long
+    gap (the next graph replay) adds its own duration; host events are not kernels."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_step.py"
+    spec = importlib.util.spec_from_file_location("e2e_step_under_test", path)
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    critical_path = e2e.critical_path
+
+    def ev(start, end, key, dev=DeviceType.CUDA):
+        return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), key=key, device_type=dev)
+
+    events = [ev(0, 10, "gemm"), ev(8, 12, "norm"), ev(11, 30, "gemm"), ev(5, 40, "host", DeviceType.CPU),
+              ev(100, 110, "gemm"), ev(111, 113, "norm")]
+    assert critical_path(events) == {"gemm": 10 + 18 + 10, "norm": 2 + 3}

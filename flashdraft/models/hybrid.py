@@ -33,8 +33,7 @@ import torch.nn.functional as F
 from flashdraft.attention.base import AttentionBackend, AttentionBatch
 from flashdraft.models.moe import MoE, is_moe_layer, stack_experts
 from flashdraft.models.rope import RotaryTable, apply_rope
-from flashdraft.models.transformer import (MLP, Embedding, Linear, activation, fused_enabled, linear, load_packed,
-                                         skinny_enabled)
+from flashdraft.models.transformer import MLP, Embedding, Linear, activation, fused_enabled, linear, load_packed
 
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # packed in this order (GatedDeltaNet.in_proj)
@@ -246,12 +245,6 @@ class GatedDeltaNet(nn.Module):
         if self.kernels(x):
             from flashdraft.models import gdn_triton
 
-            flat = core.reshape(x.shape[0], self.value_dim)
-            if skinny_enabled(flat):  # the gated norm inside the out_proj GEMM's tile loads
-                from flashdraft.models.skinny import Prologue, skinny_linear
-
-                return skinny_linear(flat, self.out_proj.weight, self.out_proj.bias,
-                                     prologue=Prologue.gated_norm(z, self.norm.weight, self.norm_eps))
             normed = gdn_triton.gated_norm(core, z, self.norm.weight, self.norm_eps)
         else:
             normed = self.gated_norm(core, z)
@@ -376,11 +369,6 @@ class GatedAttention(nn.Module):
                                          self.q_norm.eps, k_cache, v_cache, batch.slot_mapping, gated=True,
                                          offset=True)
             o = attn.forward(q, k_cache, v_cache, batch, self.scale)
-            flat = o.reshape(-1, self.n_heads * self.head_dim)
-            if skinny_enabled(flat):  # the gate inside the o_proj GEMM's tile loads
-                from flashdraft.models.skinny import Prologue, skinny_linear
-
-                return skinny_linear(flat, self.o_proj.weight, self.o_proj.bias, prologue=Prologue.sigmoid_gate(gate))
             o = fused.sigmoid_gate(o, gate)
             return self.o_proj(o.reshape(-1, self.n_heads * self.head_dim))
         _, k, v = proj.split(self.splits, dim=-1)

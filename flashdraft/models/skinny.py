@@ -88,11 +88,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
 
 
 @triton.jit(do_not_specialize=["M"])  # any row count, one variant per MPAD: nothing compiles mid-serving
-def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, aux_ptr, nw_ptr, eps, M, N, K, stride_xm, stride_wn,
-                stride_ym, stride_am, stride_ah,
+def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MPAD: tl.constexpr, EVEN: tl.constexpr,
                 GLU: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                PRO: tl.constexpr, HEAD: tl.constexpr, USE_PDL: tl.constexpr):
+                USE_PDL: tl.constexpr):
     dt = y_ptr.dtype.element_ty
     tile = tl.program_id(0)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -118,9 +117,6 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, aux_ptr, nw_ptr
             if GLU:
                 wu = tl.load(up_row + kk[None, :], mask=mask, other=0.0)
         xt = tl.load(x_col + kk[:, None], mask=(m[None, :] < M) & (kk[:, None] < K), other=0.0)
-        if PRO > 0:
-            xt = _prologue(xt, aux_ptr, nw_ptr, eps, m, k, kk, M, K, stride_am, stride_ah, x_ptr.dtype.element_ty,
-                           PRO, HEAD, BLOCK_K)
         if IEEE:  # float32 weights or the interpreter: full-precision float32 products, not TF32
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
             if GLU:
@@ -145,29 +141,6 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, aux_ptr, nw_ptr
             _dot_store(acc, acc_up, b_ptr, y_ptr, n, m, M, N, stride_ym, dt, GLU, HAS_BIAS, USE_PDL)
     else:
         _dot_store(acc, acc_up, b_ptr, y_ptr, n, m, M, N, stride_ym, dt, GLU, HAS_BIAS, USE_PDL)
-
-
-@triton.jit
-def _prologue(xt, aux_ptr, nw_ptr, eps, m, k, kk, M, K, stride_am, stride_ah, dt: tl.constexpr, PRO: tl.constexpr,
-              HEAD: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The x^T tile [BLOCK_K, MPAD] through the elementwise op before the GEMM (see Prologue), rounded
-    as its own kernel rounds it. Column kk pairs with aux[m, (kk // HEAD) * stride_ah + kk % HEAD]."""
-    ok = (m[None, :] < M) & (kk[:, None] < K)
-    a = tl.load(aux_ptr + m[None, :] * stride_am + (kk // HEAD)[:, None] * stride_ah + (kk % HEAD)[:, None],
-                mask=ok, other=0.0).to(tl.float32)
-    h = xt.to(tl.float32)
-    if PRO == 1:  # o * sigmoid(gate), the sigmoid rounded first (fused.sigmoid_gate)
-        return (h * tl.sigmoid(a).to(dt).to(tl.float32)).to(dt)
-    # PRO == 2: w * rmsnorm(head) * silu(z) over each head of HEAD columns (gdn_triton.gated_norm); the
-    # tile holds whole heads (BLOCK_K a multiple of HEAD)
-    sq = h * h
-    inv = tl.zeros_like(h)
-    for j in tl.static_range(BLOCK_K // HEAD):
-        sel = (k // HEAD == j)[:, None]
-        inv = tl.where(sel, tl.rsqrt(tl.sum(tl.where(sel, sq, 0.0), 0) / HEAD + eps)[None, :], inv)
-    n = (h * inv).to(dt).to(tl.float32)
-    hw = (tl.load(nw_ptr + kk % HEAD).to(tl.float32)[:, None] * n).to(dt).to(tl.float32)
-    return (hw * (a * tl.sigmoid(a))).to(dt)
 
 
 @triton.jit
@@ -199,15 +172,15 @@ def _gemv_tiles(N: int, K: int) -> tuple[int, int, int, int]:
     return max(4, 4096 // bk), bk, 4, 3
 
 
-def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False, aux: bool = False) -> tuple[int, int, int, int]:
+def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages): 32 x 256 x 5 stages for N <= 4096, 64 x 256 x 4 for
     N > 16384 (vocabulary heads), else 64 x 128 x 5; glu two strips of 32 x 128 x 3: as swept best on
     the 8B shapes at M = 1-32 (within 1-3%). Narrow outputs (2,048 <= N < NARROW_BELOW) 64 x 256 x 5
     with K in halves, routers (N <= 256) 16 x 128 x 5: as swept best on the Qwen3.5-4B and MoE shapes
     at M = 1 (see _dot_split). Never a function of M: a row rounds the same in a one-row decode and in
     a verify block.
-    Fewer stages (then a shorter BLOCK_K) when the pipelined W and x tiles (aux: and a Prologue's
-    second input tile) would not fit in shared memory (float32)."""
+    Fewer stages (then a shorter BLOCK_K) when the pipelined W and x tiles would not fit in shared
+    memory (float32)."""
     mpad = 16 if M <= 16 else 32
     if glu:
         bn, bk, stages = 32, 128, 3
@@ -226,7 +199,7 @@ def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False, aux: bo
     # tiles, 9.8 us in 128-wide ones, H200)
     bk = _largest_dividing(K, tuple(b for b in (256, 128) if b <= bk)) or \
         (bk if K >= 4 * bk else _largest_dividing(K, tuple(b for b in (64, 32, 16) if b <= bk)) or bk)
-    while stages * (bn * (2 if glu else 1) + mpad * (2 if aux else 1)) * bk * elem > SMEM_BUDGET:
+    while stages * (bn * (2 if glu else 1) + mpad) * bk * elem > SMEM_BUDGET:
         if stages > 3:
             stages -= 1
         elif bk > 16:
@@ -236,58 +209,13 @@ def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False, aux: bo
     return bn, bk, 4, stages
 
 
-class Prologue:
-    """An elementwise op on x that the dot kernel applies to each x tile as it loads it, so that the op
-    costs no launch of its own and no round trip of its result. Column c of x pairs with aux[m,
-    (c // head) * head_stride + c % head]: heads of `head` columns, head_stride apart in aux's rows.
-
-        Prologue.sigmoid_gate(gate)             x * sigmoid(gate)            (fused.sigmoid_gate)
-        Prologue.gated_norm(z, weight, eps)     w * rmsnorm(x per head) * silu(z)  (gdn_triton.gated_norm)
-
-    Rounded as those kernels round, which `apply` runs instead where the tiles do not allow it (a
-    gated norm needs whole heads in each K tile)."""
-
-    SIGMOID_GATE, GATED_NORM = 1, 2
-
-    def __init__(self, kind: int, aux: torch.Tensor, head: int, weight: torch.Tensor | None = None, eps: float = 0.0):
-        if aux.dim() != 3 or aux.shape[2] != head or aux.stride(2) != 1:
-            raise ValueError(f"aux must be [rows, heads, {head}] with unit last stride, got {tuple(aux.shape)}")
-        self.kind, self.aux, self.head, self.weight, self.eps = kind, aux, head, weight, eps
-
-    @classmethod
-    def sigmoid_gate(cls, gate: torch.Tensor) -> Prologue:
-        """gate [T, heads, head_dim] (rows and heads strided)."""
-        return cls(cls.SIGMOID_GATE, gate, gate.shape[2])
-
-    @classmethod
-    def gated_norm(cls, z: torch.Tensor, weight: torch.Tensor, eps: float) -> Prologue:
-        """z [T, heads, d_v] (rows strided), weight [d_v]."""
-        return cls(cls.GATED_NORM, z, z.shape[2], weight, eps)
-
-    def fits(self, bk: int) -> bool:
-        return self.kind == self.SIGMOID_GATE or bk % self.head == 0
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """The op by its own kernel: x [T, heads * head] -> the same shape."""
-        T = x.shape[0]
-        x3 = x.reshape(T, -1, self.head)
-        if self.kind == self.SIGMOID_GATE:
-            from flashdraft.models.fused import sigmoid_gate
-
-            return sigmoid_gate(x3, self.aux).reshape(T, -1)
-        from flashdraft.models.gdn_triton import gated_norm
-
-        return gated_norm(x3, self.aux, self.weight, self.eps).reshape(T, -1)
-
-
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
                   tiles: tuple[int, int, int, int] | None = None, kernel: str = "dot",
-                  split: int | None = None, prologue: Prologue | None = None) -> torch.Tensor:
+                  split: int | None = None) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias) -> [M, N] for 1 <= M <= MAX_ROWS; glu: w is [gate; up]
     [2N, K] and the result silu(gate) * up [M, N]. tiles (BLOCK_N, BLOCK_K, warps, stages)
     overrides the rules; split: programs per output strip (split-K; None: _dot_split's rule, 1 with
-    explicit tiles); kernel="gemv" takes the one-row kernel (M == 1 only). prologue: an elementwise
-    op on x first (Prologue), inside the dot kernel where its tiles allow."""
+    explicit tiles); kernel="gemv" takes the one-row kernel (M == 1 only)."""
     if kernel not in ("dot", "gemv") or (kernel == "gemv" and x.shape[0] != 1):
         raise ValueError(f"kernel must be 'dot' or, for one row, 'gemv'; got {kernel!r} for {x.shape[0]} rows")
     N, K = w.shape
@@ -302,21 +230,16 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         x = x.contiguous()
     if w.stride(-1) != 1:
         raise ValueError("w needs a unit last stride")
-    if prologue is not None and (prologue.aux.shape[0] != M or prologue.aux.shape[1] * prologue.head != K):
-        raise ValueError(f"prologue input {tuple(prologue.aux.shape)} does not fit x {tuple(x.shape)}")
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     flags = dict(GLU=glu, HAS_BIAS=bias is not None)
     b = bias if bias is not None else w
-    bn, bk, warps, stages = tiles or _dot_tiles(M, N, K, x.element_size(), glu, aux=prologue is not None)
-    if prologue is not None and (kernel == "gemv" or not prologue.fits(bk)):
-        x, prologue = prologue.apply(x), None
-        bn, bk, warps, stages = tiles or _dot_tiles(M, N, K, x.element_size(), glu)
     if kernel == "gemv":
         bn, bk, warps, stages = tiles or _gemv_tiles(N, K)
         _gemv_kernel[(triton.cdiv(N, bn),)](x, w, b, y, N, K, w.stride(0), BLOCK_N=bn, BLOCK_K=bk,
                                             EVEN=N % bn == 0 and K % bk == 0, **flags, num_warps=warps,
                                             num_stages=stages, **launch_kwargs(x))
         return y
+    bn, bk, warps, stages = tiles or _dot_tiles(M, N, K, x.element_size(), glu)
     if split is None:
         split = 1 if tiles is not None or glu else _dot_split(N, K, bn, bk)
     even = N % bn == 0 and K % bk == 0
@@ -329,18 +252,9 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     if split > 1:
         part = torch.empty(tiles_n * split * bn * mpad, device=x.device, dtype=torch.float32)
         count = _counters(x.device, tiles_n)
-    pro = dict(PRO=0, HEAD=1)
-    aux, nw, eps, stride_am, stride_ah = x, x, 0.0, 0, 0
-    if prologue is not None:
-        a = prologue.aux
-        pro = dict(PRO=prologue.kind, HEAD=prologue.head)
-        aux, stride_am, stride_ah = a, a.stride(0), a.stride(1)
-        if prologue.weight is not None:
-            nw, eps = prologue.weight, prologue.eps
-    _dot_kernel[(tiles_n, split)](x, w, b, y, part, count, aux, nw, eps, M, N, K, x.stride(0), w.stride(0),
-                                  y.stride(0), stride_am, stride_ah, BLOCK_N=bn, BLOCK_K=bk, MPAD=mpad, EVEN=even,
-                                  **flags, IEEE=_ieee(w), SPLIT=split, **pro, num_warps=warps, num_stages=stages,
-                                  **launch_kwargs(x))
+    _dot_kernel[(tiles_n, split)](x, w, b, y, part, count, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+                                  BLOCK_N=bn, BLOCK_K=bk, MPAD=mpad, EVEN=even, **flags, IEEE=_ieee(w),
+                                  SPLIT=split, num_warps=warps, num_stages=stages, **launch_kwargs(x))
     return y
 
 

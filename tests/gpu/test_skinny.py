@@ -136,9 +136,6 @@ def test_tile_rules():
     assert skinny._dot_tiles(1, 32, 2880)[:2] == (16, 128)  # its router
     # what does not fit in shared memory pipelines less: float32, the glu's two strips
     assert skinny._dot_tiles(16, 4096, 4096, elem=4) == (32, 256, 4, 4)
-    # a Prologue's aux tile is pipelined beside x's: the narrow 64 x 256 strips keep 4 stages, not 5
-    assert skinny._dot_tiles(1, 2560, 4096) == (64, 256, 4, 5)
-    assert skinny._dot_tiles(1, 2560, 4096, aux=True) == (64, 256, 4, 4)
     assert skinny._dot_tiles(16, 4096, 4096, glu=True) == (32, 128, 4, 3)
     for (M, elem, glu), N in itertools.product(((1, 2, True), (16, 4, True), (32, 4, True), (32, 2, False),
                                                 (32, 4, False)), (4096, 151936)):
@@ -268,50 +265,3 @@ def test_pdl_changes_no_token(tiny_qwen3, tmp_path):
                 assert launch.pdl_level(torch.zeros(1, device="cuda")) > 0 or not launch._HAVE_GDC
             out[m] = [o.token_ids for o in llm.generate(prompts, params)]
     assert out[mode] == out["off"]
-
-
-def prologue_reference(kind, x, aux, weight=None, eps=1e-6):
-    """The prologue's op in float64 from the same inputs, as [T, heads * head]: x * sigmoid(gate), or
-    w * rmsnorm(x per head) * silu(z)."""
-    T, heads, head = aux.shape
-    x3, a = x.double().reshape(T, heads, head), aux.double()
-    if kind == skinny.Prologue.SIGMOID_GATE:
-        return (x3 * torch.sigmoid(a)).reshape(T, -1)
-    n = x3 * torch.rsqrt((x3 * x3).mean(-1, keepdim=True) + eps)
-    return (weight.double() * n * F.silu(a)).reshape(T, -1)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["gate", "norm"])
-@pytest.mark.parametrize("N,K,head,tiles", [(96, 512, 128, None), (2560, 4096, 128, None), (64, 512, 64, None),
-                                            (64, 512, 256, (32, 128, 4, 3))])
-def test_prologue(dtype, kind, N, K, head, tiles):
-    """The elementwise op before the GEMM, inside its tile loads: float64's values; the op's own kernel
-    then the GEMM give the same (bitwise for the gate; the norm may sum its squares in another order);
-    rows alone round as in a block of 16; a gated norm over heads wider than the K tile (the last
-    case) runs the op's own kernel first. Aux rows and heads strided, as the model's views are."""
-    from flashdraft.models.skinny import Prologue
-
-    g = torch.Generator().manual_seed(N + K + head)
-    M = 16
-    heads = K // head
-    scale = torch.arange(1, heads + 1).repeat_interleave(head)  # heads of unlike size: each its own norm
-    x = (torch.randn(M, K, generator=g) * scale).to(DEVICE, dtype)
-    wide = torch.randn(M, heads, 2 * head, generator=g).to(DEVICE, dtype)
-    aux = wide[:, :, head:] if kind == "gate" else wide[:, :, :head]  # strided heads and rows
-    w = (torch.randn(N, K, generator=g) / K**0.5).to(DEVICE, dtype)
-    nw = (1 + 0.3 * torch.randn(head, generator=g)).to(DEVICE, dtype)
-    pro = Prologue.sigmoid_gate(aux) if kind == "gate" else Prologue.gated_norm(aux, nw, 1e-6)
-    got = skinny.skinny_linear(x, w, prologue=pro, tiles=tiles)
-    ref_in = prologue_reference(pro.kind, x, aux, nw).to(dtype)
-    want = reference(ref_in, w)
-    tol = TOL[dtype] * (2 if dtype == torch.bfloat16 else 1)
-    assert (got.double() - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
-    two_step = skinny.skinny_linear(pro.apply(x), w, tiles=tiles)
-    if kind == "gate" or dtype == torch.float32:
-        torch.testing.assert_close(got, two_step, atol=0 if kind == "gate" else 1e-5, rtol=0 if kind == "gate" else 1e-5)
-    for i in (0, 9):
-        one = Prologue.sigmoid_gate(aux[i:i + 1]) if kind == "gate" else Prologue.gated_norm(aux[i:i + 1], nw, 1e-6)
-        assert torch.equal(skinny.skinny_linear(x[i:i + 1], w, prologue=one, tiles=tiles), got[i:i + 1])
-    with pytest.raises(ValueError, match="does not fit"):
-        skinny.skinny_linear(x[:2], w, prologue=pro, tiles=tiles)
