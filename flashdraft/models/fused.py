@@ -25,12 +25,16 @@ triton; the switch that decides whether the models use it is transformer.py's `f
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
+# add_rmsnorm lets the next kernel launch at its start ("early") or before its stores ("late"; A/B runs)
+NORM_TRIGGER = os.environ.get("FLASHDRAFT_NORM_TRIGGER", "early")
 SILU_BLOCK = 1024  # columns per silu_mul program
 HEAD_TILE = 2048  # elements (heads x padded head_dim) per q/k/context program
 
@@ -43,10 +47,13 @@ def _heads_per_program(rows: int, block_d: int) -> int:
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                         stride_x, stride_r, stride_o, stride_ro,
                         N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr, OFFSET: tl.constexpr,
-                        PARTS: tl.constexpr, USE_PDL: tl.constexpr):
+                        PARTS: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr):
     """One row: r = x + res (rounded to the residual dtype, stored), out = w * rmsnorm(r); OFFSET:
     out = rmsnorm(r) * (1 + w) in float32, rounded once (the zero-centred norms of hybrid targets).
-    PARTS > 1: x is that many consecutive rows of N, summed in order in float32 and rounded first."""
+    PARTS > 1: x is that many consecutive rows of N, summed in order in float32 and rounded first.
+    EARLY: the next kernel (a GEMM) may launch at once, to fetch its first weights meanwhile."""
+    if EARLY:
+        pdl_trigger(USE_PDL)
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
@@ -72,7 +79,8 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
         y = h * inv * (1.0 + w)
     else:
         y = w * (h * inv).to(dt).to(tl.float32)
-    pdl_trigger(USE_PDL)
+    if not EARLY:
+        pdl_trigger(USE_PDL)
     tl.store(out_ptr + row * stride_o + d, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -255,7 +263,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     block = triton.next_power_of_2(n)
     _add_rmsnorm_kernel[(rows,)](x2, r2, weight, o2, nr2, eps, x2.stride(0), r2.stride(0), o2.stride(0),
                                  nr2.stride(0), N=n, BLOCK=block, HAS_RES=residual is not None, OFFSET=offset,
-                                 PARTS=parts, num_warps=8 if block >= 4096 else 4, **launch_kwargs(x2))
+                                 PARTS=parts, EARLY=NORM_TRIGGER == "early", num_warps=8 if block >= 4096 else 4,
+                                 **launch_kwargs(x2))
     return out, new_res
 
 
