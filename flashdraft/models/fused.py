@@ -33,7 +33,9 @@ import triton.language as tl
 
 from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
-# add_rmsnorm lets the next kernel launch at its start ("early") or before its stores ("late"; A/B runs)
+# add_rmsnorm lets the next kernel launch at its start ("early") or before its stores ("late"; A/B runs).
+# Early measured faster (H200, in graph, Qwen3.5-4B batch 1 / 8: 2.532 / 2.996 -> 2.498 / 2.966 ms;
+# -0.8B 0.918 / 1.086 -> 0.897 / 1.076 ms): the GEMM after it is scheduled while it runs.
 NORM_TRIGGER = os.environ.get("FLASHDRAFT_NORM_TRIGGER", "early")
 SILU_BLOCK = 1024  # columns per silu_mul program
 HEAD_TILE = 2048  # elements (heads x padded head_dim) per q/k/context program
@@ -51,7 +53,9 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
     """One row: r = x + res (rounded to the residual dtype, stored), out = w * rmsnorm(r); OFFSET:
     out = rmsnorm(r) * (1 + w) in float32, rounded once (the zero-centred norms of hybrid targets).
     PARTS > 1: x is that many consecutive rows of N, summed in order in float32 and rounded first.
-    EARLY: the next kernel (a GEMM) may launch at once, to fetch its first weights meanwhile."""
+    EARLY: the next kernel (a GEMM) may launch at once and wait on the GPU for this one (its blocks
+    scheduled meanwhile; the GEMMs here signal only before their stores, so no chain of waiting
+    kernels builds up)."""
     if EARLY:
         pdl_trigger(USE_PDL)
     pdl_enter(USE_PDL)

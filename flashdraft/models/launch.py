@@ -14,12 +14,15 @@ carry the launch attribute, and order as usual.
 FLASHDRAFT_PDL=auto (default: on for CUDA devices of compute capability >= 9 when this Triton has
 grid dependency control) or off. CUDA graphs record the launches with the attribute. Measured on
 an H100 (benchmarks/device/gpu_roofline.py, Qwen3-8B shape): it made a one-row
-decode 2% faster (6.07 -> 5.95 ms) and the batch-1 DFlash step 1% (7.89 -> 7.80 ms). Two variants
-measured worse and are gone: signalling at the start of each kernel (one-row decode 3% faster than
-without PDL, but the 16-row verify 7% slower; at the start of add_rmsnorm and the split-K merge
-alone, the step 2% slower) and prefetching each GEMM strip's first weight lines into L2 before the
-wait (against the signal before the stores alone: batch-8 decode 9% slower, the step 10%; one or
-two K tiles only: no gain)."""
+decode 2% faster (6.07 -> 5.95 ms) and the batch-1 DFlash step 1% (7.89 -> 7.80 ms). add_rmsnorm
+alone signals at its start (fused.NORM_TRIGGER): the GEMM after it is scheduled while it runs
+(H200, Qwen3.5-4B decode in graph 1.3% faster at batch 1 and 8). Variants measured worse and gone:
+signalling at the start of every kernel (one-row decode 3% faster than without PDL, but the 16-row
+verify 7% slower: waiting kernels chain up and hold the SMs; at the start of add_rmsnorm and the
+split-K merge, the step 2% slower, H100); prefetching each GEMM strip's first weight lines into L2
+before the wait (against the signal before the stores alone: batch-8 decode 9% slower, the step
+10%; one or two K tiles only: no gain); loading the first weight tile into registers before the wait
+(H200, Qwen3.5-4B decode in graph 7% slower: the peeled tile costs the pipeline a stage)."""
 
 from __future__ import annotations
 

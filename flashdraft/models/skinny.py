@@ -44,8 +44,6 @@ SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allo
 SPLIT_BELOW = int(os.environ.get("FLASHDRAFT_SPLIT_BELOW", "3200"))
 NARROW_BELOW = 3200  # outputs of 2,048 rows up to this many stream as 64-row strips (_dot_tiles)
 SPLIT_MIN_K = 1024
-# the first weight tile loaded before the PDL wait (FLASHDRAFT_PREFETCH=0: after it; for A/B runs)
-PREFETCH = os.environ.get("FLASHDRAFT_PREFETCH", "1") == "1"
 
 
 @triton.jit
@@ -93,7 +91,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
 def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MPAD: tl.constexpr, EVEN: tl.constexpr,
                 GLU: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+                USE_PDL: tl.constexpr):
     dt = y_ptr.dtype.element_ty
     tile = tl.program_id(0)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -101,22 +99,32 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride
     k = tl.arange(0, BLOCK_K)
     w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     up_row = w_row + N.to(tl.int64) * stride_wn
-    k_len = K // SPLIT  # SPLIT > 1: this program's share of K (the caller makes it a multiple of BLOCK_K)
-    k_lo = tl.program_id(1) * k_len
+    pdl_enter(USE_PDL)
     x_col = x_ptr + m[None, :] * stride_xm  # x^T tile [BLOCK_K, MPAD]
     acc = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
-    start = k_lo
-    if PREFETCH:  # the first weight tile before the wait: weights are no kernel's output
-        w0, wu0 = _w_tile(w_row, up_row, n, k_lo + k, N, K, EVEN, GLU)
-        pdl_enter(USE_PDL)
-        acc, acc_up = _dot_tile(w0, wu0, x_col, m, k_lo + k, M, K, acc, acc_up, GLU, IEEE)
-        start = k_lo + BLOCK_K
-    else:
-        pdl_enter(USE_PDL)
-    for k0 in range(start, k_lo + k_len, BLOCK_K):
-        w, wu = _w_tile(w_row, up_row, n, k0 + k, N, K, EVEN, GLU)
-        acc, acc_up = _dot_tile(w, wu, x_col, m, k0 + k, M, K, acc, acc_up, GLU, IEEE)
+    k_len = K // SPLIT  # SPLIT > 1: this program's share of K (the caller makes it a multiple of BLOCK_K)
+    k_lo = tl.program_id(1) * k_len
+    for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
+        kk = k0 + k
+        if EVEN:
+            w = tl.load(w_row + kk[None, :])
+            if GLU:
+                wu = tl.load(up_row + kk[None, :])
+        else:
+            mask = (n[:, None] < N) & (kk[None, :] < K)
+            w = tl.load(w_row + kk[None, :], mask=mask, other=0.0)
+            if GLU:
+                wu = tl.load(up_row + kk[None, :], mask=mask, other=0.0)
+        xt = tl.load(x_col + kk[:, None], mask=(m[None, :] < M) & (kk[:, None] < K), other=0.0)
+        if IEEE:  # float32 weights or the interpreter: full-precision float32 products, not TF32
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+            if GLU:
+                acc_up = tl.dot(wu.to(tl.float32), xt.to(tl.float32), acc_up, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt.to(w.dtype), acc)
+            if GLU:
+                acc_up = tl.dot(wu, xt.to(w.dtype), acc_up)
     if SPLIT > 1:
         # each program's float32 partial to its slot; the strip's last program to finish adds the
         # SPLIT partials in slot order (the same sums whichever finishes last) and stores the result
@@ -133,38 +141,6 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride
             _dot_store(acc, acc_up, b_ptr, y_ptr, n, m, M, N, stride_ym, dt, GLU, HAS_BIAS, USE_PDL)
     else:
         _dot_store(acc, acc_up, b_ptr, y_ptr, n, m, M, N, stride_ym, dt, GLU, HAS_BIAS, USE_PDL)
-
-
-@triton.jit
-def _w_tile(w_row, up_row, n, kk, N, K, EVEN: tl.constexpr, GLU: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K] weight tile at columns kk (and the glu's up tile; else the same one)."""
-    if EVEN:
-        w = tl.load(w_row + kk[None, :])
-        wu = w
-        if GLU:
-            wu = tl.load(up_row + kk[None, :])
-    else:
-        mask = (n[:, None] < N) & (kk[None, :] < K)
-        w = tl.load(w_row + kk[None, :], mask=mask, other=0.0)
-        wu = w
-        if GLU:
-            wu = tl.load(up_row + kk[None, :], mask=mask, other=0.0)
-    return w, wu
-
-
-@triton.jit
-def _dot_tile(w, wu, x_col, m, kk, M, K, acc, acc_up, GLU: tl.constexpr, IEEE: tl.constexpr):
-    """acc (and acc_up) += the weight tile(s) @ the x^T tile at columns kk."""
-    xt = tl.load(x_col + kk[:, None], mask=(m[None, :] < M) & (kk[:, None] < K), other=0.0)
-    if IEEE:  # float32 weights or the interpreter: full-precision float32 products, not TF32
-        acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-        if GLU:
-            acc_up = tl.dot(wu.to(tl.float32), xt.to(tl.float32), acc_up, input_precision="ieee")
-    else:
-        acc = tl.dot(w, xt.to(w.dtype), acc)
-        if GLU:
-            acc_up = tl.dot(wu, xt.to(w.dtype), acc_up)
-    return acc, acc_up
 
 
 @triton.jit
@@ -278,8 +254,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         count = _counters(x.device, tiles_n)
     _dot_kernel[(tiles_n, split)](x, w, b, y, part, count, M, N, K, x.stride(0), w.stride(0), y.stride(0),
                                   BLOCK_N=bn, BLOCK_K=bk, MPAD=mpad, EVEN=even, **flags, IEEE=_ieee(w),
-                                  SPLIT=split, PREFETCH=PREFETCH, num_warps=warps,
-                                  num_stages=stages, **launch_kwargs(x))
+                                  SPLIT=split, num_warps=warps, num_stages=stages, **launch_kwargs(x))
     return y
 
 
