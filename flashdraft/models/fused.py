@@ -321,7 +321,9 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Te
 @triton.jit
 def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, heads, stride_gt, stride_gh, N: tl.constexpr, BLOCK: tl.constexpr,
                          USE_PDL: tl.constexpr):
-    """Program (row, head): out = o * sigmoid(g), the sigmoid rounded to the activation dtype first."""
+    """Program (row, head): out = o * sigmoid(g), the sigmoid rounded to the activation dtype first.
+    Signals at its start, as add_rmsnorm does: the o_proj GEMM after it is scheduled meanwhile."""
+    pdl_trigger(USE_PDL)
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -330,7 +332,6 @@ def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, heads, stride_gt, stride_gh, N: 
     dt = out_ptr.dtype.element_ty
     o = tl.load(o_ptr + (t * heads + h) * N + d, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + t * stride_gt + h * stride_gh + d, mask=ok, other=0.0).to(tl.float32)
-    pdl_trigger(USE_PDL)
     tl.store(out_ptr + (t * heads + h) * N + d, (o * tl.sigmoid(g).to(dt).to(tl.float32)).to(dt), mask=ok)
 
 

@@ -298,7 +298,9 @@ def chunked(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.
 @triton.jit
 def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, eps, heads, stride_z, N: tl.constexpr, BLOCK: tl.constexpr,
                        USE_PDL: tl.constexpr):
-    """One head row: w * rmsnorm(o) (each product rounded as torch rounds it) times silu(z) in float32."""
+    """One head row: w * rmsnorm(o) (each product rounded as torch rounds it) times silu(z) in float32.
+    Signals at its start, as add_rmsnorm does: the out_proj GEMM after it is scheduled meanwhile."""
+    pdl_trigger(USE_PDL)
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
@@ -308,7 +310,6 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, eps, heads, stride_z, N: tl
     n = (h * tl.rsqrt(tl.sum(h * h, 0) / N + eps)).to(dt).to(tl.float32)
     hw = (tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32) * n).to(dt).to(tl.float32)
     z = tl.load(z_ptr + (row // heads) * stride_z + (row % heads) * N + d, mask=ok, other=0.0).to(tl.float32)
-    pdl_trigger(USE_PDL)
     tl.store(out_ptr + row * N + d, (hw * (z * tl.sigmoid(z))).to(dt), mask=ok)
 
 
