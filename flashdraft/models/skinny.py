@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_level, pdl_trigger
+from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 MAX_ROWS = 32
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allow 227 KB)
@@ -44,9 +44,6 @@ SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allo
 SPLIT_BELOW = int(os.environ.get("FLASHDRAFT_SPLIT_BELOW", "3200"))
 NARROW_BELOW = 3200  # outputs of 2,048 rows up to this many stream as 64-row strips (_dot_tiles)
 SPLIT_MIN_K = 1024
-# with PDL, each program's first L2_TILES weight tiles are prefetched into L2 before its wait
-# (FLASHDRAFT_L2_TILES; A/B runs)
-L2_TILES = int(os.environ.get("FLASHDRAFT_L2_TILES", "0"))
 
 
 @triton.jit
@@ -94,7 +91,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
 def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MPAD: tl.constexpr, EVEN: tl.constexpr,
                 GLU: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                L2_TILES: tl.constexpr, USE_PDL: tl.constexpr):
+                USE_PDL: tl.constexpr):
     dt = y_ptr.dtype.element_ty
     tile = tl.program_id(0)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,18 +99,12 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride
     k = tl.arange(0, BLOCK_K)
     w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     up_row = w_row + N.to(tl.int64) * stride_wn
-    k_len = K // SPLIT  # SPLIT > 1: this program's share of K (the caller makes it a multiple of BLOCK_K)
-    k_lo = tl.program_id(1) * k_len
-    if L2_TILES > 0:  # before the wait (weights are no kernel's output): the first tiles' lines into L2
-        lines = k_lo + tl.arange(0, L2_TILES * BLOCK_K // 64) * 64  # a 128-byte line per 64 bf16 columns
-        ok = (n[:, None] < N) & (lines[None, :] < K)
-        _prefetch_l2(w_row + lines[None, :], ok)
-        if GLU:
-            _prefetch_l2(up_row + lines[None, :], ok)
     pdl_enter(USE_PDL)
     x_col = x_ptr + m[None, :] * stride_xm  # x^T tile [BLOCK_K, MPAD]
     acc = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
+    k_len = K // SPLIT  # SPLIT > 1: this program's share of K (the caller makes it a multiple of BLOCK_K)
+    k_lo = tl.program_id(1) * k_len
     for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
         kk = k0 + k
         if EVEN:
@@ -150,13 +141,6 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride
             _dot_store(acc, acc_up, b_ptr, y_ptr, n, m, M, N, stride_ym, dt, GLU, HAS_BIAS, USE_PDL)
     else:
         _dot_store(acc, acc_up, b_ptr, y_ptr, n, m, M, N, stride_ym, dt, GLU, HAS_BIAS, USE_PDL)
-
-
-@triton.jit
-def _prefetch_l2(ptrs, mask):
-    """prefetch.global.L2 of each masked-in address (no result; nothing waits for it)."""
-    tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-                              "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -270,8 +254,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         count = _counters(x.device, tiles_n)
     _dot_kernel[(tiles_n, split)](x, w, b, y, part, count, M, N, K, x.stride(0), w.stride(0), y.stride(0),
                                   BLOCK_N=bn, BLOCK_K=bk, MPAD=mpad, EVEN=even, **flags, IEEE=_ieee(w),
-                                  SPLIT=split, L2_TILES=L2_TILES if pdl_level(x) else 0, num_warps=warps,
-                                  num_stages=stages, **launch_kwargs(x))
+                                  SPLIT=split, num_warps=warps, num_stages=stages, **launch_kwargs(x))
     return y
 
 
