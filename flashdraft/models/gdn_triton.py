@@ -12,6 +12,10 @@ keep; slot -1 = a padding sequence). Per step:
     recur     S <- exp(g) S; S <- S + k (beta (v - S^T k))^T; o = S^T q, per row in order
                                                                       grid (sequences, heads_v, d_v blocks)
 
+A decode step (no sequence with more than one row) moves the windows inside the conv launch, whose
+program for a row owns its channels' window: two launches. The recurrence also zeroes the output rows
+that belong to no sequence (a graph's padding), so no row of its output is left unwritten.
+
 The third column of `seq` is the sequence's mode: KEEP (its rows may be rejected: a DFlash verify)
 leaves the slot as it was, and `commit` runs the window and recur launches again over the first
 `take` rows of that step (their conv outputs kept from the step), which stores exactly the state
