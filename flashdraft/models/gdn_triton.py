@@ -13,11 +13,8 @@ keep; slot -1 = a padding sequence). Per step:
                                                                       grid (sequences, heads_v, d_v blocks)
 
 A decode step (no sequence with more than one row) moves the windows inside the conv launch, whose
-program for a row owns its channels' window. A decode step with no kept row (a graph's decode) has no
-conv launch at all: recur(conv=...) convolves the projection's rows itself and moves the v channels'
-windows, and gated_norm(windows=...) moves the q/k ones, which the value heads of a key head share,
-after the recurrence has read them. The recurrence also zeroes the output rows that belong to no
-sequence (a graph's padding), so no row of its output is left unwritten.
+program for a row owns its channels' window: two launches. The recurrence also zeroes the output rows
+that belong to no sequence (a graph's padding), so no row of its output is left unwritten.
 
 The third column of `seq` is the sequence's mode: KEEP (its rows may be rejected: a DFlash verify)
 leaves the slot as it was, and `commit` runs the window and recur launches again over the first
@@ -112,36 +109,11 @@ def _window_kernel(x_ptr, win_ptr, qsl_ptr, seq_ptr, take_ptr, C, stride_x, K: t
 
 
 @triton.jit
-def _conv_one(x_row, cw_ptr, win_ptr, slot, from_slot, move, C, c, dt: tl.constexpr, KW: tl.constexpr,
-              MOVE: tl.constexpr):
-    """silu(causal conv) of channels c for a sequence's one row x_row, its KW - 1 earlier inputs from
-    the slot's window (zeros unless from_slot), summed as _conv_kernel sums and rounded to dt as it
-    stores; MOVE: the window moves on by the row where `move` (the caller owns these channels)."""
-    base = win_ptr + (tl.maximum(slot, 0) * C + c) * (KW - 1)
-    acc = tl.zeros(c.shape, dtype=tl.float32)
-    for i in tl.static_range(KW):
-        if i < KW - 1:
-            tap = tl.load(base + i, mask=from_slot, other=0.0).to(tl.float32)
-        else:
-            tap = tl.load(x_row + c).to(tl.float32)
-        acc += tl.load(cw_ptr + c * KW + i).to(tl.float32) * tap
-        if MOVE and i > 0:
-            tl.store(base + i - 1, tap.to(win_ptr.dtype.element_ty), mask=move)
-    acc = acc * tl.sigmoid(acc)
-    return acc.to(dt).to(tl.float32)
-
-
-@triton.jit
 def _recur_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, out_ptr, qsl_ptr, seq_ptr, take_ptr,
-                  x_ptr, cw_ptr, win_ptr, stride_x, C,
                   stride_m, stride_ab, stride_out, key_dim, HV, rep, scale, T, DK: tl.constexpr, DV: tl.constexpr,
-                  BLOCK_V: tl.constexpr, COMMIT: tl.constexpr, CONV: tl.constexpr, KW: tl.constexpr,
-                  USE_PDL: tl.constexpr):
+                  BLOCK_V: tl.constexpr, COMMIT: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (sequence, value head, BLOCK_V value columns). The last sequence's programs also zero
-    the output rows past every sequence's (a graph's padding rows), so no row is left unwritten.
-    CONV (decode: one row a sequence, none kept): q, k, v are the conv of the row x_ptr itself (no
-    conv launch before), and the program moves its own v channels' window; the q/k windows, which the
-    value heads of a key head share, move afterwards in gated_norm."""
+    the output rows past every sequence's (a graph's padding rows), so no row is left unwritten."""
     pdl_enter(USE_PDL)
     s = tl.program_id(0)
     hv = tl.program_id(1)
@@ -163,9 +135,6 @@ def _recur_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, out_ptr
         store = (slot >= 0) & (mode == 0)
     if r1 == r0:
         return
-    if CONV:
-        from_slot = (slot >= 0) & ~fresh
-        move = (slot >= 0) & (tl.load(seq_ptr + 3 * s + 2) != 1)
     kk = tl.arange(0, DK)
     sp = state_ptr + ((tl.maximum(slot, 0) * HV + hv) * DK + kk[:, None]) * DV + vv[None, :]
     st = tl.load(sp, mask=(slot >= 0) & ~fresh, other=0.0)  # [DK, BLOCK_V] float32
@@ -173,17 +142,10 @@ def _recur_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, out_ptr
     neg_a = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
     dtb = tl.load(dtb_ptr + hv).to(tl.float32)
     for t in range(r0, r1):
-        if CONV:
-            xr = x_ptr + t * stride_x
-            dt = x_ptr.dtype.element_ty
-            q = _conv_one(xr, cw_ptr, win_ptr, slot, from_slot, move, C, hk * DK + kk, dt, KW, False)
-            k = _conv_one(xr, cw_ptr, win_ptr, slot, from_slot, move, C, key_dim + hk * DK + kk, dt, KW, False)
-            v = _conv_one(xr, cw_ptr, win_ptr, slot, from_slot, move, C, 2 * key_dim + hv * DV + vv, dt, KW, True)
-        else:
-            row = mixed_ptr + t * stride_m
-            q = tl.load(row + hk * DK + kk).to(tl.float32)
-            k = tl.load(row + key_dim + hk * DK + kk).to(tl.float32)
-            v = tl.load(row + 2 * key_dim + hv * DV + vv).to(tl.float32)
+        row = mixed_ptr + t * stride_m
+        q = tl.load(row + hk * DK + kk).to(tl.float32)
+        k = tl.load(row + key_dim + hk * DK + kk).to(tl.float32)
+        v = tl.load(row + 2 * key_dim + hv * DV + vv).to(tl.float32)
         q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
         k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
         beta = tl.sigmoid(tl.load(b_ptr + t * stride_ab + hv).to(tl.float32))
@@ -233,14 +195,11 @@ def advance_windows(qkv: torch.Tensor, window: torch.Tensor, qsl: torch.Tensor, 
 
 def recur(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
           state: torch.Tensor, qsl: torch.Tensor, seq: torch.Tensor, key_dim: int, heads_k: int,
-          take: torch.Tensor | None = None, conv: tuple[torch.Tensor, torch.Tensor] | None = None
-          ) -> torch.Tensor | None:
+          take: torch.Tensor | None = None) -> torch.Tensor | None:
     """The gated delta rule over every sequence's rows from its slot's state (zeros when fresh):
     outputs [T, heads_v * d_v] in mixed's dtype, each slot's state stored after its rows (KEEP ones
     not stored; CHUNKED ones skipped, the chunked kernel's). With `take`: no outputs, each slot's
-    state after its first take[s] rows. conv=(conv weight, windows) (decode: one row a sequence, none
-    kept): `mixed` is the projection's qkv rows, convolved here; the v channels' windows move here, the
-    q/k ones in gated_norm(windows=...) after it."""
+    state after its first take[s] rows."""
     T = mixed.shape[0]
     S = seq.shape[0]
     _, HV, DK, DV = state.shape
@@ -248,13 +207,10 @@ def recur(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
     if S:
         if a.stride(-1) != 1 or b.stride(-1) != 1 or a.stride(0) != b.stride(0):  # else slices of one projection
             a, b = a.contiguous(), b.contiguous()
-        cw, win = conv if conv is not None else (mixed, mixed)
         _recur_kernel[(S, HV, triton.cdiv(DV, BLOCK_V))](
             mixed, a, b, A_log, dt_bias, state, out if out is not None else mixed, qsl, seq,
-            take if take is not None else qsl, mixed, cw, win, mixed.stride(0), mixed.shape[1],
-            mixed.stride(0), a.stride(0), HV * DV, key_dim, HV, HV // heads_k,
-            DK**-0.5, T, DK=DK, DV=DV, BLOCK_V=min(BLOCK_V, DV), COMMIT=take is not None, CONV=conv is not None,
-            KW=cw.shape[-1] if conv is not None else 1, **launch_kwargs(mixed))
+            take if take is not None else qsl, mixed.stride(0), a.stride(0), HV * DV, key_dim, HV, HV // heads_k,
+            DK**-0.5, T, DK=DK, DV=DV, BLOCK_V=min(BLOCK_V, DV), COMMIT=take is not None, **launch_kwargs(mixed))
     elif out is not None:
         out.zero_()
     return out
@@ -344,37 +300,13 @@ def chunked(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.
 
 
 @triton.jit
-def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, eps, heads, stride_z,
-                       x_ptr, win_ptr, qsl_ptr, seq_ptr, stride_x, S, C, key_dim, rep,
-                       N: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr, DK: tl.constexpr,
-                       KW: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
+def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, eps, heads, stride_z, N: tl.constexpr, BLOCK: tl.constexpr,
+                       USE_PDL: tl.constexpr):
     """One head row: w * rmsnorm(o) (each product rounded as torch rounds it) times silu(z) in float32.
-    Signals at its start, as add_rmsnorm does: the out_proj GEMM after it is scheduled meanwhile.
-    WINDOW (after recur(conv=...)): the first value head of each key head also moves that key head's
-    q and k conv windows on by the row x_ptr (the recurrence has read them by now)."""
+    Signals at its start, as add_rmsnorm does: the out_proj GEMM after it is scheduled meanwhile."""
     pdl_trigger(USE_PDL)
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
-    if WINDOW:
-        t = row // heads
-        h = row % heads
-        if h % rep == 0:
-            ends = tl.load(qsl_ptr + 1 + tl.arange(0, BLOCK_S), mask=tl.arange(0, BLOCK_S) < S, other=2**30)
-            s = tl.sum((ends <= t).to(tl.int32))  # the row's sequence (S: a padding row)
-            if s < S:
-                slot = tl.load(seq_ptr + 3 * s)
-                from_slot = (slot >= 0) & (tl.load(seq_ptr + 3 * s + 1) == 0)
-                move = (slot >= 0) & (tl.load(seq_ptr + 3 * s + 2) != 1)
-                kd = tl.arange(0, DK)
-                for part in tl.static_range(2):  # q, then k
-                    c = part * key_dim + (h // rep) * DK + kd
-                    base = win_ptr + (tl.maximum(slot, 0) * C + c) * (KW - 1)
-                    for i in tl.static_range(1, KW):
-                        if i < KW - 1:
-                            tap = tl.load(base + i, mask=from_slot, other=0.0)
-                        else:
-                            tap = tl.load(x_ptr + t * stride_x + c)
-                        tl.store(base + i - 1, tap.to(win_ptr.dtype.element_ty), mask=move)
     d = tl.arange(0, BLOCK)
     ok = d < N
     dt = out_ptr.dtype.element_ty
@@ -385,24 +317,14 @@ def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, eps, heads, stride_z,
     tl.store(out_ptr + row * N + d, (hw * (z * tl.sigmoid(z))).to(dt), mask=ok)
 
 
-def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, windows: tuple | None = None
-               ) -> torch.Tensor:
-    """GatedDeltaNet.gated_norm in one launch: o [T, heads, d_v], z [T, heads, d_v] (rows may be strided).
-    windows=(qkv rows, conv windows, qsl, seq, key_dim, heads_k, d_k): after recur(conv=...), the q/k
-    conv windows move on in the same launch."""
+def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GatedDeltaNet.gated_norm in one launch: o [T, heads, d_v], z [T, heads, d_v] (rows may be strided)."""
     o = o.contiguous()
     T, heads, n = o.shape
     if z.stride(2) != 1 or z.stride(1) != n:
         z = z.contiguous()
     out = torch.empty_like(o)
     if T:
-        if windows is not None:
-            x, win, qsl, seq, key_dim, heads_k, d_k = windows
-            extra = dict(WINDOW=True, DK=d_k, KW=win.shape[-1] + 1, BLOCK_S=_pow2(seq.shape[0]))
-            args = (x, win, qsl, seq, x.stride(0), seq.shape[0], win.shape[1], key_dim, heads // heads_k)
-        else:
-            extra = dict(WINDOW=False, DK=1, KW=1, BLOCK_S=1)
-            args = (o, o, o, o, 0, 0, 0, 0, 1)
-        _gated_norm_kernel[(T * heads,)](o, z, weight, out, eps, heads, z.stride(0), *args, N=n,
-                                         BLOCK=triton.next_power_of_2(n), **extra, **launch_kwargs(o))
+        _gated_norm_kernel[(T * heads,)](o, z, weight, out, eps, heads, z.stride(0), N=n,
+                                         BLOCK=triton.next_power_of_2(n), **launch_kwargs(o))
     return out

@@ -186,9 +186,9 @@ class GatedDeltaNet(nn.Module):
             # look at them), in the state's one kept-rows buffer; the runner names the step's
             # sequences in state.step_rows before each replay
             qsl = batch.query_start_loc
-            if batch.max_query_len == 1:  # decode: nothing kept (no mixed rows for a commit)
-                core, windows = self.decode_kernels(qkv, b, a, state, qsl, rec)
-                return self.output(x, core, z, windows)
+            if batch.max_query_len == 1:
+                _, core = self.run_kernels(qkv, b, a, state, qsl, rec, single=True)
+                return self.output(x, core, z)
             kept, mixed = state.kept_rows(proj, self.conv_dim)
             kept.copy_(proj)
             qkv, _, b, a = kept.split(self.splits, dim=-1)
@@ -205,10 +205,6 @@ class GatedDeltaNet(nn.Module):
             qsl = batch.query_start_loc
             pending.device_rows = rec.device_tensors(qsl, x.device, chunked_available(x.device))
             single = all(qsl[s + 1] - qsl[s] <= 1 for s in range(len(qsl) - 1))
-            if single and not any(rec.keep):
-                core, windows = self.decode_kernels(qkv, b, a, state, *pending.device_rows)
-                state.pending = None
-                return self.output(x, core, z, windows)
             pending.mixed, core = self.run_kernels(qkv, b, a, state, *pending.device_rows, spans=rec.spans,
                                                    single=single)
         else:
@@ -244,23 +240,12 @@ class GatedDeltaNet(nn.Module):
                                core)
         return mixed, core.view(-1, self.heads_v, self.d_v)
 
-    def decode_kernels(self, qkv, b, a, state: RecurrentState, qsl: torch.Tensor, seq: torch.Tensor):
-        """A decode step on the GPU, no row kept: the recurrence convolves the rows itself (no conv
-        launch). Returns its outputs [T, heads_v, d_v] and what output() needs to move the q/k windows."""
-        from flashdraft.models import gdn_triton
-
-        core = gdn_triton.recur(qkv, a, b, self.A_log, self.dt_bias, state.rec, qsl, seq, self.key_dim,
-                                self.heads_k, conv=(self.conv1d.weight, state.conv))
-        return core.view(-1, self.heads_v, self.d_v), (qkv, state.conv, qsl, seq, self.key_dim, self.heads_k,
-                                                       self.d_k)
-
-    def output(self, x: torch.Tensor, core: torch.Tensor, z: torch.Tensor, windows: tuple | None = None
-               ) -> torch.Tensor:
+    def output(self, x: torch.Tensor, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         z = z.reshape(-1, self.heads_v, self.d_v)
         if self.kernels(x):
             from flashdraft.models import gdn_triton
 
-            normed = gdn_triton.gated_norm(core, z, self.norm.weight, self.norm_eps, windows)
+            normed = gdn_triton.gated_norm(core, z, self.norm.weight, self.norm_eps)
         else:
             normed = self.gated_norm(core, z)
         return self.out_proj(normed.reshape(x.shape[0], self.value_dim))

@@ -140,26 +140,20 @@ def test_long_chunks_take_the_chunked_kernel(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kept", [True, False])
-def test_decode_rows_move_their_windows_without_a_window_launch(dtype, kept):
-    """A step whose sequences have one row each (decode) moves the conv windows without the window
-    launch: with a kept row, inside the conv launch; without, with no conv launch either (the
-    recurrence convolves the rows and moves the v windows, the gated norm the shared q/k ones).
-    Windows, states and outputs as the torch layer's, a kept row's slot untouched, and the padding
-    rows' outputs zero (the recurrence kernel writes them). Key heads shared by two value heads."""
+def test_decode_rows_move_their_windows_in_the_conv_launch(dtype):
+    """A step whose sequences have one row each (decode) moves the conv windows inside the conv launch
+    (no window launch): windows, states and outputs as the torch layer's, a kept row's slot untouched,
+    and the padding rows' outputs zero (the recurrence kernel writes them)."""
     from flashdraft.models import gdn_triton
 
-    cfg, layer, (ref, got) = layer_and_states(dtype, linear_key_head_dim=32, linear_value_head_dim=64,
-                                              linear_num_key_heads=2, linear_num_value_heads=4)
+    cfg, layer, (ref, got) = layer_and_states(dtype, linear_key_head_dim=32, linear_value_head_dim=64)
     calls = []
-    real = gdn_triton.advance_windows, gdn_triton.conv_rows
-    gdn_triton.advance_windows = lambda *a, **k: (calls.append("window"), real[0](*a, **k))[1]
-    gdn_triton.conv_rows = lambda *a, **k: (calls.append("conv"), real[1](*a, **k))[1]
+    real = gdn_triton.advance_windows
+    gdn_triton.advance_windows = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     try:
-        # a decode row from its slot, a fresh one, a kept one (a one-row verify) or another from its
-        # slot, a padding sequence
+        # a decode row from its slot, a fresh one, a kept one (a one-row verify), a padding sequence
         lens, slots = [1, 1, 1, 0], [3, 0, 1, -1]
-        rows = RecurrentRows(slots, [False, True, False, True], [False, False, kept, False])
+        rows = RecurrentRows(slots, [False, True, False, True], [False, False, True, False])
         qsl = [0, 1, 2, 3, 3]
         T = 5
         x = torch.randn(T, cfg.hidden_size, device=DEVICE, dtype=dtype)
@@ -171,8 +165,8 @@ def test_decode_rows_move_their_windows_without_a_window_launch(dtype, kept):
         want = run(layer, ref, x, batch(), False)
         out = run(layer, got, x, batch(), True)
     finally:
-        gdn_triton.advance_windows, gdn_triton.conv_rows = real
-    assert calls == (["conv"] if kept else [])
+        gdn_triton.advance_windows = real
+    assert not calls
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=8e-2, rtol=5e-2)
     torch.testing.assert_close(out[:3], want[:3], **tol)
     assert (out[3:] == 0).all()
