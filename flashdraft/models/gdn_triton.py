@@ -62,7 +62,8 @@ def _conv_kernel(x_ptr, w_ptr, win_ptr, out_ptr, qsl_ptr, seq_ptr, S, C, stride_
     j = t - tl.load(qsl_ptr + s)  # the row's index in its sequence
     slot = tl.load(seq_ptr + 3 * s)
     from_slot = (slot >= 0) & (tl.load(seq_ptr + 3 * s + 1) == 0)
-    move = (slot >= 0) & (tl.load(seq_ptr + 3 * s + 2) != 1)  # WINDOW: not a kept row (KEEP waits for the commit)
+    if WINDOW:
+        move = (slot >= 0) & (tl.load(seq_ptr + 3 * s + 2) != 1)  # not a kept row (KEEP waits for the commit)
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for i in tl.static_range(K):
         idx = j - (K - 1) + i  # < 0: in the conv window before the step's rows
