@@ -341,3 +341,28 @@ def test_critical_path_counts_what_each_kernel_adds():
     events = [ev(0, 10, "gemm"), ev(8, 12, "norm"), ev(11, 30, "gemm"), ev(5, 40, "host", DeviceType.CPU),
               ev(100, 110, "gemm"), ev(111, 113, "norm")]
     assert critical_path(events) == {"gemm": 10 + 18 + 10, "norm": 2 + 3}
+
+
+def test_best_bandwidth_keeps_the_fastest_copy(monkeypatch):
+    """The roofline's bandwidth: the fastest of the copies measured; the last one kept when there is
+    no room for another copy; none on a CPU."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_step.py"
+    spec = importlib.util.spec_from_file_location("e2e_step_under_test", path)
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    cpu = torch.device("cpu")
+    assert e2e.best_bandwidth(cpu, None) is None
+    monkeypatch.setattr(e2e, "copy_bandwidth", lambda device: 4.1e12)
+    assert e2e.best_bandwidth(cpu, 3.9e12) == 4.1e12 and e2e.best_bandwidth(cpu, 4.2e12) == 4.2e12
+    assert e2e.best_bandwidth(cpu, None) == 4.1e12
+
+    def full(device):
+        raise torch.cuda.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(e2e, "copy_bandwidth", full)
+    assert e2e.best_bandwidth(cpu, 3.9e12) == 3.9e12
