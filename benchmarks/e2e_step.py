@@ -359,7 +359,8 @@ def main() -> None:
                     help="plain (async scheduling, the CUDA default), plain-sync (each step read before the "
                          "next is scheduled), dflash")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="also list the N costliest kernels of each in-graph step (torch profiler)")
+                    help="also list the N costliest kernels of each in-graph step (torch profiler): their "
+                         "time and what they add to the step's span (under PDL a kernel's time includes its wait)")
     ap.add_argument("--sample", action="store_true",
                     help="sample at temperature 1 instead of greedy: with dummy weights every sequence "
                          "then decodes its own tokens (greedy ones coincide, and so would their experts)")
@@ -435,7 +436,8 @@ def main() -> None:
                 if split:
                     row["kernels"] = split
                     for k in split:
-                        print(f"  {k['us']:8.1f} us x{k['calls']:5.0f}  {k['kernel']}", flush=True)
+                        print(f"  {k['us']:8.1f} us ({k['added_us']:8.1f} added) x{k['calls']:5.0f}  {k['kernel']}",
+                              flush=True)
                 rows.append(row)
             result["arms"][arm] = rows
             if arm.startswith("plain"):
