@@ -265,6 +265,18 @@ def test_unreachable_server_is_a_clear_error(capsys):
     assert "cannot list models" in capsys.readouterr().err
 
 
+def load_e2e_step():
+    """benchmarks/e2e_step.py as a module (benchmarks/ is no package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_step.py"
+    spec = importlib.util.spec_from_file_location("e2e_step_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_e2e_step_benchmark_runs_on_cpu(tmp_path):
     """benchmarks/e2e_step.py (the device step benchmark) end to end on a tiny hybrid shape: both arms,
     each step counted, the two-run difference and the median pace both present and positive."""
@@ -303,15 +315,9 @@ def test_e2e_step_counts_the_experts_a_moe_step_reads(tmp_path):
 def test_experts_read_counts_distinct_experts(tmp_path):
     """experts_read counts each layer's distinct experts, not its routed rows: four copies of one
     prompt decode alike (greedy), so they read one token's 2 experts a layer between them."""
-    import importlib.util
-    from pathlib import Path
-
     from flashdraft import LLM
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_step.py"
-    spec = importlib.util.spec_from_file_location("e2e_step_under_test", path)
-    e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e2e)
+    e2e = load_e2e_step()
     target, _ = e2e.write_folders(tmp_path, e2e.TARGETS["tiny-moe"], 1, 4)
     llm = LLM(str(target), draft=None, device="cpu", load_format="dummy", max_num_seqs=4)
     e2e.spread_routers(llm, 1.0)
@@ -323,17 +329,11 @@ def test_experts_read_counts_distinct_experts(tmp_path):
 def test_critical_path_counts_what_each_kernel_adds():
     """Overlapping kernels (PDL) add only what they run past their predecessor; a kernel after a long
     gap (the next graph replay) adds its own duration; host events are not kernels."""
-    import importlib.util
-    from pathlib import Path
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_step.py"
-    spec = importlib.util.spec_from_file_location("e2e_step_under_test", path)
-    e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e2e)
-    critical_path = e2e.critical_path
+    critical_path = load_e2e_step().critical_path
 
     def ev(start, end, key, dev=DeviceType.CUDA):
         return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), key=key, device_type=dev)
@@ -346,15 +346,9 @@ def test_critical_path_counts_what_each_kernel_adds():
 def test_best_bandwidth_keeps_the_fastest_copy(monkeypatch):
     """The roofline's bandwidth: the fastest of the copies measured; the last one kept when there is
     no room for another copy; none on a CPU."""
-    import importlib.util
-    from pathlib import Path
-
     import torch
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_step.py"
-    spec = importlib.util.spec_from_file_location("e2e_step_under_test", path)
-    e2e = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(e2e)
+    e2e = load_e2e_step()
     cpu = torch.device("cpu")
     assert e2e.best_bandwidth(cpu, None) is None
     monkeypatch.setattr(e2e, "copy_bandwidth", lambda device: 4.1e12)

@@ -65,6 +65,7 @@ class RecurrentRows:
     fresh: list[bool]  # its rows start from zero state (first prefill chunk, recompute)
     keep: list[bool]  # its rows may be rejected: leave the slot, keep inputs for commit()
     spans: object | None = None  # the CHUNKED sequences (gdn_triton.ChunkedSpans; device_tensors)
+    single: bool = False  # no sequence has more than one row (a decode step; device_tensors)
     _dev: tuple | None = None
 
     def device_tensors(self, query_start_loc: list[int], device: torch.device,
@@ -91,6 +92,7 @@ class RecurrentRows:
             packed = to_device(host, torch.int32, device)
             self._dev = packed[: S + 1], packed[S + 1:].view(S, 3)
             self.spans = ChunkedSpans(spans, device) if spans else None
+            self.single = all(query_start_loc[s + 1] - query_start_loc[s] <= 1 for s in range(S))
         return self._dev
 
 
@@ -202,11 +204,9 @@ class GatedDeltaNet(nn.Module):
         if self.kernels(x):
             from flashdraft.models.gdn_triton import chunked_available
 
-            qsl = batch.query_start_loc
-            pending.device_rows = rec.device_tensors(qsl, x.device, chunked_available(x.device))
-            single = all(qsl[s + 1] - qsl[s] <= 1 for s in range(len(qsl) - 1))
+            pending.device_rows = rec.device_tensors(batch.query_start_loc, x.device, chunked_available(x.device))
             pending.mixed, core = self.run_kernels(qkv, b, a, state, *pending.device_rows, spans=rec.spans,
-                                                   single=single)
+                                                   single=rec.single)
         else:
             core = torch.zeros(x.shape[0], self.heads_v, self.d_v, device=x.device, dtype=x.dtype)
             for s, slot in enumerate(rec.slots):
