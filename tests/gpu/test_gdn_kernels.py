@@ -152,7 +152,7 @@ def test_decode_rows_move_their_windows_in_the_conv_launch(dtype):
     gdn_triton.advance_windows = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     try:
         # a decode row from its slot, a fresh one, a kept one (a one-row verify), a padding sequence
-        lens, slots = [1, 1, 1, 0], [3, 0, 1, -1]
+        slots = [3, 0, 1, -1]
         rows = RecurrentRows(slots, [False, True, False, True], [False, False, True, False])
         qsl = [0, 1, 2, 3, 3]
         T = 5
