@@ -89,3 +89,45 @@ def pdl_trigger(USE_PDL: tl.constexpr):
     if USE_PDL > 0:
         tl.extra.cuda.gdc_launch_dependents()
 
+
+
+# L2 prefetch of the next GEMM's weights (see prefetch_args); FLASHDRAFT_L2_PREFETCH=off for A/B runs
+L2_PREFETCH = os.environ.get("FLASHDRAFT_L2_PREFETCH", "auto")
+PREFETCH_PROGRAMS = 64  # programs that share the prefetch (enough SMs issuing bulk copies at once)
+PREFETCH_LANES = 128  # one lane per thread of a 4-warp program
+PREFETCH_MAX_ROWS = 32  # only ahead of few-row GEMMs (models/skinny.py), which stream their weights
+
+
+def prefetch_args(rows: int, programs: int, w: torch.Tensor | None, like: torch.Tensor) -> dict:
+    """Keyword arguments for a kernel that may prefetch `w` (the weights of the GEMM a few kernels
+    later) into L2 at its start: pf_ptr, pf_bytes, pf_chunk, pf_progs and PREFETCH. On when the
+    step has at most PREFETCH_MAX_ROWS rows, on Hopper or later (a bulk L2 prefetch), and w is
+    contiguous and a multiple of 16 bytes. The first min(programs, PREFETCH_PROGRAMS) programs of
+    the launch each ask for PREFETCH_LANES contiguous chunks; like: a tensor of the launch (the
+    pointer passed when nothing is prefetched)."""
+    on = (w is not None and L2_PREFETCH != "off" and 0 < rows <= PREFETCH_MAX_ROWS and pdl_level(w) > 0
+          and w.is_contiguous() and (w.numel() * w.element_size()) % 16 == 0)
+    if L2_PREFETCH not in ("auto", "off"):
+        raise ValueError(f"FLASHDRAFT_L2_PREFETCH must be auto or off, got {L2_PREFETCH!r}")
+    if not on:
+        return dict(pf_ptr=like, pf_bytes=0, pf_chunk=0, pf_progs=0, PREFETCH=False)
+    nbytes = w.numel() * w.element_size()
+    progs = max(1, min(programs, PREFETCH_PROGRAMS))
+    chunk = -(-nbytes // (progs * PREFETCH_LANES * 16)) * 16
+    return dict(pf_ptr=w, pf_bytes=nbytes, pf_chunk=chunk, pf_progs=progs, PREFETCH=True)
+
+
+@triton.jit
+def l2_prefetch(ptr, nbytes, chunk, progs, pid, PREFETCH: tl.constexpr):
+    """Program pid's share of the bytes [ptr, ptr + nbytes) into L2 (prefetch_args): one bulk
+    prefetch per lane, nothing waited for. The weights are read by a later kernel of the step;
+    the kernels before it read little, so the memory would otherwise idle."""
+    if PREFETCH:
+        if pid < progs:
+            lane = pid * 128 + tl.arange(0, 128)  # PREFETCH_LANES
+            off = lane.to(tl.int64) * chunk
+            size = tl.minimum(tl.maximum(nbytes - off, 0), chunk).to(tl.int32)
+            addr = ptr.to(tl.pointer_type(tl.int8)) + off
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
