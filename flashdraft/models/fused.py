@@ -31,14 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.models.launch import (
-    PREFETCH_PROGRAMS,
-    l2_prefetch,
-    launch_kwargs,
-    pdl_enter,
-    pdl_trigger,
-    prefetch_args,
-)
+from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 # add_rmsnorm lets the next kernel launch at its start ("early") or before its stores ("late"; A/B runs).
 # Early measured faster (H200, in graph, Qwen3.5-4B batch 1 / 8: 2.532 / 2.996 -> 2.498 / 2.966 ms;
@@ -133,22 +126,15 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
                                stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                                N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-                               pf_ptr, pf_bytes, pf_chunk, pf_progs,
                                HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr, ROT: tl.constexpr,
-                               Q_WIDTH: tl.constexpr, OFFSET: tl.constexpr, PREFETCH: tl.constexpr):
+                               Q_WIDTH: tl.constexpr, OFFSET: tl.constexpr):
     """Program (token, group of BLOCK_H heads) over the packed row's q heads [0, N_HEADS) (Q_WIDTH
     apart: a gated head's output gate follows its query) and k heads [N_HEADS, N_HEADS + N_KV): q
     rows go to q, k rows (rotated) and the matching v rows (raw) to the caches at the token's slot,
     unless it is < 0. RoPE turns the first ROT dims of a head. Lets the next kernel (attention)
     launch at once: attention reads what this stores only after waiting for it to finish, and
-    meanwhile fetches the K/V cached by earlier steps. PREFETCH: the o_proj weights into L2 first
-    (launch.l2_prefetch), read after this, the attention and its merge; programs past the heads'
-    only prefetch."""
+    meanwhile fetches the K/V cached by earlier steps."""
     pdl_trigger(USE_PDL)
-    l2_prefetch(pf_ptr, pf_bytes, pf_chunk, pf_progs, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                PREFETCH)
-    if tl.program_id(1) * BLOCK_H >= N_HEADS + N_KV:
-        return
     pdl_enter(USE_PDL)
     HALF: tl.constexpr = ROT // 2
     t = tl.program_id(0).to(tl.int64)
@@ -295,15 +281,13 @@ def _check_rope(cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> None:
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       gated: bool = False, offset: bool = False,
-                       prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                       gated: bool = False, offset: bool = False) -> torch.Tensor:
     """qkv: [T, (H + 2 * KV) * D] packed projection (q heads, k heads, v heads; gated: each q head
     followed by its output gate, [T, (2 H + 2 KV) * D]); cos/sin: full tables [max_len, R]
     (RotaryTable.cos/.sin, R <= D the rotary dims) read at `positions` [T]; caches [blocks, page, KV,
     D]. Returns q [T, H, D] after q_norm (when given; offset: (1 + w) norms) and RoPE; K (k_norm,
     RoPE) and V are stored at slot_mapping [T] (< 0: skipped). q_norm_w and k_norm_w are both given
-    or both None. prefetch: weights a later kernel reads (o_proj's), asked into L2 at the launch's
-    start by at least PREFETCH_PROGRAMS programs (extra ones only prefetch; launch.prefetch_args)."""
+    or both None."""
     n_kv, hd = k_cache.shape[2], k_cache.shape[3]
     T = qkv.shape[0]
     q_width = 2 * hd if gated else hd
@@ -325,15 +309,10 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Te
     has_norm = q_norm_w is not None
     block_d = triton.next_power_of_2(hd)
     block_h = _heads_per_program(n_heads + n_kv, block_d)
-    blocks = triton.cdiv(n_heads + n_kv, block_h)
-    pf = prefetch_args(T, T * blocks, prefetch, qkv)
-    if pf["PREFETCH"]:  # enough programs to issue the prefetch from many SMs
-        blocks = max(blocks, triton.cdiv(PREFETCH_PROGRAMS, T))
-        pf = prefetch_args(T, T * blocks, prefetch, qkv)
-    _qk_norm_rope_store_kernel[(T, blocks)](
+    _qk_norm_rope_store_kernel[(T, triton.cdiv(n_heads + n_kv, block_h))](
         qkv, positions, cos, sin, q_norm_w if has_norm else qkv, k_norm_w if has_norm else qkv, q, k_cache, v_cache,
         slot_mapping, eps, qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], **pf, N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=hd, BLOCK_H=block_h,
+        *k_cache.stride()[:3], *v_cache.stride()[:3], N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=hd, BLOCK_H=block_h,
         BLOCK_D=block_d, PAGE=k_cache.shape[1], HAS_NORM=has_norm, num_warps=4, ROT=rotary, Q_WIDTH=q_width,
         OFFSET=offset, **launch_kwargs(qkv))
     return q

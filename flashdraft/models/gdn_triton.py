@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.models.launch import l2_prefetch, launch_kwargs, pdl_enter, pdl_trigger, prefetch_args
+from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 BLOCK_C = 128  # conv channels per program
 # value columns of the state per program (the state block is [d_k, BLOCK_V] in registers);
@@ -46,15 +46,11 @@ CHUNKED_MIN_ROWS = 64  # a committed chunk of at least this many rows takes the 
 
 @triton.jit
 def _conv_kernel(x_ptr, w_ptr, win_ptr, out_ptr, qsl_ptr, seq_ptr, S, C, stride_x, stride_out,
-                 pf_ptr, pf_bytes, pf_chunk, pf_progs,
                  K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, WINDOW: tl.constexpr,
-                 PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+                 USE_PDL: tl.constexpr):
     """WINDOW (every sequence has at most one row: decode): the row's program also moves its
     channels' conv window on by its input, as _window_kernel would (entry i - 1 <- tap i, each
-    entry written after the tap that reads it). PREFETCH: the layer's out_proj weights into L2 first
-    (launch.l2_prefetch), read after this, the recurrence and the gated norm."""
-    l2_prefetch(pf_ptr, pf_bytes, pf_chunk, pf_progs, tl.program_id(0) * tl.num_programs(1) + tl.program_id(1),
-                PREFETCH)
+    entry written after the tap that reads it)."""
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -171,22 +167,19 @@ def _pow2(n: int) -> int:
 
 
 def conv_rows(qkv: torch.Tensor, weight: torch.Tensor, window: torch.Tensor, qsl: torch.Tensor,
-              seq: torch.Tensor, out: torch.Tensor | None = None, window_too: bool = False,
-              prefetch: torch.Tensor | None = None) -> torch.Tensor:
+              seq: torch.Tensor, out: torch.Tensor | None = None, window_too: bool = False) -> torch.Tensor:
     """silu(causal depthwise conv) of every row of the step: [T, C] in qkv's dtype (into `out` when
     given); padding rows are left unwritten. window_too (only when no sequence has more than one
-    row): the conv windows move on in the same launch, as advance_windows would move them.
-    prefetch: weights a later kernel reads, asked into L2 at the launch's start (launch.prefetch_args)."""
+    row): the conv windows move on in the same launch, as advance_windows would move them."""
     T, C = qkv.shape
     K = weight.shape[-1]
     if out is None:  # padding rows stay unwritten: the recurrence reads only its sequences' rows
         out = torch.empty(T, C, device=qkv.device, dtype=qkv.dtype)
     S = seq.shape[0]
     if T and S:
-        blocks = triton.cdiv(C, BLOCK_C)
-        _conv_kernel[(T, blocks)](qkv, weight, window, out, qsl, seq, S, C, qkv.stride(0), out.stride(0),
-                                  **prefetch_args(T, T * blocks, prefetch, qkv), K=K, BLOCK_S=_pow2(S),
-                                  BLOCK_C=BLOCK_C, WINDOW=window_too, **launch_kwargs(qkv))
+        _conv_kernel[(T, triton.cdiv(C, BLOCK_C))](qkv, weight, window, out, qsl, seq, S, C, qkv.stride(0),
+                                                   out.stride(0), K=K, BLOCK_S=_pow2(S), BLOCK_C=BLOCK_C,
+                                                   WINDOW=window_too, **launch_kwargs(qkv))
     return out
 
 

@@ -230,8 +230,7 @@ class GatedDeltaNet(nn.Module):
         single: no sequence has more than one row (decode), so the conv launch moves the windows on."""
         from flashdraft.models import gdn_triton
 
-        mixed = gdn_triton.conv_rows(qkv, self.conv1d.weight, state.conv, qsl, seq, mixed, window_too=single,
-                                     prefetch=self.out_proj.weight)
+        mixed = gdn_triton.conv_rows(qkv, self.conv1d.weight, state.conv, qsl, seq, mixed, window_too=single)
         if not single:
             gdn_triton.advance_windows(qkv, state.conv, qsl, seq)
         core = gdn_triton.recur(mixed, a, b, self.A_log, self.dt_bias, state.rec, qsl, seq, self.key_dim,
@@ -368,7 +367,7 @@ class GatedAttention(nn.Module):
 
             q = fused.qk_norm_rope_store(proj, positions, rope.cos, rope.sin, self.q_norm.weight, self.k_norm.weight,
                                          self.q_norm.eps, k_cache, v_cache, batch.slot_mapping, gated=True,
-                                         offset=True, prefetch=self.o_proj.weight)
+                                         offset=True)
             o = attn.forward(q, k_cache, v_cache, batch, self.scale)
             o = fused.sigmoid_gate(o, gate)
             return self.o_proj(o.reshape(-1, self.n_heads * self.head_dim))

@@ -170,8 +170,7 @@ class Attention(nn.Module):
         norm = self.q_norm is not None
         q = fused.qk_norm_rope_store(self.qkv_proj(x), positions, rope.cos, rope.sin,
                                      self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                                     self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch),
-                                     prefetch=self.o_proj.weight)
+                                     self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch))
         o = attn.forward(q, k_cache, v_cache, batch, self.scale, self.sinks)
         return self.o_proj(o.reshape(-1, self.q_size))
 
