@@ -11,7 +11,10 @@ written; of a mixture of experts, only the experts one decode step of the batch 
 eager step) over the bandwidth of a device copy measured in the same run, and the same step's GPU time: its
 CUDA graph replayed (the captured decode or whole-DFlash-step graph) plus the head and greedy choice that
 follow it eagerly. End to end minus GPU time is the time the GPU waits on the host. Arms: plain (async
-scheduling: the next decode step queued before the last one is read), plain-sync (without), dflash.
+scheduling: the next decode step queued before the last one is read), plain-sync (without), dflash (every
+step verifies: the acceptance gate off), dflash-auto (the engine's default: on CUDA the gate stops
+drafts below the break-even tau of the step costs it measured at start, speculative/costs.py). For each
+DFlash arm, `speedup`: its tokens per second over the plain arm's at each concurrency.
 
     python benchmarks/e2e_step.py --target qwen3.5-0.8b --out e2e.json        # a GPU
     python benchmarks/e2e_step.py --target tiny-hybrid --device cpu            # smoke test, anywhere
@@ -357,7 +360,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
     ap.add_argument("--arms", default="plain,dflash",
                     help="plain (async scheduling, the CUDA default), plain-sync (each step read before the "
-                         "next is scheduled), dflash")
+                         "next is scheduled), dflash (every step verifies), dflash-auto (the engine's default gate)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also list the N costliest kernels of each in-graph step (torch profiler): their "
                          "time and what they add to the step's span (under PDL a kernel's time includes its wait)")
@@ -382,15 +385,16 @@ def main() -> None:
                 subprocess.run([sys.executable, __file__, *sys.argv[1:], "--arms", arm, "--out", str(out)], check=True)
                 one = json.loads(out.read_text())
                 result["arms"][arm] = one["arms"][arm]
-                result.update({k: v for k, v in one.items() if k in ("state_bytes_per_seq", "graphs")})
+                result.update({k: v for k, v in one.items() if k in ("state_bytes_per_seq", "graphs", "step_costs")})
         arms = []
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = write_folders(Path(tmp), TARGETS[args.target], args.draft_layers, args.block)
         for arm in arms:
-            llm = LLM(str(target), draft=str(draft) if arm == "dflash" else None, device=args.device,
+            gate = {"speculative_min_acceptance_length": None} if arm == "dflash" else {}
+            llm = LLM(str(target), draft=str(draft) if arm.startswith("dflash") else None, device=args.device,
                       load_format="dummy", max_num_seqs=max(conc), kv_cache_memory_gb=args.kv_cache_memory_gb,
                       max_model_len=args.prompt_len + args.new_tokens + 64,
-                      async_scheduling=False if arm == "plain-sync" else None)
+                      async_scheduling=False if arm == "plain-sync" else None, **gate)
             if args.router_std > 0:
                 spread_routers(llm, args.router_std)
             gc.collect()
@@ -440,6 +444,9 @@ def main() -> None:
                               flush=True)
                 rows.append(row)
             result["arms"][arm] = rows
+            costs = getattr(llm.engine.spec, "costs", None)
+            if costs is not None:  # what the gate of dflash-auto decides by
+                result["step_costs"] = costs.as_dict()
             if arm.startswith("plain"):
                 result["state_bytes_per_seq"] = state_bytes_per_seq(llm.engine.runner.model, llm.engine.dtype)
                 result["graphs"] = llm.engine.runner.use_graphs
@@ -451,6 +458,11 @@ def main() -> None:
     if "plain" in result["arms"] and "dflash" in result["arms"]:
         result["break_even_tau"] = {r["concurrency"]: round(d["ms_per_step"] / r["ms_per_step"], 3)
                                     for r, d in zip(result["arms"]["plain"], result["arms"]["dflash"])}
+    for arm in ("dflash", "dflash-auto"):
+        if "plain" in result["arms"] and arm in result["arms"]:
+            rate = lambda r: r["tokens_per_step"] / r["ms_per_step"]  # noqa: E731
+            result.setdefault("speedup", {})[arm] = {r["concurrency"]: round(rate(d) / rate(r), 3)
+                                                     for r, d in zip(result["arms"]["plain"], result["arms"][arm])}
     emit(result, args.out)
 
 

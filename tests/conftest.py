@@ -47,5 +47,7 @@ def _chain_unless_asked():
     import flashdraft.config
 
     flashdraft.config.CPU_TREE = False
+    flashdraft.config.CUDA_MEASURED_GATE = False  # likewise the gate on CUDA (its own tests turn it on)
     yield
     flashdraft.config.CPU_TREE = True
+    flashdraft.config.CUDA_MEASURED_GATE = True

@@ -278,7 +278,7 @@ def load_e2e_step():
 
 
 def test_e2e_step_benchmark_runs_on_cpu(tmp_path):
-    """benchmarks/e2e_step.py (the device step benchmark) end to end on a tiny hybrid shape: both arms,
+    """benchmarks/e2e_step.py (the device step benchmark) end to end on a tiny hybrid shape: the arms,
     each step counted, the two-run difference and the median pace both present and positive."""
     import subprocess
     import sys
@@ -287,13 +287,17 @@ def test_e2e_step_benchmark_runs_on_cpu(tmp_path):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_step.py"
     out = tmp_path / "e2e.json"
     subprocess.run([sys.executable, str(script), "--target", "tiny-hybrid", "--device", "cpu", "--arms",
-                    "plain,dflash", "--concurrency", "2", "--new-tokens", "8", "--prompt-len", "16",
+                    "plain,dflash,dflash-auto", "--concurrency", "2", "--new-tokens", "8", "--prompt-len", "16",
                     "--out", str(out)], check=True, capture_output=True, timeout=600)
     result = json.loads(out.read_text())
-    for arm in ("plain", "dflash"):
+    for arm in ("plain", "dflash", "dflash-auto"):
         (row,) = result["arms"][arm]
         assert row["steps"] == 8 and row["ms_per_step"] > 0 and row["ms_per_step_median"] > 0
     assert result["break_even_tau"]["2"] > 0
+    for arm in ("dflash", "dflash-auto"):  # tokens per second against plain's
+        (r,), (d,) = result["arms"]["plain"], result["arms"][arm]
+        want = d["tokens_per_step"] / d["ms_per_step"] / (r["tokens_per_step"] / r["ms_per_step"])
+        assert result["speedup"][arm]["2"] == pytest.approx(want, abs=1e-3)
 
 
 def test_e2e_step_counts_the_experts_a_moe_step_reads(tmp_path):

@@ -12,7 +12,8 @@ from test_dflash import MIXED, install_oracle
 import flashdraft.config
 from flashdraft import LLM, SamplingParams
 from flashdraft.config import CPU_BREAK_EVEN  # the shipped line (tests/conftest.py turns it off)
-from flashdraft.speculative.gate import AcceptanceGate
+from flashdraft.speculative.costs import StepCosts
+from flashdraft.speculative.gate import AcceptanceGate, RecentTau, pause_cap
 
 
 @pytest.fixture(scope="module")
@@ -111,19 +112,26 @@ def test_gated_sampled_requests_on_the_shipped_drafter_equal_plain(smollm2, monk
     assert all(o.metrics["gated_steps"] == 0 and o.metrics["num_drafts"] > 0 for o in outs)
 
 
-def test_auto_is_the_cpu_default_and_off_on_cuda(monkeypatch):
+def test_auto_is_the_cpu_line_or_the_measured_costs(monkeypatch):
     import torch
 
     from flashdraft.config import EngineConfig
 
     monkeypatch.setattr(flashdraft.config, "CPU_BREAK_EVEN", CPU_BREAK_EVEN)
+    monkeypatch.setattr(flashdraft.config, "CUDA_MEASURED_GATE", True)
     assert CPU_BREAK_EVEN == (1.5, 0.15)  # docs/performance.md section 4 measures these
     c = EngineConfig()
     assert c.speculative_min_acceptance_length == "auto"
     rule = c.min_acceptance_length(torch.device("cpu"))
     assert rule(1, 1.0) == pytest.approx(1.5) and rule(12, 0.7) == pytest.approx(1.5 + 11 * 0.15)
     assert rule(1, 0.0) is None and rule(12, 0.0) is None  # greedy requests: no gate by default
-    assert c.min_acceptance_length(torch.device("cuda")) is None
+    assert c.min_acceptance_length(torch.device("cuda")) is None  # no costs measured: no gate
+    costs = StepCosts((1, 2, 4), (1.0, 1.1, 1.5), (1.3, 1.65, 4.5))
+    rule = c.min_acceptance_length(torch.device("cuda"), costs)
+    assert rule(1, 0.0) == rule(1, 1.0) == pytest.approx(1.3)  # greedy and sampled alike
+    assert rule(3, 0.0) == pytest.approx(3.0) and rule(40, 0.7) == pytest.approx(3.0)
+    monkeypatch.setattr(flashdraft.config, "CUDA_MEASURED_GATE", False)
+    assert c.min_acceptance_length(torch.device("cuda"), costs) is None
     assert EngineConfig(speculative_min_acceptance_length=None).min_acceptance_length(torch.device("cpu")) is None
     fixed = EngineConfig(speculative_min_acceptance_length=3).min_acceptance_length(torch.device("cuda"))
     assert fixed(1, 0.0) == fixed(40, 1.0) == 3.0
@@ -149,3 +157,47 @@ def test_cli_min_acceptance_length():
     for bad in ("x", "0.5", "nan"):
         with pytest.raises(SystemExit):
             p.parse_args(["--speculative-min-acceptance-length", bad])
+
+
+def test_step_costs_break_even_by_bucket():
+    """A batch of n takes the smallest bucket holding it (the graph its step replays), past the
+    largest the largest; a verify cheaper than a plain step (timing noise) still asks tau >= 1."""
+    c = StepCosts((1, 2, 4, 8), (1.0, 1.0, 1.2, 1.5), (1.3, 1.4, 2.4, 6.0))
+    assert [c.break_even(n) for n in (1, 2, 3, 4, 5, 8, 64)] == pytest.approx([1.3, 1.4, 2.0, 2.0, 4.0, 4.0, 4.0])
+    assert StepCosts((1,), (2.0,), (1.9,)).break_even(1) == 1.0
+    assert c.as_dict()["break_even"] == [1.3, 1.4, 2.0, 4.0]
+
+
+def test_pause_cap_and_starting_paused():
+    """Pauses grow to a power of two of at least 100 (min_tau - 1) steps (a probe then costs about 1%
+    of the steps), 64 to 1024; a request started paused resumes on the clock's multiples."""
+    assert [pause_cap(t) for t in (1.0, 1.5, 1.64, 2.0, 3.0, 4.0, 9.0, 30.0)] == [64, 64, 64, 128, 256, 512, 1024, 1024]
+    g = AcceptanceGate(max_pause=128)
+    g.pause_now(1.1, 37)
+    assert (g.tau, g.verifies, g.resume_at, g.pause) == (1.1, g.warmup, 64, 32)  # 37 + 16 -> 64
+    assert not g.drafts(63) and g.drafts(64)
+    r = RecentTau()
+    for _ in range(15):
+        r.record(1)
+    assert not r.below(2.0)  # 15 verifies: not trusted yet
+    r.record(1)
+    assert r.below(2.0) and not r.below(1.0)
+
+
+def test_new_requests_start_paused_when_drafts_miss_for_everyone(tiny_llama, drafter, plain):
+    """A random drafter (tau ~1) under min_tau 3: the first requests verify their warm-up blocks
+    and pause; once the engine has seen 16 verifies below 3, new requests start paused, probing only
+    on the clock's multiples, with plain decoding's tokens."""
+    prompts = MIXED[:4]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ref = [o.token_ids for o in plain.generate(prompts, params)]
+    llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32",
+              speculative_min_acceptance_length=3)
+    first = llm.generate(prompts, params)
+    assert [o.token_ids for o in first] == ref
+    assert all(o.metrics["num_drafts"] >= 4 for o in first)  # the warm-up
+    assert llm.engine.spec.recent.below(3.0)
+    again = llm.generate(prompts, params)
+    assert [o.token_ids for o in again] == ref
+    for o in again:  # 39 decode steps: paused 16-31 steps from the start, a probe, then 32 more
+        assert o.metrics["num_drafts"] <= 2 and o.metrics["gated_steps"] >= 39 - 2

@@ -24,18 +24,21 @@ chains), drafts.py (the drafter's hidden states -> drafts), loader.py (a drafter
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
+from flashdraft import config
 from flashdraft.attention.base import AttentionBatch, LayerMasks
 from flashdraft.engine.graphs import to_device
 from flashdraft.engine.model_runner import make_backend
 from flashdraft.engine.sampler import sample
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.dflash_draft import DFlashDraftModel
+from flashdraft.speculative import costs as step_costs
 from flashdraft.speculative.drafts import DraftTokens
-from flashdraft.speculative.gate import gate_record
+from flashdraft.speculative.gate import AcceptanceGate, RecentTau, gate_record, pause_cap
 from flashdraft.speculative.graphed import GraphedSteps
 from flashdraft.speculative.kv_slots import poison_slots, position_slots
 from flashdraft.speculative.metrics import SpecStats
@@ -45,6 +48,8 @@ from flashdraft.speculative.verify import accepted_lengths, ragged_accepted_leng
 
 if TYPE_CHECKING:
     from flashdraft.engine.engine import LLMEngine
+
+log = logging.getLogger("flashdraft")
 
 
 class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
@@ -84,11 +89,19 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         self.draw_sampled = True  # False: sampled requests draft the argmax too (A/B measurements)
         self.pause_at = engine.config.speculative_disable_batch_size
         self.paused = False  # this step decodes without drafts (too many requests running)
-        # the per-request acceptance gate: its threshold given (running requests, temperature), its clock
-        self.min_tau_rule = engine.config.min_acceptance_length(engine.device)
         self.num_running = 0
         self.steps = 0
         self._compile_and_capture()
+        # the per-request acceptance gate: its threshold given (running requests, temperature), from
+        # the step costs measured now on CUDA (speculative/costs.py); its clock; new requests' prior
+        auto = engine.config.speculative_min_acceptance_length == "auto"
+        self.costs = step_costs.measure(self) if auto and config.CUDA_MEASURED_GATE else None
+        if self.costs is not None:
+            log.info("speculation pays from tau %s at %s running requests (step costs measured at start)",
+                     "/".join(f"{self.costs.break_even(b):.2f}" for b in self.costs.batches),
+                     "/".join(map(str, self.costs.batches)))
+        self.min_tau_rule = engine.config.min_acceptance_length(engine.device, self.costs)
+        self.recent = RecentTau()
 
     # ---- hooks the engine calls -----------------------------------------------------------
     def totals(self) -> dict:
@@ -107,6 +120,11 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
                 seq.num_tokens - 1 + self.span > self.engine.max_model_len:
             return 0
         gate = getattr(seq, "spec_gate", None)
+        if gate is None and self.min_tau_rule is not None:  # a new request: paused if drafts miss for everyone
+            min_tau = self.min_tau_rule(max(self.num_running, 1), seq.params.temperature)
+            if min_tau is not None and self.recent.below(min_tau):
+                gate = seq.spec_gate = AcceptanceGate(max_pause=pause_cap(min_tau))
+                gate.pause_now(self.recent.tau, self.steps)
         if gate is not None and not gate.drafts(self.steps):
             for st in (self._stats(seq), self.stats):
                 st.gated_steps += 1
@@ -291,6 +309,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
             target, a = chosen[i], p.accepted
             for st in (self._stats(s), self.stats):
                 st.record(a, p.n - 1)
+            self.recent.record(a + 1)
             start = s.num_computed_tokens
             s.num_computed_tokens = start + a + 1
             if eng.runner.hybrid:  # the slot now: a sequence that finishes below gives it back

@@ -15,6 +15,12 @@ step clock, so requests paused alike probe in the same steps: on a CPU most of a
 paid once per step (the drafter's and the vocabulary head's weights are read once for any number of
 blocks), and scattered probes would make every step a verify step.
 
+A new request starts paused, on the same clock, when the engine's recent tau over every request's
+verifies is below its threshold (a drafter that misses for everyone, such as one out of its domain,
+costs no warm-up verifies per request). Pauses grow to at most pause_cap(min_tau) steps: a probe of
+a paused batch costs about min_tau - 1 plain steps more than the step it replaces, which the cap
+keeps near 1% of the steps.
+
 Tokens never depend on the gate: a paused request takes the plain decode step, which draws the
 same token as a verify slot would (same sampler, same noise), and the drafter's context is
 written on that path too, so the request can draft again at any token.
@@ -55,8 +61,41 @@ class AcceptanceGate:
         return True
 
 
+    def pause_now(self, tau: float, step: int) -> None:
+        """Start paused, from a running average of `tau` (a new request, the engine's drafts missing)."""
+        self.tau, self.verifies = tau, self.warmup
+        pause = self.pause or self.first_pause
+        self.resume_at = -(-(step + pause) // pause) * pause
+        self.pause = min(2 * pause, self.max_pause)
+
+
+def pause_cap(min_tau: float) -> int:
+    """The longest pause at a threshold: a power of two of at least 100 (min_tau - 1) steps, 64 to 1024."""
+    steps = 64
+    while steps < 1024 and steps < 100 * (min_tau - 1):
+        steps *= 2
+    return steps
+
+
 def gate_record(seq, committed: int, step: int, min_tau: float) -> None:
     """A request's verify committed `committed` tokens: update its gate (made on its first verify)."""
     if not hasattr(seq, "spec_gate"):
         seq.spec_gate = AcceptanceGate()
+    seq.spec_gate.max_pause = pause_cap(min_tau)
     seq.spec_gate.record(committed, step, min_tau)
+
+
+@dataclass
+class RecentTau:
+    """The engine's running average of tau over every request's verifies (new requests' prior)."""
+    weight: float = 0.05
+    min_verifies: int = 16  # before it is trusted
+    tau: float = 0.0
+    verifies: int = 0
+
+    def record(self, committed: int) -> None:
+        self.tau = committed if self.verifies == 0 else self.tau + self.weight * (committed - self.tau)
+        self.verifies += 1
+
+    def below(self, min_tau: float) -> bool:
+        return self.verifies >= self.min_verifies and self.tau < min_tau

@@ -1,0 +1,88 @@
+"""What a step costs by batch size, with drafts and without: where speculation stops paying.
+
+A DFlash step (draft blocks, the verify of B rows a request, the context write, the head over
+every verify row) commits a request's tau tokens; the step without drafts (the target over one row
+a request and the context write, the head over those rows) commits one. With n requests running,
+a request's drafts pay when its tau is above
+
+    break_even(n) = spec_ms(n) / plain_ms(n)
+
+(the step's price is shared by its requests either way: at small n both steps read the same
+weights and the ratio is near 1 plus the drafter's share; at large n a verify's rows are real work
+and the ratio grows towards B). The acceptance gate (gate.py) pauses a request's drafts below it.
+
+On CUDA the costs are measured once at start, after the step graphs are captured: each batch
+bucket's whole-DFlash-step graph and its decode graph (the one paused steps replay) are replayed,
+each followed by the head and the greedy choice over its rows, timed with CUDA events. A batch of n
+runs in the smallest bucket holding it, and so takes that bucket's ratio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from flashdraft.speculative.dflash import DFlashSpeculator
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    batches: tuple[int, ...]  # graph buckets, ascending
+    plain_ms: tuple[float, ...]
+    spec_ms: tuple[float, ...]
+
+    def break_even(self, n: int) -> float:
+        """The tau from which a request's drafts pay with n requests running."""
+        i = next((i for i, b in enumerate(self.batches) if n <= b), len(self.batches) - 1)
+        return max(1.0, self.spec_ms[i] / self.plain_ms[i])
+
+    def as_dict(self) -> dict:
+        return {"batches": list(self.batches), "plain_ms": [round(x, 4) for x in self.plain_ms],
+                "spec_ms": [round(x, 4) for x in self.spec_ms],
+                "break_even": [round(self.break_even(b), 3) for b in self.batches]}
+
+
+def measure(spec: DFlashSpeculator, replays: int = 5) -> StepCosts | None:
+    """Each captured bucket's DFlash step and decode step (graph, head, greedy choice), the median
+    of `replays` timed replays after one untimed; None without captured graphs (CPU, eager runs,
+    token trees). The replays rerun what capture ran: placeholder rows, nothing stored."""
+    runner = spec.engine.runner
+    if spec.engine.device.type != "cuda" or spec.tree_size is not None:
+        return None
+    key_spec, key_plain = ("dflash", spec.tap_layers), ("decode", spec.tap_layers)
+    buckets = sorted(b for (k, b, q), g in runner.graphs.items() if k == key_spec and g.captured)
+    model = runner.model
+    rows = spec.num_draft + 1
+    found = []
+    with torch.inference_mode():
+        for b in buckets:
+            gs = runner.graphs.get((key_spec, b, spec.block_size))
+            gp = runner.graphs.get((key_plain, b, 1))
+            if gs is None or gp is None or not gs.captured or not gp.captured:
+                continue
+            found.append((b, _time(lambda g=gp, r=b: _head(model, g.replay()[:r]), replays),
+                          _time(lambda g=gs, r=b * rows: _head(model, g.replay()[:r]), replays)))
+    if not found:
+        return None
+    b, p, s = zip(*found)
+    return StepCosts(tuple(b), tuple(p), tuple(s))
+
+
+def _head(model, hidden: torch.Tensor) -> torch.Tensor:
+    return model.compute_logits(hidden, float32=False).argmax(-1)
+
+
+def _time(fn, replays: int) -> float:
+    fn()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

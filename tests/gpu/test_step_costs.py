@@ -1,0 +1,38 @@
+"""The step costs measured at start on CUDA (flashdraft/speculative/costs.py) and the acceptance gate
+they set by default: a drafter whose drafts miss stops drafting, with plain decoding's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("step costs are measured over captured CUDA graphs", allow_module_level=True)
+
+
+def test_measured_costs_gate_a_random_drafter(tiny_llama, tmp_path, monkeypatch):
+    from fixtures import build_random_drafter
+
+    import flashdraft.config
+    from flashdraft import LLM, SamplingParams
+
+    monkeypatch.setattr(flashdraft.config, "CUDA_MEASURED_GATE", True)  # the default, off in tests
+    draft = build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)
+    llm = LLM(str(tiny_llama), draft=str(draft), device="cuda", dtype="float32", max_num_seqs=8)
+    costs = llm.engine.spec.costs
+    assert costs is not None and costs.batches == (1, 2, 4, 8)
+    assert all(p > 0 for p in costs.plain_ms) and all(s > 0 for s in costs.spec_ms)
+    # a DFlash step drafts, verifies 4 rows a request and writes their context: dearer than a decode
+    assert all(s > p for p, s in zip(costs.plain_ms, costs.spec_ms))
+    assert llm.engine.spec.min_tau_rule(3, 0.0) == pytest.approx(costs.break_even(3))
+    plain = LLM(str(tiny_llama), draft=None, device="cuda", dtype="float32")
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    tot = llm.engine.spec_totals()
+    assert tot["gated_steps"] > 0 and tot["num_drafts"] >= 4  # the warm-up verifies, then paused
+
+    monkeypatch.setattr(flashdraft.config, "CUDA_MEASURED_GATE", False)
+    off = LLM(str(tiny_llama), draft=str(draft), device="cuda", dtype="float32", max_num_seqs=8)
+    assert off.engine.spec.costs is None and off.engine.spec.min_tau_rule is None
