@@ -108,3 +108,80 @@ def test_async_scheduling_option_is_checked():
 
     with pytest.raises(ValueError, match="async_scheduling"):
         EngineConfig(async_scheduling="yes")
+
+
+# ---- DFlash engines: steps without drafts overlap too (speculative/dflash.py, step) ------------
+@pytest.fixture(scope="module")
+def drafter(tiny_llama, tmp_path_factory):
+    from fixtures import build_random_drafter
+
+    return build_random_drafter(tmp_path_factory.mktemp("async-draft"), tiny_llama, block_size=4)
+
+
+def spec_engines(folder, drafter, **cfg):
+    return [LLM(str(folder), draft=str(drafter), device="cpu", dtype="float32", async_scheduling=a, **cfg)
+            for a in (False, True)]
+
+
+@pytest.mark.parametrize("pause", ["gate", "batch"])
+def test_dflash_steps_without_drafts_overlap(tiny_llama, drafter, pause):
+    """A random drafter's requests paused by their acceptance gate (tau ~1 under min_tau 3: four
+    warm-up verifies, then probes on the clock's multiples), or every step paused by
+    speculative_disable_batch_size: with async scheduling each step without drafts is launched before
+    the one before it is read. Tokens, finish reasons and texts equal plain decoding's, greedy and
+    sampled, with stops; the drafting statistics equal the step-by-step DFlash engine's while no
+    request stops early (a stop that a launched step could not foresee costs that step a row, and
+    the gates' step clock moves on one more than without overlap)."""
+    cfg = {"speculative_min_acceptance_length": 3} if pause == "gate" else {"speculative_disable_batch_size": 1}
+    sync, overlap = spec_engines(tiny_llama, drafter, **cfg)
+    (plain,) = [LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")]
+    greedy = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 40, 27, 1)]
+    sampled = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=n, seed=7 + n, ignore_eos=True)
+               for n in (33, 2, 40, 5)]
+    base = plain.generate([PROMPTS[2]], SamplingParams(max_tokens=40, ignore_eos=True))[0].token_ids
+    stopping = [SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[base[30]])] + greedy[1:]
+    for params in (greedy, sampled, stopping):
+        want = outputs(plain, PROMPTS, params)
+        assert outputs(overlap, PROMPTS, params) == want
+        assert outputs(sync, PROMPTS, params) == want
+        if params is sampled:
+            assert overlap.engine.spec_totals() == sync.engine.spec_totals()
+            assert overlap.engine.spec_totals()["num_drafts"] > 0 or pause == "batch"
+    assert overlap.engine.stats["num_overlapped_steps"] > 30, "steps without drafts were meant to overlap"
+    assert sync.engine.stats["num_overlapped_steps"] == 0
+    assert overlap.engine.block_manager.num_used_blocks == 0
+
+
+def test_dflash_abort_preemption_and_hybrid_while_in_flight(tiny_llama, drafter, tmp_path_factory):
+    from fixtures import build_random_drafter, build_tiny_model
+
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    _, overlap = spec_engines(tiny_llama, drafter, speculative_disable_batch_size=1)
+    eng = overlap.engine
+    seqs = [eng.add_request(None, params, prompt_token_ids=p) for p in PROMPTS]
+    for _ in range(8):
+        eng.step()
+    assert eng.spec._inflight is not None, "a step was meant to be in flight"
+    victim = seqs[1]
+    kept = list(victim.output_token_ids)
+    eng.abort(victim)
+    while eng.has_unfinished():
+        eng.step()
+    assert victim.finish_reason == "abort" and victim.output_token_ids == kept == want[1][: len(kept)]
+    assert [s.output_token_ids for i, s in enumerate(seqs) if i != 1] == [w for i, w in enumerate(want) if i != 1]
+    assert eng.block_manager.num_used_blocks == 0
+    # preemption under KV pressure
+    _, tight = spec_engines(tiny_llama, drafter, speculative_min_acceptance_length=3, num_kv_blocks=14,
+                            kv_block_size=8)
+    assert [o.token_ids for o in tight.generate(PROMPTS, params)] == want
+    assert tight.engine.stats["num_preemptions"] > 0 and tight.engine.stats["num_overlapped_steps"] > 0
+    # a hybrid target: its recurrent state advances in the overlapped steps as in plain decoding's
+    folder = build_tiny_model(tmp_path_factory.mktemp("qwen3.5-async"), "qwen3_5_text")
+    hd = build_random_drafter(tmp_path_factory.mktemp("qwen3.5-async-draft"), folder, block_size=4)
+    hplain = LLM(str(folder), draft=None, device="cpu", dtype="float32")
+    _, hover = spec_engines(folder, hd, speculative_min_acceptance_length=3)
+    hp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (30, 5, 24, 1)]
+    assert outputs(hover, PROMPTS, hp) == outputs(hplain, PROMPTS, hp)
+    assert hover.engine.stats["num_overlapped_steps"] > 0

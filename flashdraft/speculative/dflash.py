@@ -47,7 +47,7 @@ from flashdraft.speculative.tree_step import TreeSteps
 from flashdraft.speculative.verify import accepted_lengths, ragged_accepted_lengths
 
 if TYPE_CHECKING:
-    from flashdraft.engine.engine import LLMEngine
+    from flashdraft.engine.engine import InFlight, LLMEngine
 
 log = logging.getLogger("flashdraft")
 
@@ -91,6 +91,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         self.paused = False  # this step decodes without drafts (too many requests running)
         self.num_running = 0
         self.steps = 0
+        self._inflight: InFlight | None = None  # a step without drafts not read yet (step())
         self._compile_and_capture()
         # the per-request acceptance gate: its threshold given (running requests, temperature), from
         # the step costs measured now on CUDA (speculative/costs.py); its clock; new requests' prior
@@ -139,6 +140,75 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
+        """One engine step. With async scheduling, a step in which no request drafts (all paused by
+        their gates or by speculative_disable_batch_size) is left in flight, as the engine's plain
+        decode steps are (engine.step): when the step after it decodes the same requests without
+        drafts too, it is launched first, on the in-flight step's samples on the device, and only
+        then are those samples read and committed."""
+        prev, self._inflight = self._inflight, None
+        if prev is None:
+            return self._step()
+        nxt = self._next_paused(prev)
+        if nxt is not None:  # launched before prev is read: the GPU never waits on the host
+            self._inflight = self._launch_decode(nxt, [[0]] * len(nxt), prev.next_ids(nxt))
+            self.engine.stats["num_overlapped_steps"] += 1
+        advanced = self.engine._complete(prev)
+        if self._inflight is not None or not self.engine.has_unfinished():
+            return advanced  # (no empty step: the gates' clock counts the steps a sync engine runs)
+        return advanced + self._step()
+
+    def _next_paused(self, prev: InFlight) -> list[Sequence] | None:
+        """The requests of the step after the in-flight `prev` when that step decodes all of them
+        without drafts (engine._next_decode's conditions, and no request drafting at the next step
+        of the gates' clock); the clock advanced to it. None otherwise."""
+        sched = self.engine.scheduler
+        if sched.running != prev.seqs:
+            return None
+        step, n = self.steps + 1, len(sched.running)
+        paused = self.pause_at is not None and n >= self.pause_at
+        gated = [s for s in prev.seqs if s.params.speculative and s.num_tokens + self.span <= self.engine.max_model_len]
+        if not paused and any(getattr(s, "spec_gate", None) is None or s.spec_gate.drafts(step) for s in gated):
+            return None
+        seqs = self.engine._next_decode(prev)
+        if seqs is None:
+            return None
+        self.steps, self.num_running, self.paused = step, n, paused
+        self.stats.paused_steps += paused
+        if not paused:
+            rows = {id(s) for s in seqs}
+            for s in gated:
+                if id(s) in rows:
+                    for st in (self._stats(s), self.stats):
+                        st.gated_steps += 1
+        return seqs
+
+    def _launch_decode(self, seqs: list[Sequence], tokens: list[list[int]], ids: torch.Tensor | None = None
+                       ) -> InFlight:
+        """Queue a step without drafts (the target over one row a request and the context write)
+        and the sampling of every request's next token; nothing waits for the GPU. ids: the rows'
+        token ids already on the device, in place of `tokens`."""
+        from flashdraft.engine.engine import InFlight  # the engine module imports this one
+
+        eng, runner = self.engine, self.engine.runner
+        out = runner.graphed(("decode", self.tap_layers), seqs, tokens, eng.block_manager, True, runner.attn,
+                             self._decode_step, input_ids=ids)
+        if out is not None:
+            hidden = out[0]
+        else:
+            rows, positions, batch = runner.build_batch(seqs, tokens, eng.block_manager)
+            if ids is not None:
+                rows[: ids.shape[0]] = ids
+            hidden, taps = runner.run(rows, positions, batch, self.tap_layers)
+            store = AttentionBatch(batch.slot_mapping, [], [], [], batch.block_size)
+            self.drafter.write_context(taps, positions, self.kv, self.attn, store)
+        for s in seqs:
+            s.num_computed_tokens += 1
+        eng.stats["num_steps"] += 1
+        sb = runner.sampling_batch(seqs, [s.num_computed_tokens for s in seqs])
+        logits = runner.model.compute_logits(hidden[: len(seqs)], float32=not sb.all_greedy)
+        return InFlight(seqs, sample(logits, sb))
+
+    def _step(self) -> list[Sequence]:
         eng = self.engine
         self.steps += 1
         self.num_running = len(eng.scheduler.running)
@@ -165,6 +235,11 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
             row += p.n
         if self.tree_size is not None and any(p.verify for p in plans):
             return self._tree_step(plans)
+        if eng.async_scheduling and not self.poison_rejected and all(
+                not p.verify and p.n == 1 and p.seq.num_computed_tokens + 1 == p.seq.num_tokens for p in plans):
+            # a step of decode rows without drafts: in flight until the next step() (step's docstring)
+            self._inflight = self._launch_decode([p.seq for p in plans], [p.seq.token_ids[-1:] for p in plans])
+            return []
         # drafts never leave the device: drafted, fed to the verify, compared with the target's
         # tokens there; one device->host transfer reads the accepted lengths and the tokens
         hidden, ids = self._forward(plans)
