@@ -1,5 +1,6 @@
 """The step costs measured at start on CUDA (flashdraft/speculative/costs.py) and the acceptance gate
-they set by default: a drafter whose drafts miss stops drafting, with plain decoding's tokens."""
+they set by default: a drafter whose drafts miss stops drafting, its steps overlapped as plain
+decoding's are, with plain decoding's tokens."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def test_measured_costs_gate_a_random_drafter(tiny_llama, tmp_path, monkeypatch)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     tot = llm.engine.spec_totals()
     assert tot["gated_steps"] > 0 and tot["num_drafts"] >= 4  # the warm-up verifies, then paused
+    assert llm.engine.stats["num_overlapped_steps"] > 0  # paused steps launched ahead (async scheduling)
 
     monkeypatch.setattr(flashdraft.config, "CUDA_MEASURED_GATE", False)
     off = LLM(str(tiny_llama), draft=str(draft), device="cuda", dtype="float32", max_num_seqs=8)
