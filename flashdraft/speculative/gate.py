@@ -15,9 +15,9 @@ step clock, so requests paused alike probe in the same steps: on a CPU most of a
 paid once per step (the drafter's and the vocabulary head's weights are read once for any number of
 blocks), and scattered probes would make every step a verify step.
 
-A new request starts paused, on the same clock, when the engine's recent tau over every request's
-verifies is below its threshold (a drafter that misses for everyone, such as one out of its domain,
-costs no warm-up verifies per request). Pauses grow to at most pause_cap(min_tau) steps: a probe of
+A new request starts paused at the longest pause, on the same clock, when the engine's recent tau
+over every request's verifies is below its threshold (a drafter that misses for everyone, such as
+one out of its domain, costs no warm-up verifies per request, and its probes stay rare). Pauses grow to at most pause_cap(min_tau) steps: a probe of
 a paused batch costs about min_tau - 1 plain steps more than the step it replaces, which the cap
 keeps near 1% of the steps.
 
@@ -62,11 +62,11 @@ class AcceptanceGate:
 
 
     def pause_now(self, tau: float, step: int) -> None:
-        """Start paused, from a running average of `tau` (a new request, the engine's drafts missing)."""
-        self.tau, self.verifies = tau, self.warmup
-        pause = self.pause or self.first_pause
-        self.resume_at = -(-(step + pause) // pause) * pause
-        self.pause = min(2 * pause, self.max_pause)
+        """Start paused at the longest pause, from a running average of `tau` (a new request, the
+        engine's drafts missing for everyone): the first probe at the pause's next multiple, with
+        the probes of the requests paused before it."""
+        self.tau, self.verifies, self.pause = tau, self.warmup, self.max_pause
+        self.resume_at = (step // self.max_pause + 1) * self.max_pause
 
 
 def pause_cap(min_tau: float) -> int:
