@@ -7,12 +7,9 @@ import argparse
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from flashdraft.speculative.costs import StepCosts
 
 log = logging.getLogger("flashdraft")
 
@@ -28,9 +25,10 @@ CPU_BREAK_EVEN: tuple[float, float] | None = (1.5, 0.15)
 # 28.1-29.7 against 19.5-26.5 tok/s; docs/performance.md section 4). On CUDA the chain: a tree step there
 # still costs ~0.8 ms more than the chain's, more than its extra tokens save.
 CPU_TREE = True
-# speculative_min_acceptance_length="auto" on CUDA: every request gated at the break-even tau of the
-# step costs measured at start (speculative/costs.py), so that drafts that miss (a drafter out of its
-# domain, a batch large enough for verify rows to cost real work) stop costing steps.
+# speculative_min_acceptance_length="auto" on CUDA: whole steps decode without drafts while the batch's
+# tau is below the break-even tau of the step costs measured at start (speculative/costs.py, gate.py
+# StepGate), so that drafts that miss (a drafter out of its domain, a batch large enough for verify
+# rows to cost real work) stop costing steps.
 CUDA_MEASURED_GATE = True
 
 
@@ -55,8 +53,8 @@ class EngineConfig:
     speculative_disable_batch_size: int | None = None
     # per request: decode without drafts for a while when its recent tau (tokens per verify) falls
     # below this (speculative/gate.py); "auto": CPU_BREAK_EVEN for sampled requests on a CPU, on CUDA
-    # the break-even tau of the step costs measured at start (speculative/costs.py) for every request;
-    # a number: that threshold for every request; None: never
+    # whole steps without drafts while the batch's tau is below the break-even tau of the step costs
+    # measured at start (CUDA_MEASURED_GATE); a number: that threshold for every request; None: never
     speculative_min_acceptance_length: float | str | None = "auto"
     seed: int = 0
     attention_backend: str = "auto"  # "auto": triton on CUDA when it imports, else torch
@@ -113,22 +111,17 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
-    def min_acceptance_length(self, device: torch.device, costs: StepCosts | None = None
-                              ) -> Callable[[int, float], float | None] | None:
-        """The acceptance gate's threshold as a function of (running requests, the request's
-        temperature), None for a request it does not gate; or None for no gate at all. "auto": on a
-        CPU the CPU_BREAK_EVEN line for sampled requests; elsewhere the break-even tau of the step
-        costs measured at start (speculative/costs.py), for every request; no gate without them."""
+    def min_acceptance_length(self, device: torch.device) -> Callable[[int, float], float | None] | None:
+        """The per-request acceptance gate's threshold as a function of (running requests, the
+        request's temperature), None for a request it does not gate; or None for no per-request gate.
+        "auto": on a CPU the CPU_BREAK_EVEN line for sampled requests; elsewhere none (on CUDA the
+        step gate decides instead, speculative/gate.py StepGate)."""
         m = self.speculative_min_acceptance_length
         if m == "auto":
-            if device.type == "cpu":
-                if CPU_BREAK_EVEN is None:
-                    return None
-                a, b = CPU_BREAK_EVEN
-                return lambda num_running, temperature: a + b * (num_running - 1) if temperature > 0 else None
-            if costs is None or not CUDA_MEASURED_GATE:
+            if device.type != "cpu" or CPU_BREAK_EVEN is None:
                 return None
-            return lambda num_running, temperature: costs.break_even(num_running)
+            a, b = CPU_BREAK_EVEN
+            return lambda num_running, temperature: a + b * (num_running - 1) if temperature > 0 else None
         return None if m is None else lambda num_running, temperature, m=float(m): m
 
     def tree_size(self, device: torch.device, block_size: int, chain_only: str | None = None) -> int | None:
@@ -212,8 +205,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-min-acceptance-length", type=_min_tau, default="auto", metavar="TAU",
                    help="a request whose recent tokens per verify fall below TAU decodes without drafts for a "
                         "while, then tries again (default auto: sampled requests on a CPU, at 1.5 + 0.15 per "
-                        "further running request; on CUDA every request, at the break-even tau of the step "
-                        "costs measured at start; 0 or off: never)")
+                        "further running request; on CUDA whole steps, while the batch's tau is below the "
+                        "break-even tau of the step costs measured at start; 0 or off: never)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

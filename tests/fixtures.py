@@ -262,3 +262,14 @@ def record_fed_drafts(monkeypatch) -> list:
 
     monkeypatch.setattr(DFlashSpeculator, "_accept", accept)
     return fed
+
+
+def step_gated(llm, break_even: float):
+    """The CUDA default on a CPU engine: a step gate at a given break-even tau (costs measured on
+    CUDA only)."""
+    from flashdraft.speculative.costs import StepCosts
+    from flashdraft.speculative.gate import StepGate
+
+    sp = llm.engine.spec
+    sp.costs, sp.step_gate = StepCosts((64,), (1.0,), (break_even,)), StepGate()
+    return llm

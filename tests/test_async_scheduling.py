@@ -123,17 +123,23 @@ def spec_engines(folder, drafter, **cfg):
             for a in (False, True)]
 
 
-@pytest.mark.parametrize("pause", ["gate", "batch"])
+@pytest.mark.parametrize("pause", ["gate", "step", "batch"])
 def test_dflash_steps_without_drafts_overlap(tiny_llama, drafter, pause):
-    """A random drafter's requests paused by their acceptance gate (tau ~1 under min_tau 3: four
-    warm-up verifies, then probes on the clock's multiples), or every step paused by
-    speculative_disable_batch_size: with async scheduling each step without drafts is launched before
+    """A random drafter's requests paused by their acceptance gates (tau ~1 under min_tau 3: four
+    warm-up verifies, then probes on the clock's multiples), by the step gate (the CUDA default, at a
+    break-even tau of 3), or every step paused by speculative_disable_batch_size: with async
+    scheduling each step without drafts is launched before
     the one before it is read. Tokens, finish reasons and texts equal plain decoding's, greedy and
     sampled, with stops; the drafting statistics equal the step-by-step DFlash engine's while no
     request stops early (a stop that a launched step could not foresee costs that step a row, and
     the gates' step clock moves on one more than without overlap)."""
-    cfg = {"speculative_min_acceptance_length": 3} if pause == "gate" else {"speculative_disable_batch_size": 1}
+    cfg = {"gate": {"speculative_min_acceptance_length": 3}, "step": {},
+           "batch": {"speculative_disable_batch_size": 1}}[pause]
     sync, overlap = spec_engines(tiny_llama, drafter, **cfg)
+    if pause == "step":
+        from fixtures import step_gated
+
+        sync, overlap = step_gated(sync, 3.0), step_gated(overlap, 3.0)
     (plain,) = [LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")]
     greedy = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 40, 27, 1)]
     sampled = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=n, seed=7 + n, ignore_eos=True)

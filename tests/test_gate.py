@@ -6,14 +6,14 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from fixtures import build_random_drafter
+from fixtures import build_random_drafter, step_gated
 from test_dflash import MIXED, install_oracle
 
 import flashdraft.config
 from flashdraft import LLM, SamplingParams
 from flashdraft.config import CPU_BREAK_EVEN  # the shipped line (tests/conftest.py turns it off)
 from flashdraft.speculative.costs import StepCosts
-from flashdraft.speculative.gate import AcceptanceGate, RecentTau, pause_cap
+from flashdraft.speculative.gate import AcceptanceGate, StepGate, pause_cap
 
 
 @pytest.fixture(scope="module")
@@ -112,26 +112,20 @@ def test_gated_sampled_requests_on_the_shipped_drafter_equal_plain(smollm2, monk
     assert all(o.metrics["gated_steps"] == 0 and o.metrics["num_drafts"] > 0 for o in outs)
 
 
-def test_auto_is_the_cpu_line_or_the_measured_costs(monkeypatch):
+def test_auto_is_the_cpu_default_and_the_step_gate_on_cuda(monkeypatch):
     import torch
 
     from flashdraft.config import EngineConfig
 
     monkeypatch.setattr(flashdraft.config, "CPU_BREAK_EVEN", CPU_BREAK_EVEN)
-    monkeypatch.setattr(flashdraft.config, "CUDA_MEASURED_GATE", True)
     assert CPU_BREAK_EVEN == (1.5, 0.15)  # docs/performance.md section 4 measures these
     c = EngineConfig()
     assert c.speculative_min_acceptance_length == "auto"
     rule = c.min_acceptance_length(torch.device("cpu"))
     assert rule(1, 1.0) == pytest.approx(1.5) and rule(12, 0.7) == pytest.approx(1.5 + 11 * 0.15)
     assert rule(1, 0.0) is None and rule(12, 0.0) is None  # greedy requests: no gate by default
-    assert c.min_acceptance_length(torch.device("cuda")) is None  # no costs measured: no gate
-    costs = StepCosts((1, 2, 4), (1.0, 1.1, 1.5), (1.3, 1.65, 4.5))
-    rule = c.min_acceptance_length(torch.device("cuda"), costs)
-    assert rule(1, 0.0) == rule(1, 1.0) == pytest.approx(1.3)  # greedy and sampled alike
-    assert rule(3, 0.0) == pytest.approx(3.0) and rule(40, 0.7) == pytest.approx(3.0)
-    monkeypatch.setattr(flashdraft.config, "CUDA_MEASURED_GATE", False)
-    assert c.min_acceptance_length(torch.device("cuda"), costs) is None
+    assert c.min_acceptance_length(torch.device("cuda")) is None  # per request; CUDA gates whole steps
+    assert flashdraft.config.CUDA_MEASURED_GATE is False  # the suite's switch (tests/conftest.py)
     assert EngineConfig(speculative_min_acceptance_length=None).min_acceptance_length(torch.device("cpu")) is None
     fixed = EngineConfig(speculative_min_acceptance_length=3).min_acceptance_length(torch.device("cuda"))
     assert fixed(1, 0.0) == fixed(40, 1.0) == 3.0
@@ -168,40 +162,50 @@ def test_step_costs_break_even_by_bucket():
     assert c.as_dict()["break_even"] == [1.3, 1.4, 2.0, 4.0]
 
 
-def test_pause_cap_and_starting_paused():
+def test_pause_cap_and_the_step_gate_by_hand():
     """Pauses grow to a power of two of at least 100 (min_tau - 1) steps (a probe then costs about 1%
-    of the steps), 64 to 1024; a request started paused resumes on the clock's multiples."""
+    of the steps), 64 to 1024. The step gate: warm-up, the average (weight 0.2), pauses on the
+    clock's multiples, a probe's tau replacing the average, doubling to the cap, the reset."""
     assert [pause_cap(t) for t in (1.0, 1.5, 1.64, 2.0, 3.0, 4.0, 9.0, 30.0)] == [64, 64, 64, 128, 256, 512, 1024, 1024]
-    g = AcceptanceGate(max_pause=128)
-    g.pause_now(1.1, 37)
-    assert (g.tau, g.verifies, g.resume_at, g.pause) == (1.1, g.warmup, 128, 128)  # the next multiple of 128
-    assert not g.drafts(127) and g.drafts(128)
-    assert g.record(1, 128, 2.0) and g.resume_at == 256  # a probe below: the pause stays at the cap
-    g.pause_now(1.1, 256)
-    assert g.resume_at == 384
-    r = RecentTau()
-    for _ in range(15):
-        r.record(1)
-    assert not r.below(2.0)  # 15 verifies: not trusted yet
-    r.record(1)
-    assert r.below(2.0) and not r.below(1.0)
+    g = StepGate()
+    assert g.drafts(0)
+    assert [g.record(1.0, step, 3.0) for step in (1, 2, 3)] == [False] * 3  # the warm-up
+    assert g.record(1.0, 4, 3.0) and g.resume_at == 32 and g.pause == 32  # 4 + 16 -> 32
+    assert not g.drafts(31) and g.drafts(32)
+    assert g.record(2.5, 32, 3.0) and g.tau == 2.5  # the probe replaces the average: 32 + 32 -> 64
+    assert g.resume_at == 64 and g.pause == 64
+    assert g.record(1.0, 64, 3.0) and g.resume_at == 128 and g.pause == 128
+    assert g.record(1.0, 128, 3.0) and g.resume_at == 256 and g.pause == 256  # the cap at 3: 256
+    assert g.record(1.0, 256, 3.0) and g.resume_at == 512 and g.pause == 256
+    assert not g.record(4.0, 512, 3.0) and g.pause == 0 and g.drafts(513)  # pays again
+    assert not g.record(2.5, 513, 3.0) and g.tau == pytest.approx(3.7)  # 4 + 0.2 * (2.5 - 4)
+    assert not g.record(1.0, 514, 3.0) and g.tau == pytest.approx(3.16)  # 3.7 - 0.2 * 2.7
+    assert g.record(1.0, 515, 3.0) and g.resume_at == 544 and g.pause == 32  # 2.728: 515 + 16 = 531 -> 544
 
 
-def test_new_requests_start_paused_when_drafts_miss_for_everyone(tiny_llama, drafter, plain):
-    """A random drafter (tau ~1) under min_tau 3: the first requests verify their warm-up blocks
-    and pause; once the engine has seen 16 verifies below 3, new requests start paused at the
-    longest pause (256 steps at min_tau 3), so a 40-token run verifies at most one probe, with plain
-    decoding's tokens."""
+def test_the_step_gate_stops_drafts_that_miss_and_keeps_those_that_pay(tiny_llama, drafter, plain):
+    """A random drafter (tau ~1) under a break-even tau of 3: four verify steps, then steps without
+    drafts for every request, probing on the clock's multiples (16, 32); requests arriving later
+    start without drafts. Oracle drafts (tau 4) under the same threshold: never gated. Tokens are
+    plain decoding's throughout."""
     prompts = MIXED[:4]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     ref = [o.token_ids for o in plain.generate(prompts, params)]
-    llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32",
-              speculative_min_acceptance_length=3)
+    llm = step_gated(LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32"), 3.0)
     first = llm.generate(prompts, params)
     assert [o.token_ids for o in first] == ref
-    assert all(o.metrics["num_drafts"] >= 4 for o in first)  # the warm-up
-    assert llm.engine.spec.recent.below(3.0)
-    again = llm.generate(prompts, params)
+    # step 1 prefills, 2-5 verify (the warm-up), 6-31 decode, 32 probes, 33-40 decode (a request
+    # whose random drafts were accepted somewhere ends a step earlier)
+    for o in first:
+        m = o.metrics
+        assert m["num_drafts"] == 5 and 1 + m["num_drafts"] + m["num_accepted_tokens"] + m["gated_steps"] == 40
+    assert llm.engine.spec.steps == 40
+    again = llm.generate(prompts, params)  # step 41 prefills, 42-63 decode, 64 probes, 65-80 decode
     assert [o.token_ids for o in again] == ref
-    for o in again:  # 39 decode steps, at most one of them on a multiple of 256
-        assert o.metrics["num_drafts"] <= 1 and o.metrics["gated_steps"] >= 39 - 1
+    assert [(o.metrics["num_drafts"], o.metrics["gated_steps"]) for o in again] == [(1, 38)] * 4
+    assert llm.engine.spec.step_gate.resume_at == 128  # the pause doubled to the cap at tau 3: 256
+    oracle = step_gated(LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32"), 3.0)
+    install_oracle(oracle, {tuple(p): r for p, r in zip(prompts, ref)})
+    outs = oracle.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.metrics["gated_steps"] == 0 for o in outs) and oracle.engine.spec.step_gate.tau == 4.0

@@ -38,7 +38,7 @@ from flashdraft.engine.sequence import Sequence
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.speculative import costs as step_costs
 from flashdraft.speculative.drafts import DraftTokens
-from flashdraft.speculative.gate import AcceptanceGate, RecentTau, gate_record, pause_cap
+from flashdraft.speculative.gate import StepGate, gate_record
 from flashdraft.speculative.graphed import GraphedSteps
 from flashdraft.speculative.kv_slots import poison_slots, position_slots
 from flashdraft.speculative.metrics import SpecStats
@@ -93,16 +93,17 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         self.steps = 0
         self._inflight: InFlight | None = None  # a step without drafts not read yet (step())
         self._compile_and_capture()
-        # the per-request acceptance gate: its threshold given (running requests, temperature), from
-        # the step costs measured now on CUDA (speculative/costs.py); its clock; new requests' prior
+        # the per-request acceptance gate: its threshold given (running requests, temperature); the
+        # step gate (CUDA default) at the break-even tau of the step costs measured now; their clock
+        self.min_tau_rule = engine.config.min_acceptance_length(engine.device)
         auto = engine.config.speculative_min_acceptance_length == "auto"
         self.costs = step_costs.measure(self) if auto and config.CUDA_MEASURED_GATE else None
+        self.step_gate = StepGate() if self.costs is not None else None
+        self.gated = False  # this step decodes without drafts (the step gate)
         if self.costs is not None:
             log.info("speculation pays from tau %s at %s running requests (step costs measured at start)",
                      "/".join(f"{self.costs.break_even(b):.2f}" for b in self.costs.batches),
                      "/".join(map(str, self.costs.batches)))
-        self.min_tau_rule = engine.config.min_acceptance_length(engine.device, self.costs)
-        self.recent = RecentTau()
 
     # ---- hooks the engine calls -----------------------------------------------------------
     def totals(self) -> dict:
@@ -121,12 +122,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
                 seq.num_tokens - 1 + self.span > self.engine.max_model_len:
             return 0
         gate = getattr(seq, "spec_gate", None)
-        if gate is None and self.min_tau_rule is not None:  # a new request: paused if drafts miss for everyone
-            min_tau = self.min_tau_rule(max(self.num_running, 1), seq.params.temperature)
-            if min_tau is not None and self.recent.below(min_tau):
-                gate = seq.spec_gate = AcceptanceGate(max_pause=pause_cap(min_tau))
-                gate.pause_now(self.recent.tau, self.steps)
-        if gate is not None and not gate.drafts(self.steps):
+        if self.gated or (gate is not None and not gate.drafts(self.steps)):
             for st in (self._stats(seq), self.stats):
                 st.gated_steps += 1
             return 0
@@ -166,13 +162,15 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
             return None
         step, n = self.steps + 1, len(sched.running)
         paused = self.pause_at is not None and n >= self.pause_at
+        whole = self.step_gate is not None and not self.step_gate.drafts(step)
         gated = [s for s in prev.seqs if s.params.speculative and s.num_tokens + self.span <= self.engine.max_model_len]
-        if not paused and any(getattr(s, "spec_gate", None) is None or s.spec_gate.drafts(step) for s in gated):
+        if not (paused or whole) and any(getattr(s, "spec_gate", None) is None or s.spec_gate.drafts(step)
+                                         for s in gated):
             return None
         seqs = self.engine._next_decode(prev)
         if seqs is None:
             return None
-        self.steps, self.num_running, self.paused = step, n, paused
+        self.steps, self.num_running, self.paused, self.gated = step, n, paused, whole
         self.stats.paused_steps += paused
         if not paused:
             rows = {id(s) for s in seqs}
@@ -213,6 +211,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         self.steps += 1
         self.num_running = len(eng.scheduler.running)
         self.paused = self.pause_at is not None and self.num_running >= self.pause_at
+        self.gated = self.step_gate is not None and not self.step_gate.drafts(self.steps)
         self.stats.paused_steps += self.paused
         batch = eng.scheduler.schedule(self.lookahead)
         eng.stats["num_preemptions"] += len(batch.preempted)
@@ -384,7 +383,6 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
             target, a = chosen[i], p.accepted
             for st in (self._stats(s), self.stats):
                 st.record(a, p.n - 1)
-            self.recent.record(a + 1)
             start = s.num_computed_tokens
             s.num_computed_tokens = start + a + 1
             if eng.runner.hybrid:  # the slot now: a sequence that finishes below gives it back
@@ -395,6 +393,10 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
                 if p.path:
                     moves += self._path_moves(s, start, p.path)
                 kept.append((s, start + p.n, a))
+        verified = [p.accepted + 1 for p in plans if p.verify]
+        if self.step_gate is not None and verified:
+            self.step_gate.record(sum(verified) / len(verified), self.steps,
+                                  self.costs.break_even(max(self.num_running, 1)))
         eng.runner.commit_states(committed)  # hybrid targets: the accepted rows' state
         if moves:  # before poisoning or freeing what lies past the committed length
             self._move_kv(moves)
