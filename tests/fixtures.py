@@ -266,10 +266,10 @@ def record_fed_drafts(monkeypatch) -> list:
 
 def step_gated(llm, break_even: float):
     """The CUDA default on a CPU engine: a step gate at a given break-even tau (costs measured on
-    CUDA only)."""
+    CUDA only), its step costs far above what a CPU step is observed to take (so they decide alone)."""
     from flashdraft.speculative.costs import StepCosts
     from flashdraft.speculative.gate import StepGate
 
     sp = llm.engine.spec
-    sp.costs, sp.step_gate = StepCosts((64,), (1.0,), (break_even,)), StepGate()
+    sp.costs, sp.step_gate = StepCosts((64,), (1e6,), (break_even * 1e6,)), StepGate()
     return llm

@@ -12,7 +12,7 @@ from test_dflash import MIXED, install_oracle
 import flashdraft.config
 from flashdraft import LLM, SamplingParams
 from flashdraft.config import CPU_BREAK_EVEN  # the shipped line (tests/conftest.py turns it off)
-from flashdraft.speculative.costs import StepCosts
+from flashdraft.speculative.costs import Observed, StepCosts
 from flashdraft.speculative.gate import AcceptanceGate, StepGate, pause_cap
 
 
@@ -209,3 +209,34 @@ def test_the_step_gate_stops_drafts_that_miss_and_keeps_those_that_pay(tiny_llam
     outs = oracle.generate(prompts, params)
     assert [o.token_ids for o in outs] == ref
     assert all(o.metrics["gated_steps"] == 0 for o in outs) and oracle.engine.spec.step_gate.tau == 4.0
+
+
+def test_observed_step_costs_raise_the_break_even():
+    """While serving, the larger of a step's graph cost and its observed wall time (DFlash steps)
+    or pace (overlapped steps without drafts) counts, as a running average by bucket."""
+    c = StepCosts((1, 4), (1.0, 2.0), (1.5, 3.0))
+    seen = Observed()
+    assert c.break_even(3, seen) == 1.5 and c.bucket(3) == 1 and c.bucket(9) == 1
+    seen.add(seen.spec, c.bucket(3), 6.0)  # a DFlash step of 3 requests took 6 ms, host included
+    assert c.break_even(3, seen) == 3.0 and c.break_even(1, seen) == 1.5
+    seen.add(seen.spec, 1, 8.0)
+    assert seen.spec[1] == pytest.approx(6.4)  # 6 + 0.2 * (8 - 6)
+    seen.add(seen.plain, 1, 4.0)
+    assert c.break_even(4, seen) == pytest.approx(1.6)
+    seen.add(seen.plain, 1, 1.0)  # 4 + 0.2 * (1 - 4) = 3.4
+    assert c.break_even(4, seen) == pytest.approx(6.4 / 3.4)
+
+
+def test_the_step_gate_counts_what_steps_take_on_the_host(tiny_llama, drafter, plain):
+    """Graph costs that call drafts free (break-even 1, so a random drafter's tau of 1 would pay) on
+    an engine whose DFlash steps take milliseconds of host and CPU time: the observed wall times raise
+    the break-even and the gate stops the drafts, with plain decoding's tokens."""
+    prompts = MIXED[:4]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = [o.token_ids for o in plain.generate(prompts, params)]
+    llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32")
+    sp = step_gated(llm, 1.0).engine.spec
+    sp.costs = StepCosts((64,), (0.01,), (0.01,))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    assert sp.seen.spec[0] > 0.01 and sp.costs.break_even(4, sp.seen) > 10
+    assert llm.engine.spec_totals()["gated_steps"] > 0

@@ -25,6 +25,7 @@ chains), drafts.py (the drafter's hidden states -> drafts), loader.py (a drafter
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -99,6 +100,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         auto = engine.config.speculative_min_acceptance_length == "auto"
         self.costs = step_costs.measure(self) if auto and config.CUDA_MEASURED_GATE else None
         self.step_gate = StepGate() if self.costs is not None else None
+        self.seen = step_costs.Observed()  # step costs while serving (the step gate's)
+        self._last_launch: float | None = None  # when the last overlapped step without drafts launched
         self.gated = False  # this step decodes without drafts (the step gate)
         if self.costs is not None:
             log.info("speculation pays from tau %s at %s running requests (step costs measured at start)",
@@ -145,9 +148,13 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         if prev is None:
             return self._step()
         nxt = self._next_paused(prev)
+        last, self._last_launch = self._last_launch, None
         if nxt is not None:  # launched before prev is read: the GPU never waits on the host
             self._inflight = self._launch_decode(nxt, [[0]] * len(nxt), prev.next_ids(nxt))
             self.engine.stats["num_overlapped_steps"] += 1
+            self._last_launch = time.perf_counter()
+            if last is not None and self.costs is not None and len(nxt) == len(prev.seqs):  # a run's pace
+                self.seen.add(self.seen.plain, self.costs.bucket(len(nxt)), 1e3 * (self._last_launch - last))
         advanced = self.engine._complete(prev)
         if self._inflight is not None or not self.engine.has_unfinished():
             return advanced  # (no empty step: the gates' clock counts the steps a sync engine runs)
@@ -208,6 +215,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
 
     def _step(self) -> list[Sequence]:
         eng = self.engine
+        start = time.perf_counter()
         self.steps += 1
         self.num_running = len(eng.scheduler.running)
         self.paused = self.pause_at is not None and self.num_running >= self.pause_at
@@ -251,7 +259,10 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         chosen: dict[int, list[int]] = {}
         for i, t in zip(owner, host[len(verifying):]):
             chosen.setdefault(i, []).append(t)
-        return self._commit(plans, chosen)
+        advanced = self._commit(plans, chosen)
+        if self.costs is not None and len(verifying) == len(plans):  # a whole DFlash step, host and GPU
+            self.seen.add(self.seen.spec, self.costs.bucket(len(plans)), 1e3 * (time.perf_counter() - start))
+        return advanced
 
     def _forward(self, plans: list[Plan]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft (for verifying requests), then the target over every scheduled row with its taps,
@@ -396,7 +407,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         verified = [p.accepted + 1 for p in plans if p.verify]
         if self.step_gate is not None and verified:
             self.step_gate.record(sum(verified) / len(verified), self.steps,
-                                  self.costs.break_even(max(self.num_running, 1)))
+                                  self.costs.break_even(max(self.num_running, 1), self.seen))
         eng.runner.commit_states(committed)  # hybrid targets: the accepted rows' state
         if moves:  # before poisoning or freeing what lies past the committed length
             self._move_kv(moves)
