@@ -272,4 +272,5 @@ def step_gated(llm, break_even: float):
 
     sp = llm.engine.spec
     sp.costs, sp.step_gate = StepCosts((64,), (1e6,), (break_even * 1e6,)), StepGate()
+    sp.seen.max_tries = 0  # no steps without drafts run to time their pace
     return llm

@@ -212,31 +212,39 @@ def test_the_step_gate_stops_drafts_that_miss_and_keeps_those_that_pay(tiny_llam
 
 
 def test_observed_step_costs_raise_the_break_even():
-    """While serving, the larger of a step's graph cost and its observed wall time (DFlash steps)
-    or pace (overlapped steps without drafts) counts, as a running average by bucket."""
+    """While serving, once a bucket's DFlash steps (wall time) and steps without drafts (pace) have
+    both been timed, the larger of graph and observed cost counts for each, as running averages."""
     c = StepCosts((1, 4), (1.0, 2.0), (1.5, 3.0))
     seen = Observed()
     assert c.break_even(3, seen) == 1.5 and c.bucket(3) == 1 and c.bucket(9) == 1
+    assert not seen.wants_plain(1)
     seen.add(seen.spec, c.bucket(3), 6.0)  # a DFlash step of 3 requests took 6 ms, host included
-    assert c.break_even(3, seen) == 3.0 and c.break_even(1, seen) == 1.5
+    assert c.break_even(3, seen) == 1.5 and seen.wants_plain(1)  # its pace without drafts not seen yet
+    seen.add(seen.plain, 1, 1.0)  # below the graph's 2 ms: the graph's counts
+    assert c.break_even(3, seen) == 3.0 and c.break_even(1, seen) == 1.5 and not seen.wants_plain(1)
     seen.add(seen.spec, 1, 8.0)
     assert seen.spec[1] == pytest.approx(6.4)  # 6 + 0.2 * (8 - 6)
-    seen.add(seen.plain, 1, 4.0)
-    assert c.break_even(4, seen) == pytest.approx(1.6)
-    seen.add(seen.plain, 1, 1.0)  # 4 + 0.2 * (1 - 4) = 3.4
-    assert c.break_even(4, seen) == pytest.approx(6.4 / 3.4)
+    seen.add(seen.plain, 1, 4.0)  # 1 + 0.2 * (4 - 1) = 1.6: still the graph's
+    assert c.break_even(4, seen) == pytest.approx(3.2)
+    seen.plain[1] = 3.2
+    assert c.break_even(4, seen) == pytest.approx(2.0)
+    seen.tries[0] = seen.max_tries
+    seen.add(seen.spec, 0, 9.0)
+    assert not seen.wants_plain(0)  # the tries are spent: the graphs decide
 
 
 def test_the_step_gate_counts_what_steps_take_on_the_host(tiny_llama, drafter, plain):
-    """Graph costs that call drafts free (break-even 1, so a random drafter's tau of 1 would pay) on
-    an engine whose DFlash steps take milliseconds of host and CPU time: the observed wall times raise
-    the break-even and the gate stops the drafts, with plain decoding's tokens."""
+    """Graph costs that call drafts free (break-even 1, so a random drafter's tau of ~1 would pay) on
+    an engine whose steps take milliseconds of host and CPU time: it runs a few overlapped steps
+    without drafts to time their pace, and the observed costs (a DFlash step dearer than one
+    without drafts) make the gate stop the drafts, with plain decoding's tokens."""
     prompts = MIXED[:4]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     ref = [o.token_ids for o in plain.generate(prompts, params)]
-    llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32")
+    llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32", async_scheduling=True)
     sp = step_gated(llm, 1.0).engine.spec
-    sp.costs = StepCosts((64,), (0.01,), (0.01,))
+    sp.costs, sp.seen.max_tries = StepCosts((64,), (0.01,), (0.01,)), 8
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
-    assert sp.seen.spec[0] > 0.01 and sp.costs.break_even(4, sp.seen) > 10
-    assert llm.engine.spec_totals()["gated_steps"] > 0
+    assert sp.seen.spec[0] > sp.seen.plain[0] > 0.01 and sp.costs.break_even(4, sp.seen) > 1.2
+    assert 0 < sp.seen.tries[0] <= sp.seen.max_tries
+    assert sp.step_gate.resume_at > 0 and llm.engine.spec_totals()["gated_steps"] > 4 * sp.seen.max_tries

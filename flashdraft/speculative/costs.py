@@ -18,9 +18,10 @@ runs in the smallest bucket holding it, and so takes that bucket's ratio.
 
 That is GPU time. While serving, the engine also times its steps (Observed): a DFlash step waits for
 its accepted lengths, so its wall time is host and GPU together; steps without drafts overlap the
-host (engine.step), so their pace is the time between launches in a run of them. Where a bucket has
-been seen, the larger of the two figures counts: a small target whose verify steps wait on the host
-(the shipped pair at 64 requests: 0.93x plain with drafts) shows a break-even the graphs alone miss.
+host (engine.step), so their pace is the time between launches in a run of them. Once a bucket has
+been seen both ways (the engine runs a few steps without drafts to time them, once per bucket), the
+larger of graph and observed cost counts for each: a small target whose verify steps wait on the host
+(the shipped pair at 64 requests: 0.89-0.93x plain with drafts) shows a break-even the graphs miss.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class StepCosts:
         step's cost is the larger of the graphs' and the one observed while serving."""
         i = self.bucket(n)
         spec, plain = self.spec_ms[i], self.plain_ms[i]
-        if seen is not None:
-            spec, plain = max(spec, seen.spec.get(i, 0.0)), max(plain, seen.plain.get(i, 0.0))
+        if seen is not None and i in seen.spec and i in seen.plain:  # both seen: host time on both sides
+            spec, plain = max(spec, seen.spec[i]), max(plain, seen.plain[i])
         return max(1.0, spec / plain)
 
     def as_dict(self) -> dict:
@@ -62,10 +63,18 @@ class StepCosts:
 @dataclass
 class Observed:
     """Step costs seen while serving, ms by bucket index (StepCosts.bucket): running averages of
-    whole DFlash steps' wall times and of the pace of overlapped steps without drafts."""
+    whole DFlash steps' wall times and of the pace of overlapped steps without drafts, and the
+    steps without drafts run to time that pace."""
     weight: float = 0.2
     spec: dict[int, float] = field(default_factory=dict)
     plain: dict[int, float] = field(default_factory=dict)
+    tries: dict[int, int] = field(default_factory=dict)  # steps without drafts run to time a bucket's pace
+    max_tries: int = 8  # (a run may never form: requests arriving, prefills; then the graphs decide)
+
+    def wants_plain(self, bucket: int) -> bool:
+        """Whether to run steps without drafts now to time this bucket's pace: its DFlash steps have
+        been timed, its pace not, and the tries are not spent."""
+        return bucket in self.spec and bucket not in self.plain and self.tries.get(bucket, 0) < self.max_tries
 
     def add(self, table: dict[int, float], bucket: int, ms: float) -> None:
         old = table.get(bucket)

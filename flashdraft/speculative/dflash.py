@@ -169,7 +169,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
             return None
         step, n = self.steps + 1, len(sched.running)
         paused = self.pause_at is not None and n >= self.pause_at
-        whole = self.step_gate is not None and not self.step_gate.drafts(step)
+        whole = self._gated(step, n)
         gated = [s for s in prev.seqs if s.params.speculative and s.num_tokens + self.span <= self.engine.max_model_len]
         if not (paused or whole) and any(getattr(s, "spec_gate", None) is None or s.spec_gate.drafts(step)
                                          for s in gated):
@@ -186,6 +186,19 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
                     for st in (self._stats(s), self.stats):
                         st.gated_steps += 1
         return seqs
+
+    def _gated(self, step: int, n: int) -> bool:
+        """Whether engine step `step`, n requests running, decodes without drafts by the step gate:
+        paused, or timing the pace of steps without drafts (costs.Observed; overlapped steps only)."""
+        if self.step_gate is None:
+            return False
+        if not self.step_gate.drafts(step):
+            return True
+        i = self.costs.bucket(max(n, 1))
+        if self.engine.async_scheduling and self.seen.wants_plain(i):
+            self.seen.tries[i] = self.seen.tries.get(i, 0) + 1
+            return True
+        return False
 
     def _launch_decode(self, seqs: list[Sequence], tokens: list[list[int]], ids: torch.Tensor | None = None
                        ) -> InFlight:
@@ -219,7 +232,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         self.steps += 1
         self.num_running = len(eng.scheduler.running)
         self.paused = self.pause_at is not None and self.num_running >= self.pause_at
-        self.gated = self.step_gate is not None and not self.step_gate.drafts(self.steps)
+        self.gated = self._gated(self.steps, self.num_running)
         self.stats.paused_steps += self.paused
         batch = eng.scheduler.schedule(self.lookahead)
         eng.stats["num_preemptions"] += len(batch.preempted)
