@@ -2,7 +2,10 @@
 
 1. schedule: a decoding request with speculation on asks for B slots (its last committed token,
    still without K/V, plus B-1 drafts); prefill chunks and plain requests ask as usual, and so do
-   requests whose acceptance gate has paused their drafts (speculative/gate.py).
+   requests whose acceptance gate has paused their drafts, or all of them while the step gate
+   finds that drafts do not pay at this batch size (speculative/gate.py, speculative/costs.py).
+   A step where no request drafts skips 2-5: it decodes and writes the context, and with async
+   scheduling it stays in flight while the next such step is launched (step()).
 2. draft: one non-causal drafter forward over `[x_start, MASK x (B-1)]` per verifying request,
    attending to the context K/V of every committed position; argmax of slots 1..B-1 (sampled
    requests: drawn with the noise the target will draw that position's token with, see
