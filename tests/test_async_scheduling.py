@@ -191,3 +191,27 @@ def test_dflash_abort_preemption_and_hybrid_while_in_flight(tiny_llama, drafter,
     hp = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (30, 5, 24, 1)]
     assert outputs(hover, PROMPTS, hp) == outputs(hplain, PROMPTS, hp)
     assert hover.engine.stats["num_overlapped_steps"] > 0
+
+
+def test_step_gate_under_kv_pressure_and_requests_joining(tiny_llama, drafter):
+    """The step gate (at a break-even of 3, a random drafter) with async scheduling: preemption under
+    KV pressure and requests joining while steps are in flight still give plain decoding's tokens."""
+    from fixtures import step_gated
+
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    _, tight = spec_engines(tiny_llama, drafter, num_kv_blocks=14, kv_block_size=8)
+    step_gated(tight, 3.0)
+    assert [o.token_ids for o in tight.generate(PROMPTS, params)] == want
+    eng = tight.engine
+    assert eng.stats["num_preemptions"] > 0 and eng.stats["num_overlapped_steps"] > 0
+    assert eng.spec_totals()["gated_steps"] > 0
+    first = eng.add_request(None, params, prompt_token_ids=PROMPTS[0])
+    for _ in range(9):
+        eng.step()
+    late = [eng.add_request(None, params, prompt_token_ids=p) for p in PROMPTS[1:]]
+    while eng.has_unfinished():
+        eng.step()
+    assert [s.output_token_ids for s in [first, *late]] == want
+    assert eng.block_manager.num_used_blocks == 0
