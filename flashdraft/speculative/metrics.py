@@ -16,7 +16,7 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     histogram: list[int] = field(default_factory=list)  # histogram[a] = verify steps that accepted a
     paused_steps: int = 0  # engine steps decoded without drafts (speculative_disable_batch_size)
-    gated_steps: int = 0  # request steps decoded without drafts, its tau low (speculative_min_acceptance_length)
+    gated_steps: int = 0  # request steps decoded without drafts by a gate (gate.py: its tau or the batch's low)
 
     def __post_init__(self) -> None:
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_draft_slots
