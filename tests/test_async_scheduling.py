@@ -77,20 +77,24 @@ def test_abort_while_a_step_is_in_flight(pair):
     assert eng.block_manager.num_used_blocks == 0
 
 
+def joining_late(eng, params, steps: int) -> list[list[int]]:
+    """PROMPTS[0] alone for `steps` engine steps, then the others join; every output, in order."""
+    first = eng.add_request(None, params, prompt_token_ids=PROMPTS[0])
+    for _ in range(steps):
+        eng.step()
+    late = [eng.add_request(None, params, prompt_token_ids=p) for p in PROMPTS[1:]]
+    while eng.has_unfinished():
+        eng.step()
+    return [s.output_token_ids for s in [first, *late]]
+
+
 def test_requests_joining_and_preemption(tiny_llama):
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     sync, overlap = engines(tiny_llama, num_kv_blocks=12, kv_block_size=8)
     assert outputs(overlap, PROMPTS, params) == outputs(sync, PROMPTS, params)
     assert overlap.engine.stats["num_preemptions"] > 0 and overlap.engine.stats["num_overlapped_steps"] > 0
-    eng = overlap.engine
-    first = eng.add_request(None, params, prompt_token_ids=PROMPTS[0])
-    for _ in range(5):
-        eng.step()
-    late = [eng.add_request(None, params, prompt_token_ids=p) for p in PROMPTS[1:]]
-    while eng.has_unfinished():
-        eng.step()
     want = [o.token_ids for o in sync.generate(PROMPTS, params)]
-    assert [s.output_token_ids for s in [first, *late]] == want
+    assert joining_late(overlap.engine, params, 5) == want
 
 
 def test_hybrid_target(tmp_path_factory):
@@ -207,11 +211,5 @@ def test_step_gate_under_kv_pressure_and_requests_joining(tiny_llama, drafter):
     eng = tight.engine
     assert eng.stats["num_preemptions"] > 0 and eng.stats["num_overlapped_steps"] > 0
     assert eng.spec_totals()["gated_steps"] > 0
-    first = eng.add_request(None, params, prompt_token_ids=PROMPTS[0])
-    for _ in range(9):
-        eng.step()
-    late = [eng.add_request(None, params, prompt_token_ids=p) for p in PROMPTS[1:]]
-    while eng.has_unfinished():
-        eng.step()
-    assert [s.output_token_ids for s in [first, *late]] == want
+    assert joining_late(eng, params, 9) == want
     assert eng.block_manager.num_used_blocks == 0
