@@ -52,7 +52,8 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
                         PARTS: tl.constexpr, EARLY: tl.constexpr, USE_PDL: tl.constexpr):
     """One row: r = x + res (rounded to the residual dtype, stored), out = w * rmsnorm(r); OFFSET:
     out = rmsnorm(r) * (1 + w) in float32, rounded once (the zero-centred norms of hybrid targets).
-    PARTS > 1: x is that many consecutive rows of N, summed in order in float32 and rounded first.
+    PARTS > 1 (with a residual): x is that many consecutive rows of N, summed in order in float32 and
+    rounded to the residual's dtype first.
     EARLY: the next kernel (a GEMM) may launch at once and wait on the GPU for this one (its blocks
     scheduled meanwhile; the GEMMs here signal only before their stores, so no chain of waiting
     kernels builds up)."""
@@ -67,7 +68,7 @@ def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
         xs = x.to(tl.float32)
         for p in tl.static_range(1, PARTS):
             xs += tl.load(x_ptr + row * stride_x + p * N + d, mask=ok, other=0.0).to(tl.float32)
-        x = xs.to(x_ptr.dtype.element_ty)
+        x = xs.to(res_out_ptr.dtype.element_ty)  # the residual's dtype (float32 split-K parts: bf16)
     if HAS_RES:
         dt = res_out_ptr.dtype.element_ty
         r = tl.load(res_ptr + row * stride_r + d, mask=ok, other=0.0)
@@ -245,20 +246,22 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     """(weight * rmsnorm(x + residual), x + residual), the sum rounded to x's dtype first, as
     `RMSNorm(h + a)` computes it. residual None: (weight * rmsnorm(x), x). Any row width.
     offset: (1 + weight) in float32 and the result in x's dtype, as hybrid.OffsetRMSNorm.
-    x [..., P, n] beside residual [..., n]: P parts of each row (a MoE's weighted expert outputs),
-    summed in order in float32 and rounded to x's dtype before the add, as x.sum(-2) would."""
+    x [..., P, n] beside residual [..., n]: P parts of each row (a MoE's weighted expert outputs, a
+    split-K GEMM's float32 parts), summed in order in float32 and rounded to the residual's dtype
+    before the add, as join_parts(x) would."""
     n = x.shape[-1]
     parts = 1
+    dtype = x.dtype
     if residual is not None and x.dim() == residual.dim() + 1:
         if x.shape[:-2] != residual.shape[:-1] or x.shape[-1] != residual.shape[-1]:
             raise ValueError(f"parts {tuple(x.shape)} do not fit the residual {tuple(residual.shape)}")
-        parts = x.shape[-2]
+        parts, dtype = x.shape[-2], residual.dtype
         x = x.reshape(*x.shape[:-2], parts * n)
     x2 = _rows(x)
     rows = x2.shape[0]
     shape = x.shape[:-1] + (n,)
-    out = torch.empty(shape, device=x.device, dtype=x.dtype if offset else torch.promote_types(weight.dtype, x.dtype))
-    new_res = torch.empty(shape, device=x.device, dtype=x.dtype) if residual is not None else x
+    out = torch.empty(shape, device=x.device, dtype=dtype if offset else torch.promote_types(weight.dtype, dtype))
+    new_res = torch.empty(shape, device=x.device, dtype=dtype) if residual is not None else x
     if rows == 0:
         return out, new_res
     r2 = _rows(residual) if residual is not None else x2
@@ -270,6 +273,17 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
                                  PARTS=parts, EARLY=NORM_TRIGGER == "early", num_warps=8 if block >= 4096 else 4,
                                  **launch_kwargs(x2))
     return out, new_res
+
+
+def join_parts(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """x as add_rmsnorm reads it beside a residual like `like`: parts [..., P, n] summed in slot order
+    in float32 and rounded to like's dtype; anything else as it is."""
+    if x.dim() != like.dim() + 1:
+        return x
+    acc = x[..., 0, :].float()
+    for p in range(1, x.shape[-2]):
+        acc = acc + x[..., p, :].float()
+    return acc.to(like.dtype)
 
 
 def _check_rope(cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> None:

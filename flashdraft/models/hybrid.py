@@ -178,7 +178,9 @@ class GatedDeltaNet(nn.Module):
     def state_bytes(self, dtype: torch.dtype) -> int:
         return RecurrentState.bytes_per_slot(self.conv_dim, self.kernel, self.heads_v, self.d_k, self.d_v, dtype)
 
-    def forward(self, x: torch.Tensor, state: RecurrentState, batch: AttentionBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: RecurrentState, batch: AttentionBatch,
+                parts: bool = False) -> torch.Tensor:
+        """parts: out_proj's result may be split-K parts (transformer.linear), for an add_rmsnorm."""
         proj = self.in_proj(x)
         qkv, z, b, a = proj.split(self.splits, dim=-1)
         rec = batch.recurrent
@@ -190,13 +192,13 @@ class GatedDeltaNet(nn.Module):
             qsl = batch.query_start_loc
             if batch.max_query_len == 1:
                 _, core = self.run_kernels(qkv, b, a, state, qsl, rec, single=True)
-                return self.output(x, core, z)
+                return self.output(x, core, z, parts)
             kept, mixed = state.kept_rows(proj, self.conv_dim)
             kept.copy_(proj)
             qkv, _, b, a = kept.split(self.splits, dim=-1)
             _, core = self.run_kernels(qkv, b, a, state, qsl, rec, mixed)
             state.pending = PendingRows(state.step_rows, None, qkv, b, a, mixed, (qsl, rec))
-            return self.output(x, core, z)
+            return self.output(x, core, z, parts)
         if rec is None:  # a placeholder step (kernel warm-up): from zero state, nothing kept
             n = len(batch.query_start_loc) - 1
             rec = RecurrentRows([-1] * n, [True] * n, [False] * n)
@@ -221,7 +223,7 @@ class GatedDeltaNet(nn.Module):
                     state.conv[slot] = conv1
                     state.rec[slot] = s1
         state.pending = pending if any(rec.keep) else None
-        return self.output(x, core, z)
+        return self.output(x, core, z, parts)
 
     def run_kernels(self, qkv, b, a, state: RecurrentState, qsl: torch.Tensor, seq: torch.Tensor, mixed=None,
                     spans=None, single: bool = False):
@@ -240,7 +242,7 @@ class GatedDeltaNet(nn.Module):
                                core)
         return mixed, core.view(-1, self.heads_v, self.d_v)
 
-    def output(self, x: torch.Tensor, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def output(self, x: torch.Tensor, core: torch.Tensor, z: torch.Tensor, parts: bool = False) -> torch.Tensor:
         z = z.reshape(-1, self.heads_v, self.d_v)
         if self.kernels(x):
             from flashdraft.models import gdn_triton
@@ -248,7 +250,7 @@ class GatedDeltaNet(nn.Module):
             normed = gdn_triton.gated_norm(core, z, self.norm.weight, self.norm_eps)
         else:
             normed = self.gated_norm(core, z)
-        return self.out_proj(normed.reshape(x.shape[0], self.value_dim))
+        return linear(normed.reshape(x.shape[0], self.value_dim), self.out_proj.weight, None, parts)
 
     def kernels(self, x: torch.Tensor) -> bool:
         """Whether the step runs the Triton GDN kernels (models/gdn_triton.py): on the fused path,
@@ -358,7 +360,8 @@ class GatedAttention(nn.Module):
         self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, positions, rope: RotaryTable, k_cache, v_cache, attn: AttentionBackend,
-                batch: AttentionBatch):
+                batch: AttentionBatch, parts: bool = False):
+        """parts: on the fused path o_proj's result may be split-K parts (transformer.linear)."""
         proj = self.qkv_proj(x)
         qg = proj[:, :self.splits[0]]
         gate = qg.reshape(-1, self.n_heads, 2 * self.head_dim)[..., self.head_dim:]
@@ -370,7 +373,7 @@ class GatedAttention(nn.Module):
                                          offset=True)
             o = attn.forward(q, k_cache, v_cache, batch, self.scale)
             o = fused.sigmoid_gate(o, gate)
-            return self.o_proj(o.reshape(-1, self.n_heads * self.head_dim))
+            return linear(o.reshape(-1, self.n_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias, parts)
         _, k, v = proj.split(self.splits, dim=-1)
         q = qg.reshape(-1, self.n_heads, 2 * self.head_dim)[..., :self.head_dim]
         k = k.reshape(-1, self.n_kv, self.head_dim)
@@ -432,14 +435,17 @@ class HybridLayer(nn.Module):
 
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         x, h = fused.add_rmsnorm(y, h, n1.weight, n1.eps, offset=True)
-        x, h = fused.add_rmsnorm(self.mixer(x, positions, rope, cache, attn, batch), h, n2.weight, n2.eps,
-                                 offset=True)
+        x, h = fused.add_rmsnorm(self.mixer(x, positions, rope, cache, attn, batch, parts=True), h, n2.weight,
+                                 n2.eps, offset=True)
+        if isinstance(self.mlp, MLP):
+            return self.mlp.forward_fused(x, parts=True), h
         return self.mlp.forward_fused(x), h
 
-    def mixer(self, x, positions, rope, cache, attn, batch):
+    def mixer(self, x, positions, rope, cache, attn, batch, parts: bool = False):
+        """parts: the output projection's result may be split-K parts, for an add_rmsnorm."""
         if self.kind == "linear_attention":
-            return self.linear_attn(x, cache, batch)
-        return self.self_attn(x, positions, rope, cache[0], cache[1], attn, batch)
+            return self.linear_attn(x, cache, batch, parts=parts)
+        return self.self_attn(x, positions, rope, cache[0], cache[1], attn, batch, parts=parts)
 
 
 class HybridLM(nn.Module):
@@ -521,7 +527,7 @@ class HybridLM(nn.Module):
             for i, layer in enumerate(self.layers):
                 y, res = layer.forward_fused(y, res, positions, self.rope, kv_cache[i], attn, batch)
                 if i in tap_layers:
-                    taps[i] = y + res
+                    taps[i] = fused.join_parts(y, res) + res
             out = fused.add_rmsnorm(y, res, self.norm.weight, self.norm.eps, offset=True)[0]
         else:
             for i, layer in enumerate(self.layers):

@@ -5,7 +5,11 @@ weight reads come to the memory bandwidth. Both kernels keep many programs in fl
 a strip of BLOCK_N weight rows over the whole K, the same sum order on every call. A GEMM of few output
 rows (2,560 columns are 40 strips of 64 on 132 SMs) splits K over two programs a strip instead
 (`_dot_split`): each writes its float32 partial, and the strip's last program to finish (an atomic
-count) adds them in a fixed order: one kernel, and still the same sums whatever the timing.
+count) adds them in a fixed order: one kernel, and still the same sums whatever the timing. Where
+the result goes straight into the next residual add and norm (the o, out and down projections of
+the fused layers), the partials themselves are the result (`parts=True`) and fused.add_rmsnorm adds
+them in the same order: the count, reload and store that end every strip cost a narrow GEMM 1.2-2.3
+us at one row (H200), more than the add costs the norm.
 
     dot     M <= 32: "swap AB", acc[BLOCK_N, MPAD] += W_strip @ x^T on the tensor cores, MPAD 16 / 32
     gemv    M == 1: acc[BLOCK_N, BLOCK_K] += w * x in float32, one reduction at the end
@@ -91,7 +95,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
 def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MPAD: tl.constexpr, EVEN: tl.constexpr,
                 GLU: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                USE_PDL: tl.constexpr):
+                PARTS: tl.constexpr, USE_PDL: tl.constexpr):
     dt = y_ptr.dtype.element_ty
     tile = tl.program_id(0)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,7 +129,16 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride
             acc = tl.dot(w, xt.to(w.dtype), acc)
             if GLU:
                 acc_up = tl.dot(wu, xt.to(w.dtype), acc_up)
-    if SPLIT > 1:
+    if SPLIT > 1 and HAS_BIAS:  # the bias joins the first part: (p0 + b) + p1 + ... in float32
+        if tl.program_id(1) == 0:
+            acc = acc + tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+    if SPLIT > 1 and PARTS:
+        # the float32 parts [M, SPLIT, N] are the result: the consumer (fused.add_rmsnorm) adds them
+        # in slot order, as the branch below does, without this kernel's arrival count and reload
+        out = part_ptr + m[None, :] * (SPLIT * N) + tl.program_id(1) * N + n[:, None]
+        pdl_trigger(USE_PDL)
+        tl.store(out, acc, mask=(m[None, :] < M) & (n[:, None] < N))
+    elif SPLIT > 1:
         # each program's float32 partial to its slot; the strip's last program to finish adds the
         # SPLIT partials in slot order (the same sums whichever finishes last) and stores the result
         tiles = tl.arange(0, BLOCK_N)[:, None] * MPAD + m[None, :]
@@ -138,7 +151,7 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride
             for j in range(1, SPLIT):
                 acc += tl.load(part + j * BLOCK_N * MPAD + tiles, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next call (CUDA graphs replay it)
-            _dot_store(acc, acc_up, b_ptr, y_ptr, n, m, M, N, stride_ym, dt, GLU, HAS_BIAS, USE_PDL)
+            _dot_store(acc, acc_up, b_ptr, y_ptr, n, m, M, N, stride_ym, dt, GLU, False, USE_PDL)
     else:
         _dot_store(acc, acc_up, b_ptr, y_ptr, n, m, M, N, stride_ym, dt, GLU, HAS_BIAS, USE_PDL)
 
@@ -188,6 +201,8 @@ def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tupl
         bn, bk, stages = 16, 128, 5
     elif 2048 <= N < NARROW_BELOW:  # narrow outputs: 32-48 strips of 64 rows, K split in two (_dot_split)
         bn, bk, stages = 64, 256, 5
+    elif _quarters(N, K):  # hidden sizes of 1,024-2,047: 32-row strips, K in quarters of 128-wide tiles
+        bn, bk, stages = 32, 128, 4
     elif N <= 4096:  # 64-row strips would leave SMs idle: 128 programs of 32 rows
         bn, bk, stages = 32, 256, 5
     elif N > 16384:  # vocabulary heads: 64 x 256 x 4 (H100, 151,936 x 4096: 410 against 413 us at M = 16)
@@ -211,11 +226,16 @@ def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tupl
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
                   tiles: tuple[int, int, int, int] | None = None, kernel: str = "dot",
-                  split: int | None = None) -> torch.Tensor:
+                  split: int | None = None, parts: bool = False) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias) -> [M, N] for 1 <= M <= MAX_ROWS; glu: w is [gate; up]
     [2N, K] and the result silu(gate) * up [M, N]. tiles (BLOCK_N, BLOCK_K, warps, stages)
     overrides the rules; split: programs per output strip (split-K; None: _dot_split's rule, 1 with
-    explicit tiles); kernel="gemv" takes the one-row kernel (M == 1 only)."""
+    explicit tiles); kernel="gemv" takes the one-row kernel (M == 1 only).
+    parts: a split-K GEMM returns its float32 parts [M, split, N] (the bias in the first) instead of
+    their sum, for a consumer that adds them in slot order (fused.add_rmsnorm; fused.join_parts):
+    the same values, without the arrival count, reload and store at the end of every strip (H200,
+    one row: the 4B's 2,560 x 4,096 8.9 -> 7.1 us, 2,560 x 9,216 14.4 -> 13.1 us). Without a split
+    the [M, N] result as usual."""
     if kernel not in ("dot", "gemv") or (kernel == "gemv" and x.shape[0] != 1):
         raise ValueError(f"kernel must be 'dot' or, for one row, 'gemv'; got {kernel!r} for {x.shape[0]} rows")
     N, K = w.shape
@@ -230,10 +250,10 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         x = x.contiguous()
     if w.stride(-1) != 1:
         raise ValueError("w needs a unit last stride")
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     flags = dict(GLU=glu, HAS_BIAS=bias is not None)
     b = bias if bias is not None else w
     if kernel == "gemv":
+        y = torch.empty(M, N, device=x.device, dtype=x.dtype)
         bn, bk, warps, stages = tiles or _gemv_tiles(N, K)
         _gemv_kernel[(triton.cdiv(N, bn),)](x, w, b, y, N, K, w.stride(0), BLOCK_N=bn, BLOCK_K=bk,
                                             EVEN=N % bn == 0 and K % bk == 0, **flags, num_warps=warps,
@@ -248,13 +268,20 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
                          f"got N={N}, K={K}")
     tiles_n = triton.cdiv(N, bn)
     mpad = 16 if M <= 16 else 32
-    part, count = y, y  # unused without split-K
-    if split > 1:
+    parts = parts and split > 1
+    if parts:  # the parts are the result: y_ptr only names the dtype, count is unused
+        y = part = torch.empty(M, split, N, device=x.device, dtype=torch.float32)
+        count = y
+    else:
+        y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+        part, count = y, y  # unused without split-K
+    if split > 1 and not parts:
         part = torch.empty(tiles_n * split * bn * mpad, device=x.device, dtype=torch.float32)
         count = _counters(x.device, tiles_n)
-    _dot_kernel[(tiles_n, split)](x, w, b, y, part, count, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+    _dot_kernel[(tiles_n, split)](x, w, b, y, part, count, M, N, K, x.stride(0), w.stride(0), N,
                                   BLOCK_N=bn, BLOCK_K=bk, MPAD=mpad, EVEN=even, **flags, IEEE=_ieee(w),
-                                  SPLIT=split, num_warps=warps, num_stages=stages, **launch_kwargs(x))
+                                  SPLIT=split, PARTS=parts, num_warps=warps, num_stages=stages,
+                                  **launch_kwargs(x))
     return y
 
 
@@ -282,9 +309,20 @@ def _dot_split(N: int, K: int, bn: int, bk: int) -> int:
     as 64-row strips whole; Qwen3-30B-A3B's 2,048 x 4,096 7.5 against 8.1 us, GPT-OSS-20B's
     2,880 x 4,096 8.7-8.9 against 10.2 us); three or four parts were slower, and so were two for the
     27B's 5,120 outputs (80 strips of 64 rows)."""
+    if _quarters(N, K) and N % bn == 0 and K % (4 * bk) == 0:
+        return 4
     if N >= SPLIT_BELOW or N % bn or K % (2 * bk) or K // 2 < SPLIT_MIN_K:
         return 1
     return 2
+
+
+def _quarters(N: int, K: int) -> bool:
+    """Outputs of 257-2,047 rows (Qwen3.5-0.8B's 1,024) with a K of whole 512s, a quarter at least
+    512 long: K split over 4 programs a strip (_dot_split), 128 programs for 1,024 outputs. Swept on an
+    H200 with the parts left to the consumer (skinny_linear(parts=True)): the 0.8B's 1,024 x 3,584 in
+    4.6 us as 32 x 128 tiles in quarters, against 6.9 us for the halves of 32 x 256 with the
+    in-kernel reduction."""
+    return 256 < N < 2048 and K % 512 == 0 and K // 4 >= 512
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 4, block_k: int = 1024, num_warps: int = 4,

@@ -117,15 +117,18 @@ def gemm_mode(mode: str):
     return _switch("GEMM", mode)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           parts: bool = False) -> torch.Tensor:
     """F.linear, except for few rows: on CUDA the Triton kernels of skinny.py (see GEMM), and for
     2-64 rows on CPU (verify and draft blocks, small batches) W @ x^T, which MKL computes up to ~2x
     faster than x @ W^T (SmolLM2 shapes, fp32, cache-cold weights: gate_up at 8 rows 0.62 against
-    0.88 ms, the 49k-row lm_head 10.8 against 21.3 ms); one row and long prefills gain nothing there."""
+    0.88 ms, the 49k-row lm_head 10.8 against 21.3 ms); one row and long prefills gain nothing there.
+    parts: the result may come as a split-K GEMM's float32 parts [rows, P, out] (skinny_linear), for
+    a caller whose result goes straight into fused.add_rmsnorm (which adds them)."""
     if skinny_enabled(x):
         from flashdraft.models.skinny import skinny_linear
 
-        return skinny_linear(x, weight, bias)
+        return skinny_linear(x, weight, bias, parts=parts)
     if x.device.type == "cpu" and x.dim() == 2 and 1 < x.shape[0] <= 64:
         y = (weight @ x.T).T.contiguous()
         return y if bias is None else y + bias
@@ -163,8 +166,10 @@ class Attention(nn.Module):
         o = attn.forward(q, k_cache, v_cache, batch, self.scale, self.sinks)
         return self.o_proj(o.reshape(-1, self.q_size))
 
-    def forward_fused(self, x, positions, rope: RotaryTable, k_cache, v_cache, attn: AttentionBackend, batch):
-        """One kernel for q/k norm, RoPE and the K/V store (the backend's store_kv is not called)."""
+    def forward_fused(self, x, positions, rope: RotaryTable, k_cache, v_cache, attn: AttentionBackend, batch,
+                      parts: bool = False):
+        """One kernel for q/k norm, RoPE and the K/V store (the backend's store_kv is not called).
+        parts: the o_proj's result may be split-K parts (see linear), for an add_rmsnorm."""
         from flashdraft.models import fused
 
         norm = self.q_norm is not None
@@ -172,7 +177,7 @@ class Attention(nn.Module):
                                      self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
                                      self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch))
         o = attn.forward(q, k_cache, v_cache, batch, self.scale, self.sinks)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return linear(o.reshape(-1, self.q_size), self.o_proj.weight, self.o_proj.bias, parts)
 
 
 def activation(name: str):
@@ -199,7 +204,8 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
-    def forward_fused(self, x):
+    def forward_fused(self, x, parts: bool = False):
+        """parts: the down projection's result may be split-K parts (see linear), for an add_rmsnorm."""
         from flashdraft.models import fused
 
         if self.act_name != "silu":  # the fused kernels compute silu
@@ -207,8 +213,10 @@ class MLP(nn.Module):
         if skinny_enabled(x) and self.gate_up_proj.bias is None:  # silu * up in the gate_up GEMM
             from flashdraft.models.skinny import skinny_linear
 
-            return self.down_proj(skinny_linear(x, self.gate_up_proj.weight, glu=True))
-        return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
+            h = skinny_linear(x, self.gate_up_proj.weight, glu=True)
+        else:
+            h = fused.silu_mul(self.gate_up_proj(x))
+        return linear(h, self.down_proj.weight, self.down_proj.bias, parts)
 
 
 class DecoderLayer(nn.Module):
@@ -233,15 +241,16 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(self, x, residual, positions, rope, k_cache, v_cache, attn, batch):
         """x: this layer's input_layernorm output; residual: the stream it was taken from. Returns
-        (mlp output, residual): the layer's output is their sum, which the next add_rmsnorm forms."""
+        (mlp output, residual): the layer's output is their sum, which the next add_rmsnorm forms (the
+        mlp output may be parts it adds first: a split-K GEMM's, a MoE's experts')."""
         from flashdraft.models import fused
 
-        a = self.self_attn.forward_fused(x, positions, rope, k_cache, v_cache, attn, batch)
+        a = self.self_attn.forward_fused(x, positions, rope, k_cache, v_cache, attn, batch, parts=True)
         norm = self.post_attention_layernorm
         x, residual = fused.add_rmsnorm(a, residual, norm.weight, norm.eps)
         if isinstance(self.mlp, MoE):  # its k expert outputs, summed by the next add_rmsnorm
             return self.mlp.forward_fused(x, slots=True), residual
-        return self.mlp.forward_fused(x), residual
+        return self.mlp.forward_fused(x, parts=True), residual
 
 
 def step_slots(attn: AttentionBackend, batch) -> torch.Tensor:

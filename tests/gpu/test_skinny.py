@@ -148,7 +148,11 @@ def test_split_rule():
     assert skinny._dot_split(4096, 12288, 32, 256) == 1  # Qwen3-8B down: 128 strips
     assert skinny._dot_split(2560, 9216, 32, 256) == 2  # Qwen3.5-4B down: 80 strips
     assert skinny._dot_split(2560, 4096, 32, 256) == 2  # its attention and Gated DeltaNet outputs
-    assert skinny._dot_split(1024, 2048, 32, 256) == 2  # Qwen3.5-0.8B: 32 strips, halves of 1,024
+    assert skinny._dot_tiles(1, 1024, 2048)[:2] == skinny._dot_tiles(16, 1024, 3584)[:2] == (32, 128)
+    assert skinny._dot_split(1024, 2048, 32, 128) == 4  # Qwen3.5-0.8B: 32 strips, quarters of 512
+    assert skinny._dot_split(1024, 3584, 32, 128) == 4  # its down projection: quarters of 896
+    assert skinny._dot_split(576, 1536, 32, 256) == 1  # SmolLM2's down: quarters would be too short
+    assert skinny._dot_split(128, 2048, 16, 128) == 2  # Qwen3-30B-A3B's router: halves, as before
     assert skinny._dot_split(2560, 512, 32, 256) == 1  # too short a K to share
     assert skinny._dot_split(2561, 4096, 32, 256) == 1  # ragged strips stay whole
     assert skinny._dot_split(5120, 6144, 64, 256) == 1  # Qwen3.5-27B: 80 strips of 64 rows stream well
@@ -158,6 +162,39 @@ def test_split_rule():
     for M in (1, 16, 32):  # what the model runs splits as the rule says, for any M
         bn, bk, _, _ = skinny._dot_tiles(M, 2560, 9216)
         assert skinny._dot_split(2560, 9216, bn, bk) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 5, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_parts_add_up_to_the_split_result(dtype, M, bias):
+    """parts=True returns a split-K GEMM's float32 parts; added in slot order (join_parts, and
+    add_rmsnorm beside a residual) they give exactly the bf16 / fp32 result the kernel's own
+    reduction stores."""
+    from flashdraft.models import fused
+
+    g = torch.Generator().manual_seed(M + 7 * bias)
+    N, K = 96, 1024
+    x = torch.randn(M, K, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(DEVICE, dtype)
+    b = torch.randn(N, generator=g).to(DEVICE, dtype) if bias else None
+    res = torch.randn(M, N, generator=g).to(DEVICE, dtype)
+    nw = (1 + 0.1 * torch.randn(N, generator=g)).to(DEVICE, dtype)
+    for split in (2, 4):
+        whole = skinny.skinny_linear(x, w, b, tiles=(32, 128, 4, 2), split=split)
+        parts = skinny.skinny_linear(x, w, b, tiles=(32, 128, 4, 2), split=split, parts=True)
+        assert parts.shape == (M, split, N) and parts.dtype == torch.float32
+        if not (INTERPRET and dtype == torch.bfloat16):  # the interpreter's bf16 casts truncate, torch's round
+            assert torch.equal(fused.join_parts(parts, res), whole)
+        want = reference(x, w, b)
+        assert (whole.double() - want).abs().max().item() <= TOL[dtype] * max(1.0, want.abs().max().item())
+        for offset in (False, True):
+            a = fused.add_rmsnorm(whole, res, nw, 1e-6, offset=offset)
+            p = fused.add_rmsnorm(parts, res, nw, 1e-6, offset=offset)
+            assert p[0].dtype == a[0].dtype == dtype
+            assert torch.equal(a[0], p[0]) and torch.equal(a[1], p[1])
+    one = skinny.skinny_linear(x, w, b, tiles=(32, 128, 4, 2), split=1, parts=True)  # nothing to add
+    assert one.shape == (M, N) and one.dtype == dtype
 
 
 def test_bad_input_is_named():
