@@ -1,10 +1,10 @@
-"""The per-request acceptance gate (speculative_min_acceptance_length), side by side in one process:
-the same prompts, seeds and temperature through a plain engine and through one engine with the
-drafter whose gate rule is switched between arms, interleaved over --reps rounds. Arms: "off" (draft
-at every step), "auto" (the engine's default for the device: on a CPU sampled requests are gated at a
-threshold that grows with the running requests, config.CPU_BREAK_EVEN) or a fixed threshold for every
-request. Per arm: output tok/s, tau, gated steps, and how many outputs equal plain decoding's (in
-float32 all of them must).
+"""The acceptance gates (speculative_min_acceptance_length), side by side in one process: the same
+prompts, seeds and temperature through a plain engine and through one engine with the drafter whose
+gate is switched between arms, interleaved over --reps rounds. Arms: "off" (draft at every step),
+"auto" (the default: the step gate, speculative/gate.py StepGate, at the break-even tau of the step
+costs, which on a CPU it times while serving; each run starts it afresh, as a new engine would) or a
+fixed per-request threshold. Per arm: output tok/s, tau, gated steps, and how many outputs equal
+plain decoding's (in float32 all of them must).
 
     python benchmarks/acceptance_gate.py [--dataset mt-bench] [--num-prompts 12] [--max-tokens 128]
         [--temperatures 0,1] [--min-tau off,auto,1.5,2] [--concurrency 1,all] [--reps 2]
@@ -20,6 +20,8 @@ from sampled_drafts import arm_parser, arm_row, arm_setup, run  # benchmarks/ is
 
 from flashdraft import LLM, SamplingParams
 from flashdraft.config import EngineConfig
+from flashdraft.speculative import costs as step_costs
+from flashdraft.speculative.gate import StepGate
 
 
 def main() -> None:
@@ -50,7 +52,7 @@ def main() -> None:
             for rep in range(args.reps):
                 for arm in ["plain"] + gates:
                     if arm != "plain":
-                        spec.engine.spec.min_tau_rule = rules[arm]
+                        set_arm(spec, arm, rules[arm])
                     toks, dt, d = run(plain if arm == "plain" else spec, convs, params, one)
                     label = arm if arm == "plain" else f"min_tau {arm}"
                     row = arm_row(label, toks, dt, d, ref, temperature=temp, concurrency=level, rep=rep)
@@ -63,6 +65,17 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+def set_arm(llm: LLM, arm: str, rule) -> None:
+    """The drafting engine's gates for an arm: the per-request rule, and a fresh step gate for "auto"."""
+    sp = llm.engine.spec
+    sp.min_tau_rule = rule
+    sp.costs = sp.step_gate = None
+    sp.seen = step_costs.Observed()
+    if arm == "auto":
+        sp.costs = step_costs.measure(sp) or step_costs.StepCosts.unmeasured(llm.engine.config.max_num_seqs)
+        sp.step_gate = StepGate()
 
 
 if __name__ == "__main__":

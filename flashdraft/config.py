@@ -13,23 +13,18 @@ import torch
 
 log = logging.getLogger("flashdraft")
 
-# The acceptance gate's threshold for sampled requests on a CPU with n requests running: a + b * (n - 1).
-# Drafts stop paying at tau ~1.8-1.9 with one request and ~3.1-3.9 with 12 on a 2-core CPU (fp32,
-# MT-Bench, T=0-1; docs/performance.md section 4): verify rows are real work there. The line starts
-# lower, since a request's recent tau dips under its mean. Greedy requests are not gated by default:
-# the shipped drafter's greedy tau is over the break-even one at a time, and gating them lost there.
-CPU_BREAK_EVEN: tuple[float, float] | None = (1.5, 0.15)
 # speculative_tree_size="auto" on a CPU: a token tree of as many drafts as the drafter's chain (B - 1), so a
 # verify checks the chain's rows and commits more (the shipped drafter, 2-core CPU, fp32, 6 prompts x 96 tokens:
 # HumanEval tau 3.82 against 3.40, 39.5-39.9 against 32.7-37.0 tok/s one at a time; MT-Bench 2.48 against 2.14,
 # 28.1-29.7 against 19.5-26.5 tok/s; docs/performance.md section 4). On CUDA the chain: a tree step there
 # still costs ~0.8 ms more than the chain's, more than its extra tokens save.
 CPU_TREE = True
-# speculative_min_acceptance_length="auto" on CUDA: whole steps decode without drafts while the batch's
-# tau is below the break-even tau of the step costs measured at start (speculative/costs.py, gate.py
-# StepGate), so that drafts that miss (a drafter out of its domain, a batch large enough for verify
-# rows to cost real work) stop costing steps.
-CUDA_MEASURED_GATE = True
+# speculative_min_acceptance_length="auto", on every device: whole steps decode without drafts while the
+# batch's tau is below the break-even tau of what the steps cost (speculative/costs.py, gate.py StepGate):
+# on CUDA with captured graphs measured at start and refined while serving, elsewhere (a CPU, eager
+# CUDA, token trees) timed while serving; so that drafts that miss (a drafter out of its domain, a
+# batch large enough for verify rows to cost real work) stop costing steps.
+STEP_GATE = True
 
 
 @dataclass
@@ -52,9 +47,9 @@ class EngineConfig:
     # steps, drafter context kept current); None: always speculate
     speculative_disable_batch_size: int | None = None
     # per request: decode without drafts for a while when its recent tau (tokens per verify) falls
-    # below this (speculative/gate.py); "auto": CPU_BREAK_EVEN for sampled requests on a CPU, on CUDA
-    # whole steps without drafts while the batch's tau is below the break-even tau of the step costs
-    # measured at start (CUDA_MEASURED_GATE); a number: that threshold for every request; None: never
+    # below this (speculative/gate.py); "auto": whole steps without drafts while the batch's tau is
+    # below the break-even tau of the step costs (STEP_GATE); a number: that threshold for every
+    # request; None: never
     speculative_min_acceptance_length: float | str | None = "auto"
     seed: int = 0
     attention_backend: str = "auto"  # "auto": triton on CUDA when it imports, else torch
@@ -114,15 +109,9 @@ class EngineConfig:
     def min_acceptance_length(self, device: torch.device) -> Callable[[int, float], float | None] | None:
         """The per-request acceptance gate's threshold as a function of (running requests, the
         request's temperature), None for a request it does not gate; or None for no per-request gate.
-        "auto": on a CPU the CPU_BREAK_EVEN line for sampled requests; elsewhere none (on CUDA the
-        step gate decides instead, speculative/gate.py StepGate)."""
+        "auto": none (the step gate decides for whole steps instead, speculative/gate.py StepGate)."""
         m = self.speculative_min_acceptance_length
-        if m == "auto":
-            if device.type != "cpu" or CPU_BREAK_EVEN is None:
-                return None
-            a, b = CPU_BREAK_EVEN
-            return lambda num_running, temperature: a + b * (num_running - 1) if temperature > 0 else None
-        return None if m is None else lambda num_running, temperature, m=float(m): m
+        return None if m is None or m == "auto" else lambda num_running, temperature, m=float(m): m
 
     def tree_size(self, device: torch.device, block_size: int, chain_only: str | None = None) -> int | None:
         """Drafts of the token tree a verify checks, or None for the drafter's chain: "auto" is a tree of

@@ -31,15 +31,6 @@ def smollm2():
     return LLM(draft=None, device="cpu", dtype="float32")
 
 
-@pytest.fixture(autouse=True)
-def _verify_every_step(monkeypatch):
-    """Tests drive the verify path on every step: random drafters' tau is ~1, which the CPU's default
-    acceptance gate would soon stop drafting for. The gate's own tests turn it on explicitly."""
-    import flashdraft.config
-
-    monkeypatch.setattr(flashdraft.config, "CPU_BREAK_EVEN", None)
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _chain_unless_asked():
     """Engines verify the drafter's chain unless a test asks for token trees (the CPU default is a tree;
@@ -47,7 +38,9 @@ def _chain_unless_asked():
     import flashdraft.config
 
     flashdraft.config.CPU_TREE = False
-    flashdraft.config.CUDA_MEASURED_GATE = False  # likewise the gate on CUDA (its own tests turn it on)
+    # tests drive the verify path on every step: random drafters' tau is ~1, which the default step
+    # gate would soon stop drafting for (its own tests turn it on)
+    flashdraft.config.STEP_GATE = False
     yield
     flashdraft.config.CPU_TREE = True
-    flashdraft.config.CUDA_MEASURED_GATE = True
+    flashdraft.config.STEP_GATE = True

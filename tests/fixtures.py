@@ -265,8 +265,8 @@ def record_fed_drafts(monkeypatch) -> list:
 
 
 def step_gated(llm, break_even: float):
-    """The CUDA default on a CPU engine: a step gate at a given break-even tau (costs measured on
-    CUDA only), its step costs far above what a CPU step is observed to take (so they decide alone)."""
+    """The step gate at a given break-even tau, its step costs (as if measured at start) far above
+    what a CPU step is observed to take, so that they decide alone."""
     from flashdraft.speculative.costs import StepCosts
     from flashdraft.speculative.gate import StepGate
 

@@ -1,5 +1,6 @@
-"""The per-request acceptance gate (flashdraft/speculative/gate.py): a request whose drafts do not pay
-decodes without them for a while, with the same tokens as plain decoding."""
+"""The acceptance gates (flashdraft/speculative/gate.py): a request (AcceptanceGate, a threshold
+given) or a whole step (StepGate, the default, at the break-even tau of the step costs) whose drafts
+do not pay decodes without them for a while, with the same tokens as plain decoding."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ from test_dflash import MIXED, install_oracle
 
 import flashdraft.config
 from flashdraft import LLM, SamplingParams
-from flashdraft.config import CPU_BREAK_EVEN  # the shipped line (tests/conftest.py turns it off)
 from flashdraft.speculative.costs import Observed, StepCosts
-from flashdraft.speculative.gate import AcceptanceGate, StepGate, pause_cap
+from flashdraft.speculative.gate import AcceptanceGate, StepGate, first_pause, pause_cap
 
 
 @pytest.fixture(scope="module")
@@ -92,40 +92,35 @@ def test_gate_lets_a_request_draft_again(tiny_llama, drafter, plain):
     assert (out.metrics["num_drafts"], out.metrics["gated_steps"]) == (12, 26)
 
 
-def test_gated_sampled_requests_on_the_shipped_drafter_equal_plain(smollm2, monkeypatch):
-    """The CPU default: sampled requests with the shipped drafter (tau ~1.5 at T=1) are gated, and
-    every seeded output equals plain decoding's; greedy ones draft at every step."""
-    monkeypatch.setattr(flashdraft.config, "CPU_BREAK_EVEN", CPU_BREAK_EVEN)
+def test_the_cpu_default_gates_the_shipped_drafter_where_it_does_not_pay(smollm2, monkeypatch):
+    """The default on a CPU: the step gate with the costs it times while serving. Sampled requests
+    with the shipped drafter (tau ~1.5 at T=1) cost more with drafts than without on a CPU, so after
+    its warm-up steps decode without drafts; every seeded output equals plain decoding's."""
+    monkeypatch.setattr(flashdraft.config, "STEP_GATE", True)
     qs = ["Write a short poem about the sea.", "Describe your ideal weekend.", "What is a hash table?"]
     prompts = [smollm2.engine.apply_chat_template([{"role": "user", "content": q}]) for q in qs]
     params = [SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=10 + i) for i in range(3)]
     want = [o.token_ids for o in smollm2.generate(prompts, params)]
     llm = LLM(device="cpu", dtype="float32")  # speculative_min_acceptance_length="auto"
-    assert llm.engine.spec.min_tau_rule(3, 1.0) == pytest.approx(CPU_BREAK_EVEN[0] + 2 * CPU_BREAK_EVEN[1])
+    sp = llm.engine.spec
+    assert sp.min_tau_rule is None and sp.step_gate is not None and not sp.costs.measured
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     tot = llm.engine.spec_totals()
     assert tot["gated_steps"] > 0 and tot["num_drafts"] > 0
-    # greedy requests are not gated by default, whatever their tau
-    greedy = [SamplingParams(max_tokens=64, ignore_eos=True)] * 3
-    outs = llm.generate(prompts, greedy)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in smollm2.generate(prompts, greedy)]
-    assert all(o.metrics["gated_steps"] == 0 and o.metrics["num_drafts"] > 0 for o in outs)
+    i = sp.costs.bucket(3)
+    assert sp.seen.spec[i] > sp.seen.plain[i] > 0 and sp.costs.break_even(3, sp.seen) > 1
 
 
-def test_auto_is_the_cpu_default_and_the_step_gate_on_cuda(monkeypatch):
+def test_auto_is_the_step_gate_on_every_device():
     import torch
 
     from flashdraft.config import EngineConfig
 
-    monkeypatch.setattr(flashdraft.config, "CPU_BREAK_EVEN", CPU_BREAK_EVEN)
-    assert CPU_BREAK_EVEN == (1.5, 0.15)  # docs/performance.md section 4 measures these
     c = EngineConfig()
     assert c.speculative_min_acceptance_length == "auto"
-    rule = c.min_acceptance_length(torch.device("cpu"))
-    assert rule(1, 1.0) == pytest.approx(1.5) and rule(12, 0.7) == pytest.approx(1.5 + 11 * 0.15)
-    assert rule(1, 0.0) is None and rule(12, 0.0) is None  # greedy requests: no gate by default
-    assert c.min_acceptance_length(torch.device("cuda")) is None  # per request; CUDA gates whole steps
-    assert flashdraft.config.CUDA_MEASURED_GATE is False  # the suite's switch (tests/conftest.py)
+    for device in ("cpu", "cuda"):  # no per-request gate: the step gate decides (STEP_GATE)
+        assert c.min_acceptance_length(torch.device(device)) is None
+    assert flashdraft.config.STEP_GATE is False  # the suite's switch (tests/conftest.py)
     assert EngineConfig(speculative_min_acceptance_length=None).min_acceptance_length(torch.device("cpu")) is None
     fixed = EngineConfig(speculative_min_acceptance_length=3).min_acceptance_length(torch.device("cuda"))
     assert fixed(1, 0.0) == fixed(40, 1.0) == 3.0
@@ -164,51 +159,85 @@ def test_step_costs_break_even_by_bucket():
 
 def test_pause_cap_and_the_step_gate_by_hand():
     """Pauses grow to a power of two of at least 100 (min_tau - 1) steps (a probe then costs about 1%
-    of the steps), 64 to 1024. The step gate: warm-up, the average (weight 0.2), pauses on the
-    clock's multiples, a probe's tau replacing the average, doubling to the cap, the reset."""
+    of the steps), 64 to 1024; the first is a power of two of at least 50 (min_tau - tau), from 16.
+    The step gate: a warm-up of 8 blocks, the average (0.05 a block), pauses on the clock's
+    multiples, a probe of 8 blocks replacing the average and a smaller one counting half, doubling
+    to the cap, the reset."""
     assert [pause_cap(t) for t in (1.0, 1.5, 1.64, 2.0, 3.0, 4.0, 9.0, 30.0)] == [64, 64, 64, 128, 256, 512, 1024, 1024]
+    assert [first_pause(t, 3.0) for t in (2.9, 2.7, 2.5, 2.0, 1.0)] == [16, 16, 32, 64, 128]
+    assert first_pause(1.0, 1.5) == 32 and first_pause(1.0, 30.0) == 1024 and first_pause(1.0, 4.1) == 256
     g = StepGate()
     assert g.drafts(0)
-    assert [g.record(1.0, step, 3.0) for step in (1, 2, 3)] == [False] * 3  # the warm-up
-    assert g.record(1.0, 4, 3.0) and g.resume_at == 32 and g.pause == 32  # 4 + 16 -> 32
-    assert not g.drafts(31) and g.drafts(32)
-    assert g.record(2.5, 32, 3.0) and g.tau == 2.5  # the probe replaces the average: 32 + 32 -> 64
-    assert g.resume_at == 64 and g.pause == 64
-    assert g.record(1.0, 64, 3.0) and g.resume_at == 128 and g.pause == 128
-    assert g.record(1.0, 128, 3.0) and g.resume_at == 256 and g.pause == 256  # the cap at 3: 256
-    assert g.record(1.0, 256, 3.0) and g.resume_at == 512 and g.pause == 256
-    assert not g.record(4.0, 512, 3.0) and g.pause == 0 and g.drafts(513)  # pays again
-    assert not g.record(2.5, 513, 3.0) and g.tau == pytest.approx(3.7)  # 4 + 0.2 * (2.5 - 4)
-    assert not g.record(1.0, 514, 3.0) and g.tau == pytest.approx(3.16)  # 3.7 - 0.2 * 2.7
-    assert g.record(1.0, 515, 3.0) and g.resume_at == 544 and g.pause == 32  # 2.728: 515 + 16 = 531 -> 544
+    assert not g.record(2.5, 1, 3.0, 4)  # the warm-up: 4 of 8 blocks
+    assert g.record(2.5, 2, 3.0, 4) and g.resume_at == 64 and g.pause == 64  # first pause 32: 2 + 32 -> 64
+    assert not g.drafts(63) and g.drafts(64)
+    assert g.record(1.0, 64, 3.0, 8) and g.tau == 1.0  # a probe of 8 blocks replaces the average: 64 + 64
+    assert g.resume_at == 128 and g.pause == 128
+    assert g.record(1.0, 128, 3.0, 2) and g.resume_at == 256 and g.pause == 256  # the cap at 3: 256
+    assert g.record(1.0, 256, 3.0, 8) and g.resume_at == 512 and g.pause == 256
+    assert not g.record(4.0, 512, 3.0, 8) and g.pause == 0 and g.drafts(513)  # pays again
+    w = 1 - 0.95**4  # a step of 4 blocks
+    assert not g.record(2.5, 513, 3.0, 4) and g.tau == pytest.approx(4 - w * 1.5)
+    assert not g.record(1.0, 514, 3.0, 4) and g.tau == pytest.approx(4 - w * 1.5 - w * (3 - w * 1.5))
+    assert g.record(1.0, 515, 3.0, 4) and g.tau == pytest.approx(2.806, abs=1e-3)
+    assert g.resume_at == 544 and g.pause == 32  # first pause 16: 515 + 16 = 531 -> 544
+    half = StepGate(tau=1.0, verifies=9, blocks=9, resume_at=64, pause=128, probing=True)
+    assert not half.record(4.0, 64, 2.0) and half.tau == 2.5  # a lone request's probe counts half
+    lone = StepGate()  # one request: 8 steps before the first pause
+    assert [lone.record(1.0, s, 3.0) for s in range(1, 9)] == [False] * 7 + [True]
+    far = StepGate()  # far below the break-even (a CPU's 12-request batch): a long first pause
+    assert far.record(1.5, 7, 4.0, 12) and far.resume_at == 256 and far.pause == 256  # 7 + 128 -> 256
 
 
 def test_the_step_gate_stops_drafts_that_miss_and_keeps_those_that_pay(tiny_llama, drafter, plain):
-    """A random drafter (tau ~1) under a break-even tau of 3: four verify steps, then steps without
-    drafts for every request, probing on the clock's multiples (16, 32); requests arriving later
-    start without drafts. Oracle drafts (tau 4) under the same threshold: never gated. Tokens are
-    plain decoding's throughout."""
+    """A random drafter (tau ~1) under a break-even tau of 3: two verify steps of four requests (the
+    warm-up's 8 blocks), then steps without drafts for every request until a probe on the clock's
+    multiple (256: a first pause of 128 from step 3); requests arriving later start without drafts.
+    Oracle drafts (tau 4) under the same threshold: never gated. Tokens are plain decoding's
+    throughout."""
     prompts = MIXED[:4]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     ref = [o.token_ids for o in plain.generate(prompts, params)]
     llm = step_gated(LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32"), 3.0)
     first = llm.generate(prompts, params)
     assert [o.token_ids for o in first] == ref
-    # step 1 prefills, 2-5 verify (the warm-up), 6-31 decode, 32 probes, 33-40 decode (a request
-    # whose random drafts were accepted somewhere ends a step earlier)
+    # step 1 prefills, 2-3 verify (the warm-up), 4-40 decode (a request whose random drafts were
+    # accepted somewhere ends a step earlier)
     for o in first:
         m = o.metrics
-        assert m["num_drafts"] == 5 and 1 + m["num_drafts"] + m["num_accepted_tokens"] + m["gated_steps"] == 40
-    assert llm.engine.spec.steps == 40
-    again = llm.generate(prompts, params)  # step 41 prefills, 42-63 decode, 64 probes, 65-80 decode
-    assert [o.token_ids for o in again] == ref
-    assert [(o.metrics["num_drafts"], o.metrics["gated_steps"]) for o in again] == [(1, 38)] * 4
-    assert llm.engine.spec.step_gate.resume_at == 128  # the pause doubled to the cap at tau 3: 256
+        assert m["num_drafts"] == 2 and 1 + m["num_drafts"] + m["num_accepted_tokens"] + m["gated_steps"] == 40
+    assert llm.engine.spec.steps == 40 and llm.engine.spec.step_gate.resume_at == 256
+    long = SamplingParams(max_tokens=240, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompts, long)]
+    again = llm.generate(prompts, long)  # step 41 prefills, 42-255 decode, 256 probes, 257-280 decode
+    assert [o.token_ids for o in again] == want
+    for o in again:
+        m = o.metrics
+        assert m["num_drafts"] == 1 and 1 + m["num_drafts"] + m["num_accepted_tokens"] + m["gated_steps"] == 240
+    assert llm.engine.spec.step_gate.resume_at == 512  # the pause doubled to the cap at tau 3: 256
     oracle = step_gated(LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32"), 3.0)
     install_oracle(oracle, {tuple(p): r for p, r in zip(prompts, ref)})
     outs = oracle.generate(prompts, params)
     assert [o.token_ids for o in outs] == ref
     assert all(o.metrics["gated_steps"] == 0 for o in outs) and oracle.engine.spec.step_gate.tau == 4.0
+
+
+def test_unmeasured_step_costs_take_what_is_observed():
+    """Nothing timed at start (a CPU): buckets of powers of two; a bucket's break-even is its observed
+    ratio, else the nearest bucket's seen both ways, else 1 (drafts run until they are timed)."""
+    c = StepCosts.unmeasured(12)
+    assert c.batches == (1, 2, 4, 8, 16) and not c.measured and c.bucket(12) == 4
+    seen = Observed()
+    assert c.break_even(3) == c.break_even(3, seen) == 1.0
+    seen.add(seen.spec, c.bucket(3), 30.0)
+    assert c.break_even(3, seen) == 1.0 and seen.wants_plain(2)
+    seen.add(seen.plain, 2, 10.0)
+    assert c.break_even(3, seen) == c.break_even(4, seen) == pytest.approx(3.0)
+    assert c.break_even(1, seen) == c.break_even(12, seen) == pytest.approx(3.0)  # the nearest seen: bucket 4
+    seen.add(seen.spec, 0, 12.0)
+    seen.add(seen.plain, 0, 8.0)
+    assert c.break_even(1, seen) == pytest.approx(1.5) and c.break_even(2, seen) == pytest.approx(1.5)
+    assert c.break_even(16, seen) == pytest.approx(3.0)
 
 
 def test_observed_step_costs_raise_the_break_even():
@@ -217,7 +246,7 @@ def test_observed_step_costs_raise_the_break_even():
     c = StepCosts((1, 4), (1.0, 2.0), (1.5, 3.0))
     seen = Observed()
     assert c.break_even(3, seen) == 1.5 and c.bucket(3) == 1 and c.bucket(9) == 1
-    assert not seen.wants_plain(1)
+    assert seen.wants_plain(1)  # the pace without drafts is timed first
     seen.add(seen.spec, c.bucket(3), 6.0)  # a DFlash step of 3 requests took 6 ms, host included
     assert c.break_even(3, seen) == 1.5 and seen.wants_plain(1)  # its pace without drafts not seen yet
     seen.add(seen.plain, 1, 1.0)  # below the graph's 2 ms: the graph's counts
@@ -248,3 +277,22 @@ def test_the_step_gate_counts_what_steps_take_on_the_host(tiny_llama, drafter, p
     assert sp.seen.spec[0] > sp.seen.plain[0] > 0.01 and sp.costs.break_even(4, sp.seen) > 1.2
     assert 0 < sp.seen.tries[0] <= sp.seen.max_tries
     assert sp.step_gate.resume_at > 0 and llm.engine.spec_totals()["gated_steps"] > 4 * sp.seen.max_tries
+
+
+def test_the_step_gate_times_the_steps_of_a_sync_engine(tiny_llama, drafter, plain):
+    """Nothing measured at start (a CPU engine, steps read one at a time): the gate drafts until its
+    DFlash steps are timed, runs a step without drafts to time that, and then stops the random
+    drafter (tau ~1 against a DFlash step dearer than a plain one); plain decoding's tokens."""
+    prompts = MIXED[:4]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    ref = [o.token_ids for o in plain.generate(prompts, params)]
+    llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32")
+    sp = llm.engine.spec
+    assert not llm.engine.async_scheduling
+    sp.costs, sp.step_gate = StepCosts.unmeasured(llm.engine.config.max_num_seqs), StepGate()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    i = sp.costs.bucket(4)
+    assert sp.seen.spec[i] > sp.seen.plain[i] > 0 and sp.costs.break_even(4, sp.seen) > 1.2
+    assert sp.seen.tries[i] == 1 and sp.step_gate.resume_at > 0
+    tot = llm.engine.spec_totals()
+    assert tot["num_drafts"] >= sp.step_gate.warmup and tot["gated_steps"] > 4 * 10

@@ -18,10 +18,15 @@ runs in the smallest bucket holding it, and so takes that bucket's ratio.
 
 That is GPU time. While serving, the engine also times its steps (Observed): a DFlash step waits for
 its accepted lengths, so its wall time is host and GPU together; steps without drafts overlap the
-host (engine.step), so their pace is the time between launches in a run of them. Once a bucket has
-been seen both ways (the engine runs a few steps without drafts to time them, once per bucket), the
-larger of graph and observed cost counts for each: a small target whose verify steps wait on the host
-(the shipped pair at 64 requests: 0.89-0.93x plain with drafts) shows a break-even the graphs miss.
+host (engine.step), so their pace is the time between launches in a run of them, and without async
+scheduling (a CPU) a step's wall time. Once a bucket has been seen both ways (the engine runs a step
+without drafts to time it, once per bucket), the larger of graph and observed cost counts for each:
+a small target whose verify steps wait on the host (the shipped pair at 64 requests: 0.89-0.93x plain
+with drafts) shows a break-even the graphs miss.
+
+Where nothing is captured to time at start (a CPU, eager CUDA, token trees), the costs are the
+observed ones alone (StepCosts.unmeasured): a bucket not yet seen both ways takes the nearest bucket's
+ratio that has been, and drafts until one has.
 """
 
 from __future__ import annotations
@@ -45,11 +50,31 @@ class StepCosts:
         """The index of the smallest bucket holding n requests (the largest past them all)."""
         return next((i for i, b in enumerate(self.batches) if n <= b), len(self.batches) - 1)
 
+    @classmethod
+    def unmeasured(cls, max_batch: int) -> StepCosts:
+        """Buckets of powers of two up to max_batch and no cost measured: Observed supplies them."""
+        batches = [1]
+        while batches[-1] < max_batch:
+            batches.append(2 * batches[-1])
+        return cls(tuple(batches), (0.0,) * len(batches), (0.0,) * len(batches))
+
+    @property
+    def measured(self) -> bool:
+        return any(p > 0 for p in self.plain_ms)
+
     def break_even(self, n: int, seen: Observed | None = None) -> float:
         """The tau from which a request's drafts pay with n requests running; with `seen`, each
-        step's cost is the larger of the graphs' and the one observed while serving."""
+        step's cost is the larger of the graphs' and the one observed while serving. Unmeasured: the
+        observed ratio of n's bucket, else of the nearest bucket seen both ways, else 1."""
         i = self.bucket(n)
         spec, plain = self.spec_ms[i], self.plain_ms[i]
+        if not self.measured:
+            if seen is None:
+                return 1.0
+            both = sorted((abs(j - i), j) for j in seen.spec if j in seen.plain)
+            if not both:
+                return 1.0
+            i = both[0][1]
         if seen is not None and i in seen.spec and i in seen.plain:  # both seen: host time on both sides
             spec, plain = max(spec, seen.spec[i]), max(plain, seen.plain[i])
         return max(1.0, spec / plain)
@@ -63,8 +88,8 @@ class StepCosts:
 @dataclass
 class Observed:
     """Step costs seen while serving, ms by bucket index (StepCosts.bucket): running averages of
-    whole DFlash steps' wall times and of the pace of overlapped steps without drafts, and the
-    steps without drafts run to time that pace."""
+    whole DFlash steps' wall times and of the pace of steps without drafts (overlapped: the time
+    between launches; else a step's wall time), and the steps without drafts run to time that pace."""
     weight: float = 0.2
     spec: dict[int, float] = field(default_factory=dict)
     plain: dict[int, float] = field(default_factory=dict)
@@ -72,9 +97,10 @@ class Observed:
     max_tries: int = 8  # (a run may never form: requests arriving, prefills; then the graphs decide)
 
     def wants_plain(self, bucket: int) -> bool:
-        """Whether to run steps without drafts now to time this bucket's pace: its DFlash steps have
-        been timed, its pace not, and the tries are not spent."""
-        return bucket in self.spec and bucket not in self.plain and self.tries.get(bucket, 0) < self.max_tries
+        """Whether to run steps without drafts now to time this bucket's pace: not timed yet, and the
+        tries are not spent. Timed before its first DFlash step, so that one verify step (a batch's
+        worth of blocks) can decide: on a CPU a 12-request verify costs four plain steps."""
+        return bucket not in self.plain and self.tries.get(bucket, 0) < self.max_tries
 
     def add(self, table: dict[int, float], bucket: int, ms: float) -> None:
         old = table.get(bucket)

@@ -96,17 +96,21 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         self.num_running = 0
         self.steps = 0
         self._inflight: InFlight | None = None  # a step without drafts not read yet (step())
+        self._whole = (0.0, False)  # this step's start and whether every running request is in it
         self._compile_and_capture()
-        # the per-request acceptance gate: its threshold given (running requests, temperature); the
-        # step gate (CUDA default) at the break-even tau of the step costs measured now; their clock
+        # the per-request acceptance gate (a number given): its threshold given (running requests,
+        # temperature); the step gate (the default) at the break-even tau of the step costs, measured
+        # now where graphs are captured, else as they are seen; their clock
         self.min_tau_rule = engine.config.min_acceptance_length(engine.device)
         auto = engine.config.speculative_min_acceptance_length == "auto"
-        self.costs = step_costs.measure(self) if auto and config.CUDA_MEASURED_GATE else None
+        self.costs = None
+        if auto and config.STEP_GATE:
+            self.costs = step_costs.measure(self) or step_costs.StepCosts.unmeasured(engine.config.max_num_seqs)
         self.step_gate = StepGate() if self.costs is not None else None
         self.seen = step_costs.Observed()  # step costs while serving (the step gate's)
         self._last_launch: float | None = None  # when the last overlapped step without drafts launched
         self.gated = False  # this step decodes without drafts (the step gate)
-        if self.costs is not None:
+        if self.costs is not None and self.costs.measured:
             log.info("speculation pays from tau %s at %s running requests (step costs measured at start)",
                      "/".join(f"{self.costs.break_even(b):.2f}" for b in self.costs.batches),
                      "/".join(map(str, self.costs.batches)))
@@ -192,13 +196,13 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
 
     def _gated(self, step: int, n: int) -> bool:
         """Whether engine step `step`, n requests running, decodes without drafts by the step gate:
-        paused, or timing the pace of steps without drafts (costs.Observed; overlapped steps only)."""
+        paused, or timing the pace of steps without drafts (costs.Observed)."""
         if self.step_gate is None:
             return False
         if not self.step_gate.drafts(step):
             return True
         i = self.costs.bucket(max(n, 1))
-        if self.engine.async_scheduling and self.seen.wants_plain(i):
+        if self.seen.wants_plain(i):
             self.seen.tries[i] = self.seen.tries.get(i, 0) + 1
             return True
         return False
@@ -256,10 +260,12 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         for p in plans:
             p.row = row
             row += p.n
+        self._whole = (start, len(plans) == self.num_running)  # every running request has a row
         if self.tree_size is not None and any(p.verify for p in plans):
             return self._tree_step(plans)
-        if eng.async_scheduling and not self.poison_rejected and all(
-                not p.verify and p.n == 1 and p.seq.num_computed_tokens + 1 == p.seq.num_tokens for p in plans):
+        decoding = all(not p.verify and p.n == 1 and p.seq.num_computed_tokens + 1 == p.seq.num_tokens
+                       for p in plans)
+        if eng.async_scheduling and not self.poison_rejected and decoding:
             # a step of decode rows without drafts: in flight until the next step() (step's docstring)
             self._inflight = self._launch_decode([p.seq for p in plans], [p.seq.token_ids[-1:] for p in plans])
             return []
@@ -276,8 +282,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         for i, t in zip(owner, host[len(verifying):]):
             chosen.setdefault(i, []).append(t)
         advanced = self._commit(plans, chosen)
-        if self.costs is not None and len(verifying) == len(plans):  # a whole DFlash step, host and GPU
-            self.seen.add(self.seen.spec, self.costs.bucket(len(plans)), 1e3 * (time.perf_counter() - start))
+        if self.costs is not None and self._whole[1] and decoding:  # a step of decode rows without drafts
+            self.seen.add(self.seen.plain, self.costs.bucket(len(plans)), 1e3 * (time.perf_counter() - start))
         return advanced
 
     def _forward(self, plans: list[Plan]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -421,9 +427,13 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
                     moves += self._path_moves(s, start, p.path)
                 kept.append((s, start + p.n, a))
         verified = [p.accepted + 1 for p in plans if p.verify]
+        start, whole = self._whole
+        if self.costs is not None and whole and len(verified) == len(plans):
+            # a whole DFlash step, host and device, timed before the gate reads it
+            self.seen.add(self.seen.spec, self.costs.bucket(len(plans)), 1e3 * (time.perf_counter() - start))
         if self.step_gate is not None and verified:
             self.step_gate.record(sum(verified) / len(verified), self.steps,
-                                  self.costs.break_even(max(self.num_running, 1), self.seen))
+                                  self.costs.break_even(max(self.num_running, 1), self.seen), len(verified))
         eng.runner.commit_states(committed)  # hybrid targets: the accepted rows' state
         if moves:  # before poisoning or freeing what lies past the committed length
             self._move_kv(moves)

@@ -73,28 +73,44 @@ def pause_cap(min_tau: float) -> int:
     return steps
 
 
+def first_pause(tau: float, min_tau: float, least: int = 16) -> int:
+    """The first pause of a batch whose average tau is below min_tau: a power of two of at least
+    50 (min_tau - tau) steps (a probe then costs at most ~2% of them: it takes the price of min_tau
+    plain steps for tau tokens), from `least` to pause_cap(min_tau). Near the break-even the pause
+    is short, so drafting resumes soon where it starts to pay; far below it (a 12-request batch on
+    a CPU, whose verify costs four plain steps) probes are rare from the start."""
+    steps, cap = least, pause_cap(min_tau)
+    while steps < cap and steps < 50 * (min_tau - tau):
+        steps *= 2
+    return steps
+
+
 @dataclass
 class StepGate:
     """Speculation on or off for whole steps, by what steps cost (speculative/costs.py): the
-    default on CUDA. Requests verify together or not at all: a step where some verify and others
+    default. Requests verify together or not at all: a step where some verify and others
     decode is a ragged step, outside the whole-step graph (the shipped pair on an H200 with
     per-request gates at the same thresholds: MT-Bench 0.87x plain at 16 requests, against 1.36x
     without a gate).
 
     It keeps an exponential average of the batch's tau (tokens committed per verifying request)
-    over verify steps. Once `warmup` steps have verified and the average is below min_tau (the
-    break-even tau of the running batch), steps decode without drafts until the next multiple of
-    the pause on the engine's step clock, then one step verifies as a probe. The probe's tau replaces
-    the average (the drafts may pay again: a new workload); below min_tau the pause doubles, up to
-    pause_cap(min_tau); over it, drafting resumes and the pause resets. Its state lives with the
-    engine, so requests that arrive while drafts miss for everyone (a drafter out of its domain)
-    start without drafts too."""
+    over verify steps, each step weighing as many blocks as verified in it (`weight` a block: one
+    request's tau is a noisy integer, so a lone request's average moves slowly, a batch's fast).
+    Once `warmup` blocks have been verified (a step of 8 requests, or 8 steps of one) and the
+    average is below min_tau (the break-even tau of the running batch), steps decode without drafts
+    until the next multiple of the pause on the engine's step clock (first_pause), then one step
+    verifies as a probe. A probe of `warmup` blocks or more replaces the average (the drafts may
+    pay again: a new workload), a smaller one counts at least half; below min_tau the pause doubles,
+    up to pause_cap(min_tau); over it, drafting resumes and the
+    pause resets. Its state lives with the engine, so requests that arrive while drafts miss for
+    everyone (a drafter out of its domain) start without drafts too."""
 
-    weight: float = 0.2  # of the newest verify step in the average
-    warmup: int = 4  # verify steps before the first pause
-    first_pause: int = 16  # engine steps
+    weight: float = 0.05  # of each block verified in the newest step, in the average
+    warmup: int = 8  # verified blocks (requests x steps) before the first pause
+    first_pause: int = 16  # engine steps, at least
     tau: float = 0.0
     verifies: int = 0
+    blocks: int = 0  # verified blocks
     pause: int = 0  # the next pause (0: first_pause)
     resume_at: int = 0  # the engine step from which steps verify again
     probing: bool = False  # the next verify step is a probe
@@ -102,19 +118,24 @@ class StepGate:
     def drafts(self, step: int) -> bool:
         return step >= self.resume_at
 
-    def record(self, tau: float, step: int, min_tau: float) -> bool:
-        """A verify in engine step `step` committed `tau` tokens per verifying request. Returns True
-        when the steps from the next one on decode without drafts."""
-        fresh = self.verifies == 0 or self.probing
-        self.tau = tau if fresh else self.tau + self.weight * (tau - self.tau)
+    def record(self, tau: float, step: int, min_tau: float, blocks: int = 1) -> bool:
+        """A verify in engine step `step` committed `tau` tokens per verifying request, `blocks`
+        requests verifying. Returns True when the steps from the next one on decode without drafts."""
+        w = 1.0 - (1.0 - self.weight) ** blocks
+        if self.verifies == 0 or self.probing and blocks >= self.warmup:
+            w = 1.0
+        elif self.probing:
+            w = max(w, 0.5)
+        self.tau += w * (tau - self.tau)
         self.verifies += 1
+        self.blocks += blocks
         self.probing = False
         if self.tau >= min_tau:
             self.pause = 0
             return False
-        if self.verifies < self.warmup:
+        if self.blocks < self.warmup:
             return False
-        pause = self.pause or self.first_pause
+        pause = self.pause or first_pause(self.tau, min_tau, self.first_pause)
         self.resume_at = -(-(step + pause) // pause) * pause
         self.pause = min(2 * pause, pause_cap(min_tau))
         self.probing = True

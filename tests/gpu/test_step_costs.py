@@ -17,7 +17,7 @@ def test_measured_costs_gate_a_random_drafter(tiny_llama, tmp_path, monkeypatch)
     import flashdraft.config
     from flashdraft import LLM, SamplingParams
 
-    monkeypatch.setattr(flashdraft.config, "CUDA_MEASURED_GATE", True)  # the default, off in tests
+    monkeypatch.setattr(flashdraft.config, "STEP_GATE", True)  # the default, off in tests
     draft = build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)
     llm = LLM(str(tiny_llama), draft=str(draft), device="cuda", dtype="float32", max_num_seqs=8)
     costs = llm.engine.spec.costs
@@ -35,6 +35,6 @@ def test_measured_costs_gate_a_random_drafter(tiny_llama, tmp_path, monkeypatch)
     assert tot["gated_steps"] > 0 and tot["num_drafts"] >= 4  # the warm-up verify steps, then none
     assert llm.engine.stats["num_overlapped_steps"] > 0  # paused steps launched ahead (async scheduling)
 
-    monkeypatch.setattr(flashdraft.config, "CUDA_MEASURED_GATE", False)
+    monkeypatch.setattr(flashdraft.config, "STEP_GATE", False)
     off = LLM(str(tiny_llama), draft=str(draft), device="cuda", dtype="float32", max_num_seqs=8)
     assert off.engine.spec.costs is None and off.engine.spec.step_gate is None
