@@ -3,7 +3,11 @@ flashdraft/models/skinny.py over a sweep of tile configs, at M = 1, 8, 16, 32 ro
 time of a decode step, a 16-row verify and a draft block split by kernel (torch profiler over
 CUDA-graph replays), and the paged attention kernel at every forced split-K count. `--sections moe`
 times the expert kernels (models/moe_triton.py) of --model's MoE shape at --rows tokens, sorted and
-unsorted, and sweeps the unsorted path's tiles.
+unsorted, and sweeps the unsorted path's tiles. `--sections floors` times what no GEMM can go below:
+an empty kernel launched in a graph (with and without PDL), and each shape's weights read by a plain
+streaming kernel (four programs an SM, no reduction), cold and hot in L2. The GEMM section's "parts"
+row is the tile rules with the split-K parts left to the consumer (skinny_linear(parts=True)), as
+the fused layers call their o, out and down projections.
 
 Every GEMM is timed inside one CUDA graph of `calls` launches that cycle through enough copies of
 the weight to overflow L2 (a decode step reads each layer's weights once, cold), CUDA events around
@@ -25,7 +29,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from gpu_roofline import Clock, Roofline, log, short_error
+
+from flashdraft.models.launch import pdl_enter, pdl_trigger
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
@@ -127,6 +135,7 @@ class Sweep:
                 # what the model runs: the tile rules of skinny._dot_tiles (and _dot_split), and those
                 # tiles with K split over 1-4 programs a strip
                 cands += [("rules", {}, lambda i, x=x, w=ws: skinny.skinny_linear(x, w[i % len(w)]))]
+                cands += [("parts", {}, lambda i, x=x, w=ws: skinny.skinny_linear(x, w[i % len(w)], parts=True))]
                 cands += [("split", {"split": sp}, lambda i, sp=sp, x=x, w=ws: skinny.skinny_linear(
                     x, w[i % len(w)], split=sp)) for sp in (1, 2, 3, 4)]
                 if self.args.split_tiles:  # split-K with explicit tiles and pipeline depths
@@ -147,6 +156,7 @@ class Sweep:
                     row = {"shape": name, "N": N, "K": K, "M": M, "kind": kind, **cfg}
                     try:
                         y = fn(0).float()
+                        y = y.sum(1) if y.dim() == 3 else y  # split-K parts
                         want = ref if kind != "glu" else torch.nn.functional.silu(ref[:, : N // 2]) * ref[:, N // 2:]
                         err = float((y - want).abs().max() / want.abs().max())
                         us = self.graph_time(fn, max(8, calls))
@@ -160,13 +170,16 @@ class Sweep:
                 cub = next(r for r in self.res["gemm"] if r["shape"] == name and r["M"] == M and r["kind"] == "cublas")
                 rules = next((r for r in self.res["gemm"] if r["shape"] == name and r["M"] == M
                               and r["kind"] == "rules" and "us" in r), None)
+                parts = next((r for r in self.res["gemm"] if r["shape"] == name and r["M"] == M
+                              and r["kind"] == "parts" and "us" in r), None)
                 if best and "us" in cub:
                     tiles = {k: best[k] for k in ("block_n", "block_k", "num_warps", "num_stages", "split")
                              if k in best}
                     log(f"{name} {N}x{K} M={M}: cublas {cub['us']:.1f} us ({cub['gbps']:.0f} GB/s); best triton "
                         f"{best['kind']} {best['us']:.1f} us ({best['gbps']:.0f} GB/s, "
                         f"{best['of_copy_bw']:.2f} of copy) {tiles} err {best['rel_err']:.1e}"
-                        + (f"; tile rules {rules['us']:.1f} us ({rules['of_copy_bw']:.2f})" if rules else ""))
+                        + (f"; tile rules {rules['us']:.1f} us ({rules['of_copy_bw']:.2f})" if rules else "")
+                        + (f", parts {parts['us']:.1f} us" if parts else ""))
             ws.clear()  # free the copies before the next shape's
             if self.cuda:
                 torch.cuda.empty_cache()
@@ -236,6 +249,40 @@ class Sweep:
                     f"{b['tiles']}")
         finally:
             moe_triton.DIRECT_TOKENS, moe_triton.DIRECT_TILES = saved
+
+    def floors(self) -> None:
+        """An empty kernel's launch in a graph (PDL on and off), and each shape's weights read by
+        the streaming kernel below, cold (copies past L2) and hot (one copy), microseconds a call."""
+        from flashdraft.models.launch import launch_kwargs
+
+        y = torch.zeros(16, device=self.dev, dtype=torch.float32)
+        kw = launch_kwargs(y)
+        row = {}
+        for grid in (1, 132, 528):
+            row[f"empty_{grid}_pdl_us"] = self.graph_time(lambda i, g=grid: _empty[(g,)](y, **kw), 64)
+            row[f"empty_{grid}_us"] = self.graph_time(lambda i, g=grid: _empty[(g,)](y, USE_PDL=0), 64)
+        log("empty kernel in a graph: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
+        self.res["floors"] = {"empty": row, "stream": []}
+        sms = torch.cuda.get_device_properties(self.dev).multi_processor_count if self.cuda else 4
+        shapes = TINY_SHAPES if self.args.tiny else MODEL_SHAPES[self.args.model]
+        for name, (N, K) in shapes.items():
+            el = torch.finfo(self.dtype).bits // 8
+            copies = max(1, min(16, -(-(400 << 20) // (N * K * el)))) if self.cuda else 1
+            ws = [torch.randn(N * K, device=self.dev, dtype=self.dtype) for _ in range(copies)]
+            progs, block = 4 * sms, 8192 if self.cuda else 64
+            per = N * K // progs // block * block
+            if per == 0:
+                continue
+            def read(w, progs=progs, per=per, block=block):
+                _stream[(progs,)](w, y, per, BLOCK=block, **kw)
+
+            cold = self.graph_time(lambda i, ws=ws, c=copies, read=read: read(ws[i % c]), 2 * copies)
+            hot = self.graph_time(lambda i, w=ws[0], read=read: read(w), 16)
+            gbps = progs * per * el / (cold * 1e-6) / 1e9
+            self.res["floors"]["stream"].append({"shape": name, "N": N, "K": K, "cold_us": cold, "hot_us": hot,
+                                                 "of_copy_bw": gbps / self.bw})
+            log(f"{name} {N}x{K}: streamed cold {cold:.2f} us ({gbps / self.bw:.2f} of copy), hot {hot:.2f} us")
+            ws.clear()
 
     def roofline_run(self) -> Roofline:
         """The Qwen3-8B-shaped target and 5-layer drafter of gpu_roofline.py, built once."""
@@ -390,6 +437,26 @@ class Sweep:
         (out / "gemm_sweep.md").write_text("\n".join(lines) + "\n")
 
 
+@triton.jit
+def _empty(y_ptr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
+    pdl_trigger(USE_PDL)
+    if tl.program_id(0) == 0:
+        tl.store(y_ptr, 1.0)
+
+
+@triton.jit
+def _stream(w_ptr, y_ptr, per_prog, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Each program sums its `per_prog` contiguous elements: a read with nothing else to wait on."""
+    base = w_ptr + tl.program_id(0).to(tl.int64) * per_prog
+    pdl_enter(USE_PDL)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for o in range(0, per_prog, BLOCK):
+        acc += tl.load(base + o + tl.arange(0, BLOCK)).to(tl.float32)
+    pdl_trigger(USE_PDL)
+    tl.store(y_ptr + tl.program_id(0) % 16, tl.sum(acc))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -399,7 +466,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the GEMM shapes")
     ap.add_argument("--model", default="qwen3-8b", choices=sorted(MODEL_SHAPES), help="whose GEMM shapes (and, "
                     "for the MoE targets, expert shapes: --sections moe)")
-    ap.add_argument("--sections", default="gemm,profile,attention_splits")
+    ap.add_argument("--sections", default="gemm,profile,attention_splits", help="any of gemm, profile, attention_splits, moe, floors")
     ap.add_argument("--rows", default="1,8,16,32", help="GEMM rows (M) to sweep")
     ap.add_argument("--quick", action="store_true", help="GEMM sweep: 8 dot tile configs, no gemv")
     ap.add_argument("--split-tiles", action="store_true",
