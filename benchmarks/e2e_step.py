@@ -12,8 +12,9 @@ eager step) over the bandwidth of a device copy measured in the same run, and th
 CUDA graph replayed (the captured decode or whole-DFlash-step graph) plus the head and greedy choice that
 follow it eagerly. End to end minus GPU time is the time the GPU waits on the host. Arms: plain (async
 scheduling: the next decode step queued before the last one is read), plain-sync (without), dflash (every
-step verifies: the acceptance gate off), dflash-auto (the engine's default: on CUDA the gate stops
-drafts below the break-even tau of the step costs it measured at start, speculative/costs.py). For each
+step verifies: the acceptance gate off), dflash-auto (the engine's default: the step gate stops
+drafts below the break-even tau of the step costs, on CUDA measured at start, elsewhere timed while
+serving, speculative/costs.py). For each
 DFlash arm, `speedup`: its tokens per second over the plain arm's at each concurrency.
 
     python benchmarks/e2e_step.py --target qwen3.5-0.8b --out e2e.json        # a GPU

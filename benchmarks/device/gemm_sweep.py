@@ -466,7 +466,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the GEMM shapes")
     ap.add_argument("--model", default="qwen3-8b", choices=sorted(MODEL_SHAPES), help="whose GEMM shapes (and, "
                     "for the MoE targets, expert shapes: --sections moe)")
-    ap.add_argument("--sections", default="gemm,profile,attention_splits", help="any of gemm, profile, attention_splits, moe, floors")
+    ap.add_argument("--sections", default="gemm,profile,attention_splits",
+                    help="any of gemm, profile, attention_splits, moe, floors")
     ap.add_argument("--rows", default="1,8,16,32", help="GEMM rows (M) to sweep")
     ap.add_argument("--quick", action="store_true", help="GEMM sweep: 8 dot tile configs, no gemv")
     ap.add_argument("--split-tiles", action="store_true",
