@@ -193,9 +193,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode without drafts in steps where at least N requests are running")
     p.add_argument("--speculative-min-acceptance-length", type=_min_tau, default="auto", metavar="TAU",
                    help="a request whose recent tokens per verify fall below TAU decodes without drafts for a "
-                        "while, then tries again (default auto: sampled requests on a CPU, at 1.5 + 0.15 per "
-                        "further running request; on CUDA whole steps, while the batch's tau is below the "
-                        "break-even tau of the step costs measured at start; 0 or off: never)")
+                        "while, then tries again (default auto: whole steps, while the batch's tau is below the "
+                        "break-even tau of the step costs, on CUDA measured at start, elsewhere timed while "
+                        "serving; 0 or off: never)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -130,7 +130,7 @@ def spec_engines(folder, drafter, **cfg):
 @pytest.mark.parametrize("pause", ["gate", "step", "batch"])
 def test_dflash_steps_without_drafts_overlap(tiny_llama, drafter, pause):
     """A random drafter's requests paused by their acceptance gates (tau ~1 under min_tau 3: four
-    warm-up verifies, then probes on the clock's multiples), by the step gate (the CUDA default, at a
+    warm-up verifies, then probes on the clock's multiples), by the step gate (the default, at a
     break-even tau of 3), or every step paused by speculative_disable_batch_size: with async
     scheduling each step without drafts is launched before
     the one before it is read. Tokens, finish reasons and texts equal plain decoding's, greedy and

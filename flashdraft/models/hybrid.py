@@ -250,7 +250,7 @@ class GatedDeltaNet(nn.Module):
             normed = gdn_triton.gated_norm(core, z, self.norm.weight, self.norm_eps)
         else:
             normed = self.gated_norm(core, z)
-        return linear(normed.reshape(x.shape[0], self.value_dim), self.out_proj.weight, None, parts)
+        return self.out_proj(normed.reshape(x.shape[0], self.value_dim), parts=parts)
 
     def kernels(self, x: torch.Tensor) -> bool:
         """Whether the step runs the Triton GDN kernels (models/gdn_triton.py): on the fused path,
@@ -373,7 +373,7 @@ class GatedAttention(nn.Module):
                                          offset=True)
             o = attn.forward(q, k_cache, v_cache, batch, self.scale)
             o = fused.sigmoid_gate(o, gate)
-            return linear(o.reshape(-1, self.n_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias, parts)
+            return self.o_proj(o.reshape(-1, self.n_heads * self.head_dim), parts=parts)
         _, k, v = proj.split(self.splits, dim=-1)
         q = qg.reshape(-1, self.n_heads, 2 * self.head_dim)[..., :self.head_dim]
         k = k.reshape(-1, self.n_kv, self.head_dim)

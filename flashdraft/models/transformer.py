@@ -136,8 +136,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor:
+        """parts: the result may be split-K parts, for an add_rmsnorm (see linear)."""
+        return linear(x, self.weight, self.bias, parts)
 
 
 class Attention(nn.Module):
@@ -177,7 +178,7 @@ class Attention(nn.Module):
                                      self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
                                      self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch))
         o = attn.forward(q, k_cache, v_cache, batch, self.scale, self.sinks)
-        return linear(o.reshape(-1, self.q_size), self.o_proj.weight, self.o_proj.bias, parts)
+        return self.o_proj(o.reshape(-1, self.q_size), parts=parts)
 
 
 def activation(name: str):
@@ -216,7 +217,7 @@ class MLP(nn.Module):
             h = skinny_linear(x, self.gate_up_proj.weight, glu=True)
         else:
             h = fused.silu_mul(self.gate_up_proj(x))
-        return linear(h, self.down_proj.weight, self.down_proj.bias, parts)
+        return self.down_proj(h, parts=parts)
 
 
 class DecoderLayer(nn.Module):

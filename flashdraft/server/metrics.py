@@ -55,8 +55,8 @@ class EngineCollector(Collector):
                         spec.get("paused_steps", 0))
         yield self._one(c, "spec_decode_num_gated_steps",
                         "Request steps decoded without drafts by an acceptance gate: the request's recent "
-                        "acceptance length below speculative_min_acceptance_length, or (the CUDA default) the "
-                        "batch's below the break-even of the measured step costs.", spec.get("gated_steps", 0))
+                        "acceptance length below speculative_min_acceptance_length, or (the default) the "
+                        "batch's below the break-even of the step costs.", spec.get("gated_steps", 0))
         per_pos = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the draft.",
                                       labels=["model_name", "position"])

@@ -96,7 +96,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         self.num_running = 0
         self.steps = 0
         self._inflight: InFlight | None = None  # a step without drafts not read yet (step())
-        self._whole = (0.0, False)  # this step's start and whether every running request is in it
+        self._step_start = 0.0  # when this step began (the step costs' clock)
+        self._step_whole = False  # every running request has rows in this step
         self._compile_and_capture()
         # the per-request acceptance gate (a number given): its threshold given (running requests,
         # temperature); the step gate (the default) at the break-even tau of the step costs, measured
@@ -260,7 +261,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         for p in plans:
             p.row = row
             row += p.n
-        self._whole = (start, len(plans) == self.num_running)  # every running request has a row
+        self._step_start, self._step_whole = start, len(plans) == self.num_running
         if self.tree_size is not None and any(p.verify for p in plans):
             return self._tree_step(plans)
         decoding = all(not p.verify and p.n == 1 and p.seq.num_computed_tokens + 1 == p.seq.num_tokens
@@ -282,7 +283,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         for i, t in zip(owner, host[len(verifying):]):
             chosen.setdefault(i, []).append(t)
         advanced = self._commit(plans, chosen)
-        if self.costs is not None and self._whole[1] and decoding:  # a step of decode rows without drafts
+        if self.costs is not None and self._step_whole and decoding:  # a step of decode rows without drafts
             self.seen.add(self.seen.plain, self.costs.bucket(len(plans)), 1e3 * (time.perf_counter() - start))
         return advanced
 
@@ -427,10 +428,10 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
                     moves += self._path_moves(s, start, p.path)
                 kept.append((s, start + p.n, a))
         verified = [p.accepted + 1 for p in plans if p.verify]
-        start, whole = self._whole
-        if self.costs is not None and whole and len(verified) == len(plans):
+        if self.costs is not None and self._step_whole and len(verified) == len(plans):
             # a whole DFlash step, host and device, timed before the gate reads it
-            self.seen.add(self.seen.spec, self.costs.bucket(len(plans)), 1e3 * (time.perf_counter() - start))
+            self.seen.add(self.seen.spec, self.costs.bucket(len(plans)),
+                          1e3 * (time.perf_counter() - self._step_start))
         if self.step_gate is not None and verified:
             self.step_gate.record(sum(verified) / len(verified), self.steps,
                                   self.costs.break_even(max(self.num_running, 1), self.seen), len(verified))

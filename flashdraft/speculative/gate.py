@@ -51,7 +51,7 @@ class AcceptanceGate:
         if self.verifies < self.warmup:
             return False
         pause = self.pause or self.first_pause
-        self.resume_at = -(-(step + pause) // pause) * pause
+        self.resume_at = resume_step(step, pause)
         self.pause = min(2 * pause, self.max_pause)
         return True
 
@@ -61,6 +61,11 @@ def gate_record(seq, committed: int, step: int, min_tau: float) -> None:
     if not hasattr(seq, "spec_gate"):
         seq.spec_gate = AcceptanceGate()
     seq.spec_gate.record(committed, step, min_tau)
+
+
+def resume_step(step: int, pause: int) -> int:
+    """The first multiple of `pause` on the engine's step clock at least `pause` steps after `step`."""
+    return -(-(step + pause) // pause) * pause
 
 
 def pause_cap(min_tau: float) -> int:
@@ -101,13 +106,13 @@ class StepGate:
     until the next multiple of the pause on the engine's step clock (first_pause), then one step
     verifies as a probe. A probe of `warmup` blocks or more replaces the average (the drafts may
     pay again: a new workload), a smaller one counts at least half; below min_tau the pause doubles,
-    up to pause_cap(min_tau); over it, drafting resumes and the
-    pause resets. Its state lives with the engine, so requests that arrive while drafts miss for
-    everyone (a drafter out of its domain) start without drafts too."""
+    up to pause_cap(min_tau); over it, drafting resumes and the pause resets. Its state lives with
+    the engine, so requests that arrive while drafts miss for everyone (a drafter out of its domain)
+    start without drafts too."""
 
     weight: float = 0.05  # of each block verified in the newest step, in the average
     warmup: int = 8  # verified blocks (requests x steps) before the first pause
-    first_pause: int = 16  # engine steps, at least
+    least_pause: int = 16  # engine steps
     tau: float = 0.0
     verifies: int = 0
     blocks: int = 0  # verified blocks
@@ -135,8 +140,8 @@ class StepGate:
             return False
         if self.blocks < self.warmup:
             return False
-        pause = self.pause or first_pause(self.tau, min_tau, self.first_pause)
-        self.resume_at = -(-(step + pause) // pause) * pause
+        pause = self.pause or first_pause(self.tau, min_tau, self.least_pause)
+        self.resume_at = resume_step(step, pause)
         self.pause = min(2 * pause, pause_cap(min_tau))
         self.probing = True
         return True
