@@ -213,3 +213,24 @@ def test_step_gate_under_kv_pressure_and_requests_joining(tiny_llama, drafter):
     assert eng.spec_totals()["gated_steps"] > 0
     assert joining_late(eng, params, 9) == want
     assert eng.block_manager.num_used_blocks == 0
+
+
+def test_head_and_choice_run_in_inference_mode(pair, monkeypatch):
+    """The plain step's head and sampler run in inference mode, as the target's forward does: with
+    autograd on, the fused head and greedy kernels are skipped on CUDA (fused_enabled) for cuBLAS and
+    torch's argmax."""
+    import torch
+
+    for llm in pair:
+        model = llm.engine.runner.model
+        seen = []
+        real = model.compute_logits
+
+        def logits(*a, **k):
+            seen.append(torch.is_inference_mode_enabled())
+            return real(*a, **k)
+
+        monkeypatch.setattr(model, "compute_logits", logits)
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True))
+        monkeypatch.undo()
+        assert seen and all(seen)

@@ -219,11 +219,15 @@ class LLMEngine:
             return advanced
         return advanced + self._complete(launched)
 
+    @torch.inference_mode()
     def _launch(self, seqs: list[Sequence], tokens: list[list[int]], ids: torch.Tensor | None = None
                 ) -> InFlight | None:
         """Queue the target over `tokens` (each sequence's rows from num_computed_tokens on; `ids`:
         their values already on the device) and the sampling of every sequence whose rows reach its
-        end; None when none does. Nothing here waits for the GPU."""
+        end; None when none does. Nothing here waits for the GPU. In inference mode, as the target's
+        forward is: the head and the greedy choice take the fused kernels (with autograd on, the
+        head ran through cuBLAS and the choice through torch's argmax, 25 us more a step at the
+        Qwen3.5-4B shape on an H200)."""
         hidden, _, qsl = self.runner.forward(seqs, tokens, self.block_manager, input_ids=ids)
         for s, t in zip(seqs, tokens):
             s.num_computed_tokens += len(t)

@@ -312,11 +312,13 @@ class ModelRunner:
         bucket = 1 << (len(seqs) - 1).bit_length()
         ids, pos, slots, _, seq_lens, tables = self.step_lists(seqs, tokens, bm)
         g = self._graph(key, bucket, q_len, causal, attn, fn, setup)
-        g.fill(ids, pos, slots, seq_lens, tables)
-        if self.hybrid:  # graphed steps of B rows are verifies: their rows wait for commit_states
+        if not self.hybrid:
+            g.fill(ids, pos, slots, seq_lens, tables)
+        else:  # graphed steps of B rows are verifies: their rows wait for commit_states
             rows = RecurrentRows([bm.slot(s.seq_id) for s in seqs], [s.num_computed_tokens == 0 for s in seqs],
                                  [q_len > 1] * len(seqs))
-            g.fill(recurrent=[(slot, int(f), int(k)) for slot, f, k in zip(rows.slots, rows.fresh, rows.keep)])
+            g.fill(ids, pos, slots, seq_lens, tables,
+                   recurrent=[(slot, int(f), int(k)) for slot, f, k in zip(rows.slots, rows.fresh, rows.keep)])
             captured = g.aux.get("pending")
             for i, state in self.states.items():
                 state.step_rows = rows  # read by the layers when they run (off CUDA, every replay)
