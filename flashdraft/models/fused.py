@@ -134,9 +134,10 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
     rows go to q, k rows (rotated) and the matching v rows (raw) to the caches at the token's slot,
     unless it is < 0. RoPE turns the first ROT dims of a head. Lets the next kernel (attention)
     launch at once: attention reads what this stores only after waiting for it to finish, and
-    meanwhile fetches the K/V cached by earlier steps."""
+    meanwhile fetches the K/V cached by earlier steps. Before its own wait it reads what no kernel
+    of the step writes: the position's cos/sin rows, the token's slot (both copied in before the
+    step) and the norm weights."""
     pdl_trigger(USE_PDL)
-    pdl_enter(USE_PDL)
     HALF: tl.constexpr = ROT // 2
     t = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # head index in the packed row
@@ -149,20 +150,21 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
     mask = (is_q | is_k) & d_ok
     start = tl.where(r < N_HEADS, r * Q_WIDTH, N_HEADS * Q_WIDTH + (r - N_HEADS) * HEAD_DIM)
     row = qkv_ptr + t * stride_t + start[:, None]
-    x = tl.load(row + d[None, :], mask=mask, other=0.0)
-    xr = tl.load(row + rot[None, :], mask=mask, other=0.0)
+    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, d, ROT)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
     if HAS_NORM:
         w = tl.where(is_q, tl.load(qw_ptr + d, mask=d < HEAD_DIM, other=0.0)[None, :],
                      tl.load(kw_ptr + d, mask=d < HEAD_DIM, other=0.0)[None, :])
         wr = tl.where(is_q, tl.load(qw_ptr + rot, mask=d < HEAD_DIM, other=0.0)[None, :],
                       tl.load(kw_ptr + rot, mask=d < HEAD_DIM, other=0.0)[None, :])
-    else:
+    pdl_enter(USE_PDL)
+    x = tl.load(row + d[None, :], mask=mask, other=0.0)
+    xr = tl.load(row + rot[None, :], mask=mask, other=0.0)
+    if not HAS_NORM:
         w = x
         wr = xr
-    c, s = _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, d, ROT)
     out = _norm_rope(x, xr, w, wr, c, s, lo, eps, HEAD_DIM, HAS_NORM, OFFSET)
     tl.store(q_ptr + t * stride_qt + r[:, None] * stride_qh + d[None, :], out, mask=is_q & d_ok)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     # the slot test as a vector: the interpreter mis-types scalar & vector masks
     keep = is_k & d_ok & ((d * 0 + slot) >= 0)[None, :]
     page = slot // PAGE
@@ -336,16 +338,18 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Te
 def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, heads, stride_gt, stride_gh, N: tl.constexpr, BLOCK: tl.constexpr,
                          USE_PDL: tl.constexpr):
     """Program (row, head): out = o * sigmoid(g), the sigmoid rounded to the activation dtype first.
-    Signals at its start, as add_rmsnorm does: the o_proj GEMM after it is scheduled meanwhile."""
+    Signals at its start, as add_rmsnorm does: the o_proj GEMM after it is scheduled meanwhile. The
+    gate (the layer's input projection, finished before the kernel before this one signalled) is
+    read before the wait."""
     pdl_trigger(USE_PDL)
-    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK)
     ok = d < N
     dt = out_ptr.dtype.element_ty
-    o = tl.load(o_ptr + (t * heads + h) * N + d, mask=ok, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + t * stride_gt + h * stride_gh + d, mask=ok, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)
+    o = tl.load(o_ptr + (t * heads + h) * N + d, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + (t * heads + h) * N + d, (o * tl.sigmoid(g).to(dt).to(tl.float32)).to(dt), mask=ok)
 
 

@@ -50,8 +50,10 @@ def _conv_kernel(x_ptr, w_ptr, win_ptr, out_ptr, qsl_ptr, seq_ptr, S, C, stride_
                  USE_PDL: tl.constexpr):
     """WINDOW (every sequence has at most one row: decode): the row's program also moves its
     channels' conv window on by its input, as _window_kernel would (entry i - 1 <- tap i, each
-    entry written after the tap that reads it)."""
+    entry written after the tap that reads it). Signals right after its wait: the recurrence after it
+    loads its state meanwhile."""
     pdl_enter(USE_PDL)
+    pdl_trigger(USE_PDL)
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cm = c < C
@@ -75,7 +77,6 @@ def _conv_kernel(x_ptr, w_ptr, win_ptr, out_ptr, qsl_ptr, seq_ptr, S, C, stride_
             tl.store(win_ptr + (slot * C + c) * (K - 1) + i - 1, (xv + wv).to(win_ptr.dtype.element_ty),
                      mask=cm & move)
     acc = acc * tl.sigmoid(acc)
-    pdl_trigger(USE_PDL)
     tl.store(out_ptr + t * stride_out + c, acc.to(out_ptr.dtype.element_ty), mask=cm)
 
 
@@ -114,16 +115,16 @@ def _recur_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, out_ptr
                   stride_m, stride_ab, stride_out, key_dim, HV, rep, scale, T, DK: tl.constexpr, DV: tl.constexpr,
                   BLOCK_V: tl.constexpr, COMMIT: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (sequence, value head, BLOCK_V value columns). The last sequence's programs also zero
-    the output rows past every sequence's (a graph's padding rows), so no row is left unwritten."""
-    pdl_enter(USE_PDL)
+    the output rows past every sequence's (a graph's padding rows), so no row is left unwritten.
+    Before waiting for the previous kernel (PDL, launch.py) a program reads what no kernel of the
+    step writes: the step's metadata (copied in before it), its state block (written by this layer's
+    launch of an earlier step) and the layer's constants; the conv launch before it signals at its
+    start, so this load overlaps the conv. Everything else comes after the wait, and every program
+    waits (the grid completes only after its predecessor)."""
     s = tl.program_id(0)
     hv = tl.program_id(1)
     v0 = tl.program_id(2) * BLOCK_V
     vv = v0 + tl.arange(0, BLOCK_V)
-    if not COMMIT:
-        if s == tl.num_programs(0) - 1:
-            for t in range(tl.load(qsl_ptr + s + 1), T):
-                tl.store(out_ptr + t * stride_out + hv * DV + vv, tl.zeros([BLOCK_V], dtype=out_ptr.dtype.element_ty))
     slot = tl.load(seq_ptr + 3 * s)
     fresh = tl.load(seq_ptr + 3 * s + 1) != 0
     r0 = tl.load(qsl_ptr + s)
@@ -134,14 +135,19 @@ def _recur_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, out_ptr
         mode = tl.load(seq_ptr + 3 * s + 2)
         r1 = tl.where(mode == 2, r0, tl.load(qsl_ptr + s + 1))
         store = (slot >= 0) & (mode == 0)
-    if r1 == r0:
-        return
     kk = tl.arange(0, DK)
     sp = state_ptr + ((tl.maximum(slot, 0) * HV + hv) * DK + kk[:, None]) * DV + vv[None, :]
-    st = tl.load(sp, mask=(slot >= 0) & ~fresh, other=0.0)  # [DK, BLOCK_V] float32
+    st = tl.load(sp, mask=(slot >= 0) & ~fresh & (r1 > r0), other=0.0)  # [DK, BLOCK_V] float32
     hk = hv // rep
     neg_a = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
     dtb = tl.load(dtb_ptr + hv).to(tl.float32)
+    pdl_enter(USE_PDL)
+    if not COMMIT:
+        if s == tl.num_programs(0) - 1:
+            for t in range(tl.load(qsl_ptr + s + 1), T):
+                tl.store(out_ptr + t * stride_out + hv * DV + vv, tl.zeros([BLOCK_V], dtype=out_ptr.dtype.element_ty))
+    if r1 == r0:
+        return
     for t in range(r0, r1):
         row = mixed_ptr + t * stride_m
         q = tl.load(row + hk * DK + kk).to(tl.float32)
@@ -304,17 +310,20 @@ def chunked(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.
 def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, eps, heads, stride_z, N: tl.constexpr, BLOCK: tl.constexpr,
                        USE_PDL: tl.constexpr):
     """One head row: w * rmsnorm(o) (each product rounded as torch rounds it) times silu(z) in float32.
-    Signals at its start, as add_rmsnorm does: the out_proj GEMM after it is scheduled meanwhile."""
+    Signals at its start, as add_rmsnorm does: the out_proj GEMM after it is scheduled meanwhile.
+    z (the layer's input projection, two kernels back, finished before the recurrence before this
+    kernel signalled) and the weight are read before the wait."""
     pdl_trigger(USE_PDL)
-    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     ok = d < N
     dt = out_ptr.dtype.element_ty
+    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + (row // heads) * stride_z + (row % heads) * N + d, mask=ok, other=0.0).to(tl.float32)
+    pdl_enter(USE_PDL)
     h = tl.load(o_ptr + row * N + d, mask=ok, other=0.0).to(tl.float32)
     n = (h * tl.rsqrt(tl.sum(h * h, 0) / N + eps)).to(dt).to(tl.float32)
-    hw = (tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32) * n).to(dt).to(tl.float32)
-    z = tl.load(z_ptr + (row // heads) * stride_z + (row % heads) * N + d, mask=ok, other=0.0).to(tl.float32)
+    hw = (w * n).to(dt).to(tl.float32)
     tl.store(out_ptr + row * N + d, (hw * (z * tl.sigmoid(z))).to(dt), mask=ok)
 
 
