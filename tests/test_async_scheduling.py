@@ -226,7 +226,7 @@ def test_head_and_choice_run_in_inference_mode(pair, monkeypatch):
         seen = []
         real = model.compute_logits
 
-        def logits(*a, **k):
+        def logits(*a, seen=seen, real=real, **k):
             seen.append(torch.is_inference_mode_enabled())
             return real(*a, **k)
 

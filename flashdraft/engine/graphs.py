@@ -65,17 +65,18 @@ class StepGraph:
         self._rows = torch.zeros(3, width, dtype=torch.long, device=dev)  # ids, positions, slots
         self._rows[2].fill_(-1)
         S = num_seqs
-        self._at = (-(-(S + 1) // 4) * 4, -(-(S + 1) // 4) * 4 + -(-S // 4) * 4)  # seq_lens, recurrent
-        self._ints = torch.full((self._at[1] + 3 * S,), -1, dtype=torch.int32, device=dev)
-        self._ints[: self._at[1]] = 0
+        self._lens_at = -(-(S + 1) // 4) * 4  # query starts, then lengths, then recurrent rows
+        self._rec_at = self._lens_at + -(-S // 4) * 4
+        self._ints = torch.full((self._rec_at + 3 * S,), -1, dtype=torch.int32, device=dev)
+        self._ints[: self._rec_at] = 0
         self.input_ids, self.positions = self._rows[0, :T], self._rows[1, :T]
         self.meta = DeviceMeta(
             slot_mapping=self._rows[2, :T],
             query_start_loc=self._ints[: S + 1],
-            seq_lens=self._ints[self._at[0]: self._at[0] + S],
+            seq_lens=self._ints[self._lens_at: self._lens_at + S],
             block_tables=torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=dev),
             max_query_len=q_len, max_seq_len=max_seq_len or max_blocks * block_size, block_size=block_size,
-            causal=causal, recurrent=self._ints[self._at[1]:].view(S, 3) if recurrent else None)
+            causal=causal, recurrent=self._ints[self._rec_at:].view(S, 3) if recurrent else None)
         self.extra = dict(extra or {})
         self.aux: dict[str, Any] = {}  # anything else a step function keeps with its buffers
         self.attn = list(attn)
@@ -157,8 +158,8 @@ class StepGraph:
             if n > S:
                 raise ValueError(f"{n} rows do not fit a static buffer of {S}")
             qsl = list(query_start_loc) if query_start_loc is not None else [i * self.q_len for i in range(n + 1)]
-            ints = qsl + [qsl[-1]] * (S + 1 - len(qsl)) + [0] * (self._at[0] - S - 1) + list(seq_lens) \
-                + [0] * (self._at[1] - self._at[0] - n)
+            ints = qsl + [qsl[-1]] * (S + 1 - len(qsl)) + [0] * (self._lens_at - S - 1) + list(seq_lens) \
+                + [0] * (self._rec_at - self._lens_at - n)
             if recurrent is not None:
                 flat = [int(v) for r in recurrent for v in r]
                 ints += flat + [-1] * (3 * S - len(flat))

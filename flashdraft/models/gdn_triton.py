@@ -118,8 +118,8 @@ def _recur_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, out_ptr
     the output rows past every sequence's (a graph's padding rows), so no row is left unwritten.
     Before waiting for the previous kernel (PDL, launch.py) a program reads what no kernel of the
     step writes: the step's metadata (copied in before it), its state block (written by this layer's
-    launch of an earlier step) and the layer's constants; the conv launch before it signals at its
-    start, so this load overlaps the conv. Everything else comes after the wait, and every program
+    launch of an earlier step) and the layer's constants; the conv launch before it signals right
+    after its own wait, so this load overlaps the conv. Everything else comes after the wait, and every program
     waits (the grid completes only after its predecessor)."""
     s = tl.program_id(0)
     hv = tl.program_id(1)

@@ -5,10 +5,14 @@ may be scheduled while its predecessor is still running: every kernel here waits
 (griddepcontrol.wait) until its predecessor has finished and its writes are visible before touching
 memory the step writes, and signals (griddepcontrol.launch_dependents) that its own successor may
 be scheduled once its main loop is done and only its stores are left. What overlaps is the launch
-and block scheduling of the next kernel, and one read: paged attention fetches the metadata and the
-K/V cached by earlier steps (memory no kernel of the step writes) before its wait, and
-qk_norm_rope_store, its predecessor, signals at its start so that this fetch overlaps it. Results
-are unchanged. Kernels of other libraries launched in between (cuBLAS, torch) neither signal nor
+and block scheduling of the next kernel, and the reads of memory that no kernel still running can
+write, done before the wait: paged attention's metadata and the K/V cached by earlier steps
+(qk_norm_rope_store, its predecessor, signals at its start so that this fetch overlaps it);
+qk_norm_rope_store's cos/sin rows, slot and norm weights; the GDN recurrence's state block (the conv
+before it signals right after its wait); the gated norm's z and the output gate's gate, which the
+layer's input projection wrote before the kernel before them signalled. A kernel's predecessor
+signals only after its own wait, so every kernel two back has finished by then. Results are
+unchanged. Kernels of other libraries launched in between (cuBLAS, torch) neither signal nor
 carry the launch attribute, and order as usual.
 
 FLASHDRAFT_PDL=auto (default: on for CUDA devices of compute capability >= 9 when this Triton has
