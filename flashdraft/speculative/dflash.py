@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from flashdraft.engine.engine import InFlight, LLMEngine
 
 log = logging.getLogger("flashdraft")
+CONTEXT_ROWS = 4096  # waiting context rows (off CUDA) written at once even when no draft needs them yet
 
 
 class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
@@ -96,6 +97,15 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         self.num_running = 0
         self.steps = 0
         self._inflight: InFlight | None = None  # a step without drafts not read yet (step())
+        # Off CUDA the drafter's context K/V of eager steps waits until it is next needed (a draft, or
+        # the drafter's cache slots moved or poisoned), then goes in as one write, the steps' rows
+        # in the order they ran: the cache holds then what writing each step at once would have left.
+        # While the step gate pauses drafts, most of it is never needed: the rows of requests that
+        # end before the next draft are dropped once no request is left (step()). On CUDA every
+        # step writes at once (in its graph, where it has one).
+        self._defer_context = engine.device.type != "cuda"
+        self._context: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # taps, positions, slots
+        self._context_rows = 0
         self._step_start = 0.0  # when this step began (the step costs' clock)
         self._step_whole = False  # every running request has rows in this step
         self._compile_and_capture()
@@ -152,6 +162,14 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         decode steps are (engine.step): when the step after it decodes the same requests without
         drafts too, it is launched first, on the in-flight step's samples on the device, and only
         then are those samples read and committed."""
+        advanced = self._overlapped_step()
+        if self._context and not self.engine.has_unfinished():
+            # no request left: no waiting context row will be read (a new request's drafts read only
+            # positions its own steps write, after these)
+            self._context, self._context_rows = [], 0
+        return advanced
+
+    def _overlapped_step(self) -> list[Sequence]:
         prev, self._inflight = self._inflight, None
         if prev is None:
             return self._step()
@@ -167,6 +185,28 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         if self._inflight is not None or not self.engine.has_unfinished():
             return advanced  # (no empty step: the gates' clock counts the steps a sync engine runs)
         return advanced + self._step()
+
+    # ---- the drafter's context ----------------------------------------------------------------
+    def _write_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """The context K/V of a step's rows (their taps) at `slots`: now on CUDA, else when next needed."""
+        if not self._defer_context:
+            self._store_context(taps, positions, slots)
+            return
+        self._context.append((taps, positions, slots))
+        self._context_rows += taps.shape[0]
+        if self._context_rows >= CONTEXT_ROWS:
+            self._flush_context()
+
+    def _flush_context(self) -> None:
+        """Write every waiting step's context rows, in the order the steps ran."""
+        if self._context:
+            taps, positions, slots = (torch.cat(x) for x in zip(*self._context))
+            self._context, self._context_rows = [], 0
+            self._store_context(taps, positions, slots)
+
+    def _store_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        store = AttentionBatch(slots, [], [], [], self.engine.runner.block_size)  # store-only: slots
+        self.drafter.write_context(taps, positions, self.kv, self.attn, store)
 
     def _next_paused(self, prev: InFlight) -> list[Sequence] | None:
         """The requests of the step after the in-flight `prev` when that step decodes all of them
@@ -225,8 +265,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
             if ids is not None:
                 rows[: ids.shape[0]] = ids
             hidden, taps = runner.run(rows, positions, batch, self.tap_layers)
-            store = AttentionBatch(batch.slot_mapping, [], [], [], batch.block_size)
-            self.drafter.write_context(taps, positions, self.kv, self.attn, store)
+            self._write_context(taps, positions, batch.slot_mapping)
         for s in seqs:
             s.num_computed_tokens += 1
         eng.stats["num_steps"] += 1
@@ -326,8 +365,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         if g is not None:
             return g.replay()[: sum(p.n for p in plans)], ids if verifying else None
         hidden, taps = runner.run(ids, positions, batch, self.tap_layers)
-        store = AttentionBatch(batch.slot_mapping, [], [], [], batch.block_size)  # store-only: slots
-        self.drafter.write_context(taps, positions, self.kv, self.attn, store)
+        self._write_context(taps, positions, batch.slot_mapping)
         return hidden, ids if verifying else None
 
     def propose(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -335,6 +373,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         Greedy requests draft the argmax; sampled ones draw with their temperature and the noise of
         their (seed, position), as the target will (speculative/drafts.py)."""
         eng, B = self.engine, self.block_size
+        self._flush_context()
         blocks = [[s.token_ids[-1]] + [self.mask_token_id] * (B - 1) for s in seqs]
         sampled = any(self._draws(s) for s in seqs)
         if not self.poison_rejected:
@@ -450,6 +489,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
 
     def _poison_tail(self, seq: Sequence, end: int) -> None:
         """Tests: NaN into the target's and the drafter's K/V at every slot past the committed length."""
+        self._flush_context()
         slots = position_slots(self.engine.block_manager, seq.seq_id, range(seq.num_computed_tokens, end))
         r, idx = self.engine.runner, to_device(slots, torch.long, self.engine.device)
         poison_slots((r.k_cache, r.v_cache, self.k_cache, self.v_cache), idx)

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashdraft.attention.base import AttentionBatch
 from flashdraft.engine.graphs import StepGraph, to_device
 from flashdraft.engine.sampler import draw_candidates, greedy_tokens
 from flashdraft.engine.sequence import Sequence
@@ -111,8 +110,7 @@ class TreeSteps:
         tree_mask[idx[0]] = trees.masks()[:, 1:].flatten()[idx[1]]
         batch.tree_mask = tree_mask
         hidden, taps = runner.run(ids, positions, batch, self.tap_layers)
-        store = AttentionBatch(batch.slot_mapping, [], [], [], batch.block_size)  # store-only: slots
-        self.drafter.write_context(taps, positions, self.kv, self.attn, store)
+        self._write_context(taps, positions, batch.slot_mapping)
         return hidden, positions, trees, None
 
     def propose_tree(self, seqs: list[Sequence]) -> Trees:
@@ -120,6 +118,7 @@ class TreeSteps:
         drafts from every slot's tree_size best candidates (sampler.draw_candidates; sampled
         requests rank them by the draw the target will make)."""
         eng, B = self.engine, self.block_size
+        self._flush_context()
         blocks = [[s.token_ids[-1]] + [self.mask_token_id] * (B - 1) for s in seqs]
         ids, pos, batch = eng.runner.build_batch(seqs, blocks, eng.block_manager, causal=False)
         self.attn.prepare(batch, eng.device)
@@ -227,6 +226,7 @@ class TreeSteps:
 
     def _move_kv(self, moves: list[tuple[int, int]]) -> None:
         """Copy K/V of every target and draft layer between slots (all reads before any write)."""
+        self._flush_context()
         idx = to_device([m[0] for m in moves] + [m[1] for m in moves], torch.long, self.engine.device)
         r = self.engine.runner
         copy_slots((r.k_cache, r.v_cache, self.k_cache, self.v_cache), idx[: len(moves)], idx[len(moves):])
