@@ -14,6 +14,8 @@
 4. context: K/V of every verify row goes into the draft cache, from its taps. Rows of drafts
    that turn out rejected are written too: they lie at or past the new committed length, where
    the next draft block (B scratch slots) or verify rewrites them before anything reads them.
+   Off CUDA the rows of every step wait, in order, until a draft next reads the cache
+   (_write_context): while drafts are paused most of them are never needed.
 5. accept, on the device: the target's token at every verify slot (same sampler as plain
    decoding, same (seed, position) noise), a = leading drafts equal to the target's token one
    slot earlier. The step's one device->host transfer reads every a and the tokens; the host
@@ -54,7 +56,7 @@ if TYPE_CHECKING:
     from flashdraft.engine.engine import InFlight, LLMEngine
 
 log = logging.getLogger("flashdraft")
-CONTEXT_ROWS = 4096  # waiting context rows (off CUDA) written at once even when no draft needs them yet
+CONTEXT_BYTES = 64 << 20  # waiting context taps (off CUDA) written at once even when no draft needs them yet
 
 
 class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
@@ -105,7 +107,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         # step writes at once (in its graph, where it has one).
         self._defer_context = engine.device.type != "cuda"
         self._context: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # taps, positions, slots
-        self._context_rows = 0
+        self._context_bytes = 0
         self._step_start = 0.0  # when this step began (the step costs' clock)
         self._step_whole = False  # every running request has rows in this step
         self._compile_and_capture()
@@ -166,10 +168,11 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         if self._context and not self.engine.has_unfinished():
             # no request left: no waiting context row will be read (a new request's drafts read only
             # positions its own steps write, after these)
-            self._context, self._context_rows = [], 0
+            self._context, self._context_bytes = [], 0
         return advanced
 
     def _overlapped_step(self) -> list[Sequence]:
+        """step() before its end: the in-flight step's successor launched, then the step read, or a new step."""
         prev, self._inflight = self._inflight, None
         if prev is None:
             return self._step()
@@ -193,15 +196,15 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
             self._store_context(taps, positions, slots)
             return
         self._context.append((taps, positions, slots))
-        self._context_rows += taps.shape[0]
-        if self._context_rows >= CONTEXT_ROWS:
+        self._context_bytes += taps.numel() * taps.element_size()
+        if self._context_bytes >= CONTEXT_BYTES:
             self._flush_context()
 
     def _flush_context(self) -> None:
         """Write every waiting step's context rows, in the order the steps ran."""
         if self._context:
             taps, positions, slots = (torch.cat(x) for x in zip(*self._context))
-            self._context, self._context_rows = [], 0
+            self._context, self._context_bytes = [], 0
             self._store_context(taps, positions, slots)
 
     def _store_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
