@@ -12,7 +12,8 @@ eager step) over the bandwidth of a device copy measured in the same run, and th
 CUDA graph replayed (the captured decode or whole-DFlash-step graph) plus the head and greedy choice that
 follow it eagerly. End to end minus GPU time is the time the GPU waits on the host. Arms: plain (async
 scheduling: the next decode step queued before the last one is read), plain-sync (without), dflash (every
-step verifies: the acceptance gate off), dflash-auto (the engine's default: the step gate stops
+step verifies: the acceptance gate off; the next verify queued before the last one is read), dflash-sync (the
+same, without overlap), dflash-auto (the engine's default: the step gate stops
 drafts below the break-even tau of the step costs, on CUDA measured at start, elsewhere timed while
 serving, speculative/costs.py). For each
 DFlash arm, `speedup`: its tokens per second over the plain arm's at each concurrency.
@@ -361,7 +362,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
     ap.add_argument("--arms", default="plain,dflash",
                     help="plain (async scheduling, the CUDA default), plain-sync (each step read before the "
-                         "next is scheduled), dflash (every step verifies), dflash-auto (the engine's default gate)")
+                         "next is scheduled), dflash (every step verifies), dflash-sync (the same, each step read "
+                         "before the next is launched), dflash-auto (the engine's default gate)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also list the N costliest kernels of each in-graph step (torch profiler): their "
                          "time and what they add to the step's span (under PDL a kernel's time includes its wait)")
@@ -391,11 +393,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = write_folders(Path(tmp), TARGETS[args.target], args.draft_layers, args.block)
         for arm in arms:
-            gate = {"speculative_min_acceptance_length": None} if arm == "dflash" else {}
+            gate = {"speculative_min_acceptance_length": None} if arm in ("dflash", "dflash-sync") else {}
             llm = LLM(str(target), draft=str(draft) if arm.startswith("dflash") else None, device=args.device,
                       load_format="dummy", max_num_seqs=max(conc), kv_cache_memory_gb=args.kv_cache_memory_gb,
                       max_model_len=args.prompt_len + args.new_tokens + 64,
-                      async_scheduling=False if arm == "plain-sync" else None, **gate)
+                      async_scheduling=False if arm.endswith("-sync") else None, **gate)
             if args.router_std > 0:
                 spread_routers(llm, args.router_std)
             gc.collect()
@@ -459,7 +461,7 @@ def main() -> None:
     if "plain" in result["arms"] and "dflash" in result["arms"]:
         result["break_even_tau"] = {r["concurrency"]: round(d["ms_per_step"] / r["ms_per_step"], 3)
                                     for r, d in zip(result["arms"]["plain"], result["arms"]["dflash"])}
-    for arm in ("dflash", "dflash-auto"):
+    for arm in ("dflash", "dflash-sync", "dflash-auto"):
         if "plain" in result["arms"] and arm in result["arms"]:
             rate = lambda r: r["tokens_per_step"] / r["ms_per_step"]  # noqa: E731
             result.setdefault("speedup", {})[arm] = {r["concurrency"]: round(rate(d) / rate(r), 3)

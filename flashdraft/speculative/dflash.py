@@ -48,6 +48,7 @@ from flashdraft.speculative.gate import StepGate, gate_record
 from flashdraft.speculative.graphed import GraphedSteps
 from flashdraft.speculative.kv_slots import poison_slots, position_slots
 from flashdraft.speculative.metrics import SpecStats
+from flashdraft.speculative.overlap import VerifyInFlight, VerifyOverlap
 from flashdraft.speculative.plan import Plan
 from flashdraft.speculative.tree_step import TreeSteps
 from flashdraft.speculative.verify import accepted_lengths, ragged_accepted_lengths
@@ -59,7 +60,7 @@ log = logging.getLogger("flashdraft")
 CONTEXT_BYTES = 64 << 20  # waiting context taps (off CUDA) written at once even when no draft needs them yet
 
 
-class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
+class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
     def __init__(self, drafter: DFlashDraftModel, engine: LLMEngine):
         self.drafter = drafter
         self.engine = engine
@@ -98,7 +99,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         self.paused = False  # this step decodes without drafts (too many requests running)
         self.num_running = 0
         self.steps = 0
-        self._inflight: InFlight | None = None  # a step without drafts not read yet (step())
+        self._inflight: InFlight | VerifyInFlight | None = None  # a step not read yet (step())
+        self._verify_graph = None  # the graph of this step's whole verify, when one ran it
         # Off CUDA the drafter's context K/V of eager steps waits until it is next needed (a draft, or
         # the drafter's cache slots moved or poisoned), then goes in as one write, the steps' rows
         # in the order they ran: the cache holds then what writing each step at once would have left.
@@ -163,7 +165,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         their gates or by speculative_disable_batch_size) is left in flight, as the engine's plain
         decode steps are (engine.step): when the step after it decodes the same requests without
         drafts too, it is launched first, on the in-flight step's samples on the device, and only
-        then are those samples read and committed."""
+        then are those samples read and committed. A graphed step where every request verifies is
+        left in flight the same way, its successor's inputs derived on the device (overlap.py)."""
         advanced = self._overlapped_step()
         if self._context and not self.engine.has_unfinished():
             # no request left: no waiting context row will be read (a new request's drafts read only
@@ -176,15 +179,25 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         prev, self._inflight = self._inflight, None
         if prev is None:
             return self._step()
-        nxt = self._next_paused(prev)
         last, self._last_launch = self._last_launch, None
-        if nxt is not None:  # launched before prev is read: the GPU never waits on the host
-            self._inflight = self._launch_decode(nxt, [[0]] * len(nxt), prev.next_ids(nxt))
-            self.engine.stats["num_overlapped_steps"] += 1
-            self._last_launch = time.perf_counter()
-            if last is not None and self.costs is not None and len(nxt) == len(prev.seqs):  # a run's pace
-                self.seen.add(self.seen.plain, self.costs.bucket(len(nxt)), 1e3 * (self._last_launch - last))
-        advanced = self.engine._complete(prev)
+        if isinstance(prev, VerifyInFlight):
+            plans = self._next_verify(prev)
+            if plans is not None:  # launched before prev is read, on prev's outputs on the device
+                self._inflight = self._launch_next_verify(prev, plans)
+                self.engine.stats["num_overlapped_steps"] += 1
+                if self.costs is not None:  # a whole DFlash step's cost: the pace of launches
+                    self.seen.add(self.seen.spec, self.costs.bucket(len(plans)),
+                                  1e3 * (self._inflight.launched - prev.launched))
+            advanced = self._complete_verify(prev, self._inflight)
+        else:
+            nxt = self._next_paused(prev)
+            if nxt is not None:  # launched before prev is read: the GPU never waits on the host
+                self._inflight = self._launch_decode(nxt, [[0]] * len(nxt), prev.next_ids(nxt))
+                self.engine.stats["num_overlapped_steps"] += 1
+                self._last_launch = time.perf_counter()
+                if last is not None and self.costs is not None and len(nxt) == len(prev.seqs):  # a run's pace
+                    self.seen.add(self.seen.plain, self.costs.bucket(len(nxt)), 1e3 * (self._last_launch - last))
+            advanced = self.engine._complete(prev)
         if self._inflight is not None or not self.engine.has_unfinished():
             return advanced  # (no empty step: the gates' clock counts the steps a sync engine runs)
         return advanced + self._step()
@@ -317,6 +330,9 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         hidden, ids = self._forward(plans)
         toks, owner = self._target_tokens(plans, hidden)
         accepted = self._accept(plans, ids, toks)
+        if self._may_overlap(plans):  # a whole verify: in flight until the next step() (overlap.py)
+            self._inflight = VerifyInFlight(plans, self._verify_graph, accepted, toks, owner, start, self._step_whole)
+            return []
         host = [] if toks is None else (toks if accepted is None else torch.cat([accepted, toks])).tolist()
         verifying = [p for p in plans if p.verify]
         for p, a in zip(verifying, host):
@@ -342,6 +358,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
         eng, runner = self.engine, self.engine.runner
         seqs = [p.seq for p in plans]
         verifying = [p for p in plans if p.verify]
+        self._verify_graph = None
         tokens = [p.seq.token_ids[-1:] + [self.mask_token_id] * (p.n - 1) if p.verify else
                   p.seq.token_ids[p.seq.num_computed_tokens:][:p.n] for p in plans]
         if not self.poison_rejected:
@@ -445,11 +462,15 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
             first += p.n if p.verify else int(p.seq.num_computed_tokens + p.n == p.seq.num_tokens)
         return ragged_accepted_lengths(ids, toks, rows)
 
-    def _commit(self, plans: list[Plan], chosen: dict[int, list[int]]) -> list[Sequence]:
+    def _commit(self, plans: list[Plan], chosen: dict[int, list[int]], ahead=()) -> list[Sequence]:
+        """Commit a step's tokens (a request finished or aborted since the step's launch takes none);
+        ahead: ids of the requests with a step launched after this one, whose block's pages stay."""
         eng = self.engine
-        advanced, kept, moves, committed = [], [], [], {}
+        advanced, kept, moves, committed, verified = [], [], [], {}, []
         for i, p in enumerate(plans):
             s = p.seq
+            if s.is_finished:
+                continue
             if not p.verify:
                 s.num_computed_tokens += p.n
                 if i in chosen:
@@ -459,6 +480,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
             target, a = chosen[i], p.accepted
             for st in (self._stats(s), self.stats):
                 st.record(a, p.n - 1)
+            verified.append(a + 1)
             start = s.num_computed_tokens
             s.num_computed_tokens = start + a + 1
             if eng.runner.hybrid:  # the slot now: a sequence that finishes below gives it back
@@ -469,7 +491,6 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
                 if p.path:
                     moves += self._path_moves(s, start, p.path)
                 kept.append((s, start + p.n, a))
-        verified = [p.accepted + 1 for p in plans if p.verify]
         if self.costs is not None and self._step_whole and len(verified) == len(plans):
             # a whole DFlash step, host and device, timed before the gate reads it
             self.seen.add(self.seen.spec, self.costs.bucket(len(plans)),
@@ -486,7 +507,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps):
                 gate_record(s, a + 1, self.steps, min_tau)
             if self.poison_rejected:
                 self._poison_tail(s, end)
-            eng.block_manager.truncate(s.seq_id, s.num_computed_tokens)
+            eng.block_manager.truncate(s.seq_id, s.num_computed_tokens + (self.span if id(s) in ahead else 0))
         eng.stats["num_steps"] += 1
         return advanced
 

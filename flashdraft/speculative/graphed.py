@@ -107,6 +107,7 @@ class GraphedSteps:
             if g is not None:
                 if drawn:
                     g.fill(draft_temp=[float(s.params.temperature) for s in seqs], draft_seed=[s.seed for s in seqs])
+                self._verify_graph = g  # a step after this one may be launched on it (overlap.py)
                 return g.replay()[: len(plans) * plans[0].n], g.extra["verify_ids"]
         elif not verifying:
             out = runner.graphed(("decode", self.tap_layers), seqs, tokens, eng.block_manager, True,

@@ -1,0 +1,119 @@
+"""Overlapped DFlash steps (a mixin of DFlashSpeculator): the next verify launched before the last
+one is read.
+
+With async scheduling, a step where every request verifies its whole block through the step's graph
+is left in flight. When the next step verifies the same requests again, it is launched first, its
+inputs derived on the device from the in-flight step's outputs: each block starts one past the
+accepted drafts (start + a + 1), its first token the target's token at slot a, its slots read from
+the block tables, which the host filled with pages for the longest block the in-flight step could
+leave (start + k + 1 + span). Only then does the host read the in-flight step and commit it, so the
+GPU has the next step queued while the host commits, checks stops and streams.
+
+What stays exact: a request that finishes (or is aborted) at step N had rows in step N+1; they are
+computed and dropped, never committed, and its pages went back only after N+1 was queued, so
+anything that reuses them runs after it on the stream. Pages past a request's committed length are
+kept while a step in flight may use them. Steps the graphs do not cover (ragged steps, trees, hybrid
+targets' state commits, the per-request gate) run as before, one at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from flashdraft.engine.graphs import StepGraph
+from flashdraft.speculative.plan import Plan
+
+if TYPE_CHECKING:
+    from flashdraft.engine.sequence import Sequence
+
+
+class VerifyInFlight:
+    """A launched whole-step verify not read yet: its plans and graph, the accepted drafts [S] and the
+    target's tokens [S * (k+1)] on the device, and their copy to the host behind the step."""
+
+    def __init__(self, plans: list[Plan], graph: StepGraph, accepted: torch.Tensor, toks: torch.Tensor,
+                 owner: list[int], started: float, whole: bool):
+        from flashdraft.engine.engine import InFlight  # the engine module imports this one
+
+        self.plans, self.graph, self.accepted, self.toks, self.owner = plans, graph, accepted, toks, owner
+        self.seqs = [p.seq for p in plans]
+        self.started, self.whole = started, whole  # the step costs' clock: when it began, all requests in it
+        self.launched = time.perf_counter()
+        self._read = InFlight(self.seqs, torch.cat([accepted, toks]))
+
+    def read(self) -> list[int]:
+        return self._read.read()
+
+
+class VerifyOverlap:
+    def _may_overlap(self, plans: list[Plan]) -> bool:
+        """Whether this graphed whole-step verify may stay in flight (step(): a successor may be
+        launched on its outputs)."""
+        eng = self.engine
+        return (eng.async_scheduling and self._verify_graph is not None and not self.poison_rejected
+                and not eng.runner.hybrid and self.tree_size is None and self.min_tau_rule is None)
+
+    def _next_verify(self, prev: VerifyInFlight) -> list[Plan] | None:
+        """The plans of the step after the in-flight verify `prev` when it can be launched before prev is
+        read: the same requests, in order, all verifying whole blocks again (no request waiting that
+        could be admitted, no pause by speculative_disable_batch_size or the step gate at the next step
+        of its clock), each with room for the longest block prev can leave; its pages allocated and the
+        clock advanced. None otherwise."""
+        eng, sched = self.engine, self.engine.scheduler
+        seqs = prev.seqs
+        if sched.running != seqs or (sched.waiting and len(sched.running) < sched.max_num_seqs):
+            return None
+        step, n = self.steps + 1, len(seqs)
+        if self.pause_at is not None and n >= self.pause_at:
+            return None
+        if self.step_gate is not None and (not self.step_gate.drafts(step) or
+                                           self.seen.wants_plain(self.costs.bucket(n))):
+            return None
+        k1, bm = self.num_draft + 1, eng.block_manager
+        ends = [s.num_computed_tokens + k1 + self.span for s in seqs]  # prev's longest commit, then a block
+        if any(not s.params.speculative or end > eng.max_model_len for s, end in zip(seqs, ends)) or \
+                sum(bm.extra_blocks_for(s.seq_id, end) for s, end in zip(seqs, ends)) > bm.num_free_blocks:
+            return None
+        for s, end in zip(seqs, ends):
+            bm.allocate(s.seq_id, end)
+        self.steps, self.num_running, self.paused, self.gated = step, n, False, False
+        return [Plan(s, k1, i * k1, True) for i, s in enumerate(seqs)]
+
+    def _launch_next_verify(self, prev: VerifyInFlight, plans: list[Plan]) -> VerifyInFlight:
+        """Queue the verify after `prev` over prev's graph, its inputs derived on the device (the
+        module's docstring), then its target tokens and acceptance; nothing waits for the GPU."""
+        g, B, k1 = prev.graph, self.block_size, self.num_draft + 1
+        S, bs = len(plans), self.engine.runner.block_size
+        g.fill(block_tables=[self.engine.block_manager.table(p.seq.seq_id) for p in plans])
+        a = prev.accepted.view(S, 1)
+        pos = g.positions[: S * B].view(S, B)
+        start = pos[:, :1] + a + 1
+        if "block_offsets" not in g.aux:
+            g.aux["block_offsets"] = torch.arange(B, device=g.device)
+        new = start + g.aux["block_offsets"]
+        table = g.meta.block_tables[:S].gather(1, new // bs).long()
+        g.meta.slot_mapping[: S * B].copy_((table * bs + new % bs).flatten())
+        g.meta.seq_lens[:S].copy_((start[:, 0] + B).to(torch.int32))
+        pos.copy_(new)
+        g.input_ids[: S * B].view(S, B)[:, 0] = prev.toks.view(S, k1).gather(1, a)[:, 0]
+        hidden = g.replay()[: S * k1]
+        toks, owner = self._target_tokens(plans, hidden, g.extra["verify_positions"])
+        accepted = self._accept(plans, g.extra["verify_ids"], toks)
+        return VerifyInFlight(plans, g, accepted, toks, owner, time.perf_counter(), True)
+
+    def _complete_verify(self, prev: VerifyInFlight, ahead: VerifyInFlight | None) -> list[Sequence]:
+        """Read an in-flight verify and commit it; `ahead`: the verify launched after it, whose pages
+        stay. A request finished or aborted since prev's launch takes nothing."""
+        host = prev.read()
+        S = len(prev.plans)
+        for p, a in zip(prev.plans, host[:S]):
+            p.accepted = a
+        chosen: dict[int, list[int]] = {}
+        for i, t in zip(prev.owner, host[S:]):
+            chosen.setdefault(i, []).append(t)
+        # a step followed by one launched ahead was timed at that launch (the pace of launches)
+        self._step_start, self._step_whole = prev.started, prev.whole and ahead is None
+        return self._commit(prev.plans, chosen, ahead={id(s) for s in ahead.seqs} if ahead is not None else ())

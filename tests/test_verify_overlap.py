@@ -1,0 +1,161 @@
+"""Overlapped DFlash steps (speculative/overlap.py): with async scheduling a graphed verify is left in
+flight and the next one is launched on its outputs on the device before it is read. Everything
+observable must equal the step-by-step engine's: tokens, stops, finish reasons, aborts, requests
+joining mid-run, acceptance; and it must actually overlap. On a CPU the graph runner replays its
+static buffers eagerly, so the device-side inputs are checked here without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+from fixtures import build_random_drafter
+from test_graphs import _graphed_llm
+
+from flashdraft import SamplingParams
+
+PROMPTS = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def drafter(tiny_llama, tmp_path_factory):
+    return build_random_drafter(tmp_path_factory.mktemp("draft"), tiny_llama, block_size=4)
+
+
+def pair(tiny_llama, drafter, **cfg):
+    kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8,
+              draft=str(drafter), **cfg)
+    return [_graphed_llm(str(tiny_llama), {**kw, "async_scheduling": a})[0] for a in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama, drafter):
+    return pair(tiny_llama, drafter)
+
+
+def outputs(llm, prompts, params):
+    return [(o.token_ids, o.finish_reason, o.text, o.metrics.get("acceptance_histogram"))
+            for o in llm.generate(prompts, params)]
+
+
+def oracle(llm, futures: dict[tuple, list[int]]):
+    """Drafts the target's own future tokens: every draft accepted (tau = B), so blocks move by B."""
+    import torch
+
+    sp = llm.engine.spec
+    real = sp._draft_tokens
+
+    def drafts(hidden, num_seqs, draw=None, blocks=None):
+        real(hidden, num_seqs, draw, blocks)  # the graph's own work, then the oracle's tokens
+        rows = []
+        for s in sp._oracle_seqs[:num_seqs]:
+            fut = futures[tuple(s.token_ids[: s.num_prompt_tokens])]
+            k = s.num_output_tokens
+            rows.append((fut[k: k + sp.block_size - 1] + [0] * sp.block_size)[: sp.block_size - 1])
+        rows += [[0] * (sp.block_size - 1)] * (num_seqs - len(rows))
+        return torch.tensor(rows, dtype=torch.long)
+
+    sp._draft_tokens = drafts
+
+
+def test_overlapped_verify_equals_sync_greedy_and_sampled(engines):
+    sync, overlap = engines
+    greedy = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 21, 11, 1)]
+    sampled = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=n, seed=7 + n, ignore_eos=True)
+               for n in (9, 2, 17, 25)]
+    mixed = [SamplingParams(temperature=t, max_tokens=n, seed=n, ignore_eos=True)
+             for t, n in ((0, 14), (0.8, 19), (0, 6), (1.2, 22))]
+    before = overlap.engine.stats["num_overlapped_steps"]
+    for params in (greedy, sampled, mixed):
+        assert outputs(overlap, PROMPTS, params) == outputs(sync, PROMPTS, params)
+    assert overlap.engine.stats["num_overlapped_steps"] - before > 15, "verify steps were meant to overlap"
+    assert sync.engine.stats["num_overlapped_steps"] == 0
+    assert overlap.engine.spec_totals() == sync.engine.spec_totals()
+    assert overlap.engine.block_manager.num_used_blocks == 0
+
+
+def test_no_token_past_a_stop(engines):
+    """A request that stops inside step N's block had a block in step N+1 (launched before N was read):
+    none of it is committed, and the other requests go on exactly as without overlap."""
+    sync, overlap = engines
+    base = sync.generate([PROMPTS[2]], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
+    for at in (5, 6, 7, 13):
+        params = [SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[base[at]]),
+                  SamplingParams(max_tokens=30, ignore_eos=True)]
+        prompts = [PROMPTS[2], PROMPTS[0]]
+        got = outputs(overlap, prompts, params)
+        assert got == outputs(sync, prompts, params)
+        assert got[0][0] == base[: base.index(base[at]) + 1] and got[0][1] == "stop"
+    text = sync.generate([PROMPTS[1]], SamplingParams(max_tokens=30, ignore_eos=True))[0].text
+    stop = [SamplingParams(max_tokens=30, ignore_eos=True, stop=[text[4:7]])]
+    assert outputs(overlap, [PROMPTS[1]], stop) == outputs(sync, [PROMPTS[1]], stop)
+    assert overlap.engine.block_manager.num_used_blocks == 0
+
+
+def test_full_acceptance_moves_blocks_by_b(tiny_llama, drafter):
+    """Oracle drafts (tau = B): each overlapped step starts B positions on, its first token the
+    in-flight step's last; every draft is accepted and the tokens are plain decoding's."""
+    sync, overlap = pair(tiny_llama, drafter)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    # what plain decoding commits (the sync engine before the oracle: its tokens are plain decoding's)
+    futures = {tuple(p): o.token_ids + [0] * 8 for p, o in zip(PROMPTS, sync.generate(PROMPTS, params))}
+    seen = []
+    for llm in (sync, overlap):
+        oracle(llm, futures)
+        sp = llm.engine.spec
+        real_forward, real_launch = sp._forward, sp._launch_next_verify
+
+        def forward(plans, sp=sp, real_forward=real_forward):
+            sp._oracle_seqs = [p.seq for p in plans]
+            return real_forward(plans)
+
+        def launch(prev, plans, sp=sp, real_launch=real_launch):
+            sp._oracle_seqs = [p.seq for p in plans]
+            # the oracle reads the next block's committed length: what prev will commit (all accepted)
+            for p in plans:
+                p.seq.token_ids.extend(futures[tuple(p.seq.token_ids[: p.seq.num_prompt_tokens])]
+                                       [p.seq.num_output_tokens: p.seq.num_output_tokens + sp.block_size])
+            try:
+                return real_launch(prev, plans)
+            finally:
+                for p in plans:
+                    del p.seq.token_ids[-sp.block_size:]
+
+        sp._forward, sp._launch_next_verify = forward, launch
+        got = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in got] == [futures[tuple(p)][:24] for p in PROMPTS]
+        seen.append([o.metrics["acceptance_histogram"] for o in got])
+    assert seen[0] == seen[1]
+    for h in seen[1]:  # every block accepted whole
+        assert sum(h) == h[-1] > 0, h
+    assert overlap.engine.stats["num_overlapped_steps"] >= 4
+
+
+def test_abort_and_late_requests_while_a_verify_is_in_flight(engines):
+    sync, overlap = engines
+    params = SamplingParams(max_tokens=18, ignore_eos=True)
+    want = [o.token_ids for o in sync.generate(PROMPTS, params)]
+    eng = overlap.engine
+    seqs = [eng.add_request(None, params, prompt_token_ids=p) for p in PROMPTS[:3]]
+    for _ in range(3):
+        eng.step()
+    from flashdraft.speculative.overlap import VerifyInFlight
+
+    assert isinstance(eng.spec._inflight, VerifyInFlight), "a verify was meant to be in flight"
+    victim = seqs[1]
+    kept = list(victim.output_token_ids)
+    eng.abort(victim)
+    late = eng.add_request(None, params, prompt_token_ids=PROMPTS[3])  # joins while a verify is in flight
+    while eng.has_unfinished():
+        eng.step()
+    assert victim.finish_reason == "abort" and victim.output_token_ids == kept == want[1][: len(kept)]
+    assert [seqs[0].output_token_ids, seqs[2].output_token_ids, late.output_token_ids] == \
+        [want[0], want[2], want[3]]
+    assert eng.block_manager.num_used_blocks == 0
+
+
+def test_preemption_under_kv_pressure(tiny_llama, drafter):
+    """Few pages: the overlapped launch needs pages for the longest block the in-flight step can leave;
+    where they are missing the step is not launched ahead and the scheduler preempts as before."""
+    sync, overlap = pair(tiny_llama, drafter, num_kv_blocks=14)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (26, 30, 22, 28)]
+    assert outputs(overlap, PROMPTS, params) == outputs(sync, PROMPTS, params)
+    assert overlap.engine.stats["num_preemptions"] > 0 and overlap.engine.block_manager.num_used_blocks == 0
