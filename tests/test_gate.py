@@ -296,3 +296,24 @@ def test_the_step_gate_times_the_steps_of_a_sync_engine(tiny_llama, drafter, pla
     assert sp.seen.tries[i] == 1 and sp.step_gate.resume_at > 0
     tot = llm.engine.spec_totals()
     assert tot["num_drafts"] >= sp.step_gate.warmup and tot["gated_steps"] > 4 * 10
+
+
+def test_one_stall_does_not_stop_the_drafts():
+    """A step that stalls (25 ms against ~1: a collection pass, or on a GPU a kernel's first load)
+    moves a bucket's observed cost by at most (spike - 1) x weight of it; with graph costs measured
+    at start a bucket's first sample, where first loads happen, is dropped. Without graph costs (a
+    CPU) the first sample is the average at once: the gate decides from its first verify."""
+    c = StepCosts((1,), (0.8,), (0.9,))
+    seen = Observed()
+    seen.add(seen.spec, 0, 25.0, skip_first=True)
+    assert 0 not in seen.spec
+    seen.add(seen.spec, 0, 1.0, skip_first=True)
+    seen.add(seen.plain, 0, 0.7, skip_first=True)
+    seen.add(seen.plain, 0, 0.75, skip_first=True)
+    assert seen.spec[0] == 1.0 and seen.plain[0] == 0.75
+    seen.add(seen.spec, 0, 40.0, skip_first=True)
+    assert seen.spec[0] == pytest.approx(1.0 + 0.2 * (3.0 - 1.0))
+    assert c.break_even(1, seen) == pytest.approx(1.4 / 0.8)  # a drafter at tau 2 still drafts
+    cpu = Observed()
+    cpu.add(cpu.spec, 0, 25.0)
+    assert cpu.spec[0] == 25.0

@@ -95,6 +95,8 @@ class Observed:
     plain: dict[int, float] = field(default_factory=dict)
     tries: dict[int, int] = field(default_factory=dict)  # steps without drafts run to time a bucket's pace
     max_tries: int = 8  # (a run may never form: requests arriving, prefills; then the graphs decide)
+    spike: float = 3.0  # a sample counts at most this many times the average (add)
+    warm: set = field(default_factory=set)  # (spec?, bucket) whose first sample was dropped (add)
 
     def wants_plain(self, bucket: int) -> bool:
         """Whether to run steps without drafts now to time this bucket's pace: not timed yet, and the
@@ -102,9 +104,18 @@ class Observed:
         worth of blocks) can decide: on a CPU a 12-request verify costs four plain steps."""
         return bucket not in self.plain and self.tries.get(bucket, 0) < self.max_tries
 
-    def add(self, table: dict[int, float], bucket: int, ms: float) -> None:
+    def add(self, table: dict[int, float], bucket: int, ms: float, skip_first: bool = False) -> None:
+        """One step's cost into a bucket's average. A sample counts at most `spike` times the average,
+        and with skip_first (the graphs' costs were measured at start, so the gate need not wait for
+        it) a bucket's first sample is dropped: a one-off stall (a collection pass, a kernel's first
+        load: 20 ms and more on a GPU) must not pause drafts for hundreds of steps. Without graph
+        costs the first sample is the average (a CPU's gate decides from its first verify)."""
+        key = (table is self.spec, bucket)
+        if skip_first and key not in self.warm:
+            self.warm.add(key)
+            return
         old = table.get(bucket)
-        table[bucket] = ms if old is None else old + self.weight * (ms - old)
+        table[bucket] = ms if old is None else old + self.weight * (min(ms, self.spike * old) - old)
 
 
 def measure(spec: DFlashSpeculator, replays: int = 5) -> StepCosts | None:

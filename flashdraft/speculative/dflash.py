@@ -186,8 +186,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
                 self._inflight = self._launch_next_verify(prev, plans)
                 self.engine.stats["num_overlapped_steps"] += 1
                 if self.costs is not None:  # a whole DFlash step's cost: the pace of launches
-                    self.seen.add(self.seen.spec, self.costs.bucket(len(plans)),
-                                  1e3 * (self._inflight.launched - prev.launched))
+                    self._observe(True, len(plans), 1e3 * (self._inflight.launched - prev.launched))
             advanced = self._complete_verify(prev, self._inflight)
         else:
             nxt = self._next_paused(prev)
@@ -196,7 +195,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
                 self.engine.stats["num_overlapped_steps"] += 1
                 self._last_launch = time.perf_counter()
                 if last is not None and self.costs is not None and len(nxt) == len(prev.seqs):  # a run's pace
-                    self.seen.add(self.seen.plain, self.costs.bucket(len(nxt)), 1e3 * (self._last_launch - last))
+                    self._observe(False, len(nxt), 1e3 * (self._last_launch - last))
             advanced = self.engine._complete(prev)
         if self._inflight is not None or not self.engine.has_unfinished():
             return advanced  # (no empty step: the gates' clock counts the steps a sync engine runs)
@@ -250,6 +249,10 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
                     for st in (self._stats(s), self.stats):
                         st.gated_steps += 1
         return seqs
+
+    def _observe(self, spec: bool, n: int, ms: float) -> None:
+        """A step's cost seen while serving (whole DFlash steps or steps without drafts, n requests)."""
+        self.seen.add(self.seen.spec if spec else self.seen.plain, self.costs.bucket(n), ms, self.costs.measured)
 
     def _gated(self, step: int, n: int) -> bool:
         """Whether engine step `step`, n requests running, decodes without drafts by the step gate:
@@ -342,7 +345,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
             chosen.setdefault(i, []).append(t)
         advanced = self._commit(plans, chosen)
         if self.costs is not None and self._step_whole and decoding:  # a step of decode rows without drafts
-            self.seen.add(self.seen.plain, self.costs.bucket(len(plans)), 1e3 * (time.perf_counter() - start))
+            self._observe(False, len(plans), 1e3 * (time.perf_counter() - start))
         return advanced
 
     def _forward(self, plans: list[Plan]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -493,8 +496,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
                 kept.append((s, start + p.n, a))
         if self.costs is not None and self._step_whole and len(verified) == len(plans):
             # a whole DFlash step, host and device, timed before the gate reads it
-            self.seen.add(self.seen.spec, self.costs.bucket(len(plans)),
-                          1e3 * (time.perf_counter() - self._step_start))
+            self._observe(True, len(plans), 1e3 * (time.perf_counter() - self._step_start))
         if self.step_gate is not None and verified:
             self.step_gate.record(sum(verified) / len(verified), self.steps,
                                   self.costs.break_even(max(self.num_running, 1), self.seen), len(verified))

@@ -45,11 +45,12 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
         params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 14, 20, 24)]
         gate = {"speculative_min_acceptance_length": 3.0, "max_num_batched_tokens": 64}
     eager = LLM(str(tiny_llama), draft=draft, device=DEVICE, dtype="float32", attention_backend="torch",
-                cuda_graphs=False, kv_block_size=8, **gate)
+                cuda_graphs=False, kv_block_size=8, async_scheduling=False, **gate)
     want = [o.token_ids for o in eager.generate(prompts, params)]
     want_fed, fed[:] = list(fed), []
+    # both step by step (fed drafts are recorded per step; overlapped steps: the next test)
     graphed = LLM(str(tiny_llama), draft=draft, device=DEVICE, dtype="float32", attention_backend="triton",
-                  kv_block_size=8, **gate)
+                  kv_block_size=8, async_scheduling=False, **gate)
     runner = graphed.engine.runner
     if not runner.use_graphs:  # on CUDA the engine captured at start; the interpreter replays eagerly
         runner.use_graphs = True
@@ -73,6 +74,34 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
         assert (graphed.engine.spec_totals()["gated_steps"] > 0) == (with_drafter == "gated")
 
 
+@pytest.mark.skipif(INTERPRET, reason="real graphs; the CPU harness runs the same code (test_verify_overlap.py)")
+@pytest.mark.parametrize("temps", [(0.0, 0.0, 0.0), (1.0, 0.0, 0.7)])
+def test_overlapped_verify_matches_the_step_by_step_engine(tiny_llama, tmp_path, temps):
+    """With async scheduling the graphed engine launches each verify before reading the last one, its
+    inputs derived on the device (speculative/overlap.py): the same tokens, finish reasons and
+    acceptance as the engine that reads every step first, greedy and seeded, stops included."""
+    from fixtures import build_random_drafter
+
+    from flashdraft import LLM, SamplingParams
+
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12]]
+    base = LLM(str(tiny_llama), draft=None, device=DEVICE, dtype="float32", kv_block_size=8)
+    stop = base.generate([prompts[2]], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids[9]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n, stop_token_ids=s)
+              for n, t, s in zip((6, 30, 25, 17), temps + (0.0,), ([], [], [stop], []))]
+    outs, overlapped = [], []
+    for a in (False, True):
+        llm = LLM(str(tiny_llama), draft=draft, device=DEVICE, dtype="float32", attention_backend="triton",
+                  kv_block_size=8, async_scheduling=a, speculative_min_acceptance_length=None)
+        outs.append([(o.token_ids, o.finish_reason, o.metrics["acceptance_histogram"])
+                     for o in llm.generate(prompts, params)])
+        overlapped.append(llm.engine.stats["num_overlapped_steps"])
+        assert llm.engine.block_manager.num_used_blocks == 0
+    assert outs[0] == outs[1]
+    assert overlapped[0] == 0 and overlapped[1] > 10, overlapped
+
+
 @pytest.mark.parametrize("kind", ["dflash2", "sliding", "dflash2-sliding"])
 @pytest.mark.parametrize("temps", [(0.0, 0.0, 0.0), (1.0, 0.0, 0.7)])
 def test_graphed_dflash2_and_masked_drafters_match_eager_torch(tiny_llama, tmp_path, monkeypatch, kind, temps):
@@ -93,7 +122,8 @@ def test_graphed_dflash2_and_masked_drafters_match_eager_torch(tiny_llama, tmp_p
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=5 + n)
               for n, t in zip((6, 14, 20), temps)]
-    kw = dict(device=DEVICE, dtype="float32", kv_block_size=8, speculative_min_acceptance_length=None)
+    kw = dict(device=DEVICE, dtype="float32", kv_block_size=8, speculative_min_acceptance_length=None,
+              async_scheduling=False)  # fed drafts are recorded per step
     eager = LLM(str(tiny_llama), draft=draft, attention_backend="torch", cuda_graphs=False, **kw)
     want = [o.token_ids for o in eager.generate(prompts, params)]
     want_fed, fed[:] = list(fed), []
