@@ -261,11 +261,27 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
             return False
         if not self.step_gate.drafts(step):
             return True
-        i = self.costs.bucket(max(n, 1))
-        if self.seen.wants_plain(i):
+        if self._times_plain(n):
+            i = self.costs.bucket(max(n, 1))
             self.seen.tries[i] = self.seen.tries.get(i, 0) + 1
             return True
         return False
+
+    def _times_plain(self, n: int) -> bool:
+        """Whether steps without drafts run now to time their pace (costs.Observed) with n requests.
+        With graph costs measured at start, only where the pace can change the gate's decision: once
+        the batch's tau is known and below the break-even that counts the DFlash step's observed cost
+        against the plain graph's (timing the plain pace can only lower it). A batch that drains
+        through every bucket (requests ending one by one) would otherwise decode up to max_tries
+        steps without drafts in each, drafts paying or not."""
+        i = self.costs.bucket(max(n, 1))
+        if not self.seen.wants_plain(i):
+            return False
+        if self.costs.measured and self.costs.plain_ms[i] > 0:
+            gate = self.step_gate
+            worst = max(self.costs.spec_ms[i], self.seen.spec.get(i, 0.0)) / self.costs.plain_ms[i]
+            return gate.verifies > 0 and gate.tau < worst
+        return True
 
     def _launch_decode(self, seqs: list[Sequence], tokens: list[list[int]], ids: torch.Tensor | None = None
                        ) -> InFlight:

@@ -60,8 +60,8 @@ class VerifyOverlap:
         """The plans of the step after the in-flight verify `prev` when it can be launched before prev is
         read: the same requests, in order, all verifying whole blocks again (no request waiting that
         could be admitted, no pause by speculative_disable_batch_size or the step gate at the next step
-        of its clock), each with room for the longest block prev can leave; its pages allocated and the
-        clock advanced. None otherwise."""
+        of its clock, prev not the gate's probe), each with room for the longest block prev can leave;
+        its pages allocated and the clock advanced. None otherwise."""
         eng, sched = self.engine, self.engine.scheduler
         seqs = prev.seqs
         if sched.running != seqs or (sched.waiting and len(sched.running) < sched.max_num_seqs):
@@ -69,8 +69,9 @@ class VerifyOverlap:
         step, n = self.steps + 1, len(seqs)
         if self.pause_at is not None and n >= self.pause_at:
             return None
-        if self.step_gate is not None and (not self.step_gate.drafts(step) or
-                                           self.seen.wants_plain(self.costs.bucket(n))):
+        # (a probe's result decides whether the next step drafts: it is read first)
+        if self.step_gate is not None and (not self.step_gate.drafts(step) or self.step_gate.probing
+                                           or self._times_plain(n)):
             return None
         k1, bm = self.num_draft + 1, eng.block_manager
         ends = [s.num_computed_tokens + k1 + self.span for s in seqs]  # prev's longest commit, then a block
