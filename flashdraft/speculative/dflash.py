@@ -23,8 +23,10 @@
    frees target pages past the committed length. A hybrid target's recurrent state, left as it was
    by the verify, becomes the state after the last accepted row (models/hybrid.py).
 
-Beside this file: graphed.py (steps 2-4 as CUDA graphs), tree_step.py (token trees instead of
-chains), drafts.py (the drafter's hidden states -> drafts), loader.py (a drafter checked and loaded).
+Beside this file: graphed.py (steps 2-4 as CUDA graphs), overlap.py (with async scheduling, the next
+graphed verify launched on the last one's outputs before they are read), tree_step.py (token trees
+instead of chains), drafts.py (the drafter's hidden states -> drafts), loader.py (a drafter checked and
+loaded).
 """
 
 from __future__ import annotations
