@@ -249,18 +249,25 @@ class Served:
 
 
 def record_fed_drafts(monkeypatch) -> list:
-    """Patch DFlashSpeculator._accept to record, at every step, the drafts each verifying request
-    fed the target (the verify input rows after its first); returns the list it appends to."""
+    """Patch DFlashSpeculator._accept (and the post graph of greedy whole steps, which accepts on the
+    device) to record, at every step, the drafts each verifying request fed the target (the verify
+    input rows after its first); returns the list it appends to."""
     from flashdraft.speculative.dflash import DFlashSpeculator
 
     fed: list = []
-    real_accept = DFlashSpeculator._accept
+    real_accept, real_post = DFlashSpeculator._accept, DFlashSpeculator._run_post
 
     def accept(self, plans, ids, toks):
         fed.append([ids[p.row + 1: p.row + p.n].tolist() for p in plans if p.verify])
         return real_accept(self, plans, ids, toks)
 
+    def post(self, g):
+        k1, ids = self.num_draft + 1, g.extra["verify_ids"].tolist()
+        fed.append([ids[i * k1 + 1: (i + 1) * k1] for i in range(int((g.meta.seq_lens > 0).sum()))])
+        return real_post(self, g)
+
     monkeypatch.setattr(DFlashSpeculator, "_accept", accept)
+    monkeypatch.setattr(DFlashSpeculator, "_run_post", post)
     return fed
 
 

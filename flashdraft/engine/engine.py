@@ -33,8 +33,8 @@ class InFlight:
             self.host.copy_(tokens, non_blocking=True)
             self.done = torch.cuda.Event()
             self.done.record()
-        else:
-            self.host = tokens
+        else:  # a snapshot: a static buffer's next step must not change what this one read
+            self.host = tokens.clone()
 
     def next_ids(self, seqs: list[Sequence]) -> torch.Tensor:
         """The device ids of the step after this one over `seqs` (a subsequence of this step's):

@@ -349,11 +349,23 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         # drafts never leave the device: drafted, fed to the verify, compared with the target's
         # tokens there; one device->host transfer reads the accepted lengths and the tokens
         hidden, ids = self._forward(plans)
-        toks, owner = self._target_tokens(plans, hidden)
-        accepted = self._accept(plans, ids, toks)
-        if self._may_overlap(plans):  # a whole verify: in flight until the next step() (overlap.py)
-            self._inflight = VerifyInFlight(plans, self._verify_graph, accepted, toks, owner, start, self._step_whole)
-            return []
+        if self._greedy_post(plans, self._verify_graph):  # tokens and acceptance from its post graph
+            k1 = self.num_draft + 1
+            owner = [i for i in range(len(plans)) for _ in range(k1)]
+            g = self._verify_graph
+            flight = VerifyInFlight(plans, g, self._run_post(g), g.num_seqs, owner, start, self._step_whole)
+        else:
+            toks, owner = self._target_tokens(plans, hidden)
+            accepted = self._accept(plans, ids, toks)
+            flight = None
+            if self._verify_graph is not None:
+                flight = VerifyInFlight(plans, self._verify_graph, torch.cat([accepted, toks]), len(plans), owner,
+                                        start, self._step_whole)
+        if flight is not None:
+            if self._may_overlap(plans):  # in flight until the next step() (overlap.py)
+                self._inflight = flight
+                return []
+            return self._complete_verify(flight, None)
         host = [] if toks is None else (toks if accepted is None else torch.cat([accepted, toks])).tolist()
         verifying = [p for p in plans if p.verify]
         for p, a in zip(verifying, host):

@@ -18,6 +18,7 @@ import torch
 
 from flashdraft.engine.graphs import StepGraph
 from flashdraft.engine.model_runner import WARM_ROWS
+from flashdraft.engine.sampler import greedy_tokens
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.transformer import fused_enabled
 from flashdraft.speculative.verify import accepted_lengths
@@ -82,6 +83,9 @@ class GraphedSteps:
             return
         runner.capture_graphs(("dflash", self.tap_layers), self.block_size, False, self.attn, self._graph_step, n,
                               setup=self._setup_graph)
+        for (key, _, q_len), g in runner.graphs.items():
+            if key == ("dflash", self.tap_layers) and q_len == self.block_size:
+                g.aux["post"] = self._capture_post(g)
         runner.capture_graphs(("dflash-sampled", self.tap_layers), self.block_size, False, self.attn,
                               self._graph_step, n, setup=self._setup_sampled_graph)
         runner.capture_graphs(("decode", self.tap_layers), 1, True, runner.attn, self._decode_step, n)
@@ -136,6 +140,10 @@ class GraphedSteps:
         metadata that are the draft's when it verifies all B rows (else derived in the graph)."""
         S, B, k1, dev = g.num_seqs, self.block_size, self.num_draft + 1, g.device
         g.extra["verify_ids"] = torch.zeros(S * k1, dtype=torch.long, device=dev)
+        g.aux["row_seq"] = torch.arange(S * B, device=dev) // B  # each draft-block row's sequence
+        g.aux["block_offsets"] = torch.arange(B, device=dev)
+        # what the host reads of a greedy step (_post_step): accepted drafts [S], then the target's tokens [S * k1]
+        g.extra["outcome"] = torch.zeros(S + S * k1, dtype=torch.long, device=dev)
         if k1 == B:
             g.extra["verify_positions"] = g.positions
             meta = replace(g.meta, causal=True)
@@ -152,6 +160,7 @@ class GraphedSteps:
         [x_start, MASK ...]; returns the verify's final hidden states [S * (k+1), H]."""
         S, B, k1 = g.num_seqs, self.block_size, self.num_draft + 1
         vm, pos, ids = g.aux["verify_meta"], g.extra["verify_positions"], g.extra["verify_ids"]
+        self._derive_slots(g)
         if k1 < B:  # the verify reads the first k+1 rows of every block
             m = g.meta
             pos.copy_(g.positions.view(S, B)[:, :k1].flatten())
@@ -165,6 +174,64 @@ class GraphedSteps:
         hidden, taps = runner.model(ids, pos, runner.kv, runner.attn, vm, self.tap_layers)
         self.drafter.write_context(taps, pos, self.kv, self.attn, vm)
         return hidden
+
+    def _derive_slots(self, g: StepGraph) -> None:
+        """Every block row's cache slot from its position and its sequence's block table (rows of
+        sequences without rows: -1, not stored): what the host fills, derived in the graph, so that
+        an overlapped step needs only its positions and tables (overlap.py)."""
+        m, bs, seq = g.meta, g.meta.block_size, g.aux["row_seq"]
+        page = m.block_tables[seq, g.positions // bs].long()
+        m.slot_mapping.copy_(torch.where(m.seq_lens[seq] > 0, page * bs + g.positions % bs, -1))
+
+    def _post_step(self, g: StepGraph) -> None:
+        """After a greedy whole step's replay: the target's token at every verify row and the accepted
+        drafts into g.extra["outcome"] (the host's one read), then the next step's blocks in the input
+        buffers, for a step that verifies the same requests again: each one past its accepted drafts,
+        its first token the target's token there (sequences without rows keep theirs). A step the
+        host schedules otherwise fills every buffer again."""
+        S, B, k1, m = g.num_seqs, self.block_size, self.num_draft + 1, g.meta
+        hidden = g.outputs[: S * k1]
+        toks = greedy_tokens(self.engine.runner.model.compute_logits(hidden, float32=False)).view(S, k1)
+        acc = accepted_lengths(g.extra["verify_ids"].view(S, k1)[:, 1:], toks)
+        out = g.extra["outcome"]
+        out[:S].copy_(acc)
+        out[S:].copy_(toks.flatten())
+        live = m.seq_lens > 0
+        pos, first = g.positions.view(S, B), g.input_ids.view(S, B)[:, 0]
+        start = pos[:, :1] + acc[:, None] + 1
+        pos.copy_(torch.where(live[:, None], start + g.aux["block_offsets"], pos))
+        m.seq_lens.copy_(torch.where(live, start[:, 0].to(torch.int32) + B, m.seq_lens))
+        first.copy_(torch.where(live, toks.gather(1, acc[:, None])[:, 0], first))
+
+    def _capture_post(self, g: StepGraph) -> torch.cuda.CUDAGraph | None:
+        """_post_step as a CUDA graph over a captured step graph's buffers (None off CUDA: it runs
+        eagerly); warmed up with the step's buffers saved and restored (the warm-up advances them)."""
+        if not g.captured:
+            return None
+        saved = [t.clone() for t in (g._rows, g._ints)]
+        side = torch.cuda.Stream(g.device)
+        side.wait_stream(torch.cuda.current_stream(g.device))
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):
+                self._post_step(g)
+        torch.cuda.current_stream(g.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.engine.runner.graph_pool), torch.inference_mode():
+            self._post_step(g)
+        for t, s in zip((g._rows, g._ints), saved):
+            t.copy_(s)
+        torch.cuda.synchronize(g.device)
+        return graph
+
+    def _run_post(self, g: StepGraph) -> torch.Tensor:
+        """_post_step after a greedy step's replay (its graph's replay on CUDA); returns the outcome."""
+        post = g.aux.get("post")
+        if post is not None:
+            post.replay()
+        else:
+            with torch.inference_mode():
+                self._post_step(g)
+        return g.extra["outcome"]
 
     def _draft_step(self, g: StepGraph) -> torch.Tensor:
         """The draft blocks alone over a graph's buffers: [S, B-1] drafts."""

@@ -31,21 +31,32 @@ if TYPE_CHECKING:
 
 
 class VerifyInFlight:
-    """A launched whole-step verify not read yet: its plans and graph, the accepted drafts [S] and the
-    target's tokens [S * (k+1)] on the device, and their copy to the host behind the step."""
+    """A launched whole-step verify not read yet: its plans and graph, its outcome on the device (the
+    accepted drafts [S] at 0, the target's tokens [S * (k+1)] at toks_at) and its copy to the host
+    behind the step."""
 
-    def __init__(self, plans: list[Plan], graph: StepGraph, accepted: torch.Tensor, toks: torch.Tensor,
+    def __init__(self, plans: list[Plan], graph: StepGraph, outcome: torch.Tensor, toks_at: int,
                  owner: list[int], started: float, whole: bool):
         from flashdraft.engine.engine import InFlight  # the engine module imports this one
 
-        self.plans, self.graph, self.accepted, self.toks, self.owner = plans, graph, accepted, toks, owner
+        self.plans, self.graph, self.outcome, self.toks_at, self.owner = plans, graph, outcome, toks_at, owner
         self.seqs = [p.seq for p in plans]
         self.started, self.whole = started, whole  # the step costs' clock: when it began, all requests in it
         self.launched = time.perf_counter()
-        self._read = InFlight(self.seqs, torch.cat([accepted, toks]))
+        self._read = InFlight(self.seqs, outcome)
 
-    def read(self) -> list[int]:
-        return self._read.read()
+    @property
+    def accepted(self) -> torch.Tensor:
+        return self.outcome[: len(self.plans)]
+
+    @property
+    def toks(self) -> torch.Tensor:
+        return self.outcome[self.toks_at: self.toks_at + len(self.owner)]
+
+    def read(self) -> tuple[list[int], list[int]]:
+        """(accepted drafts, the target's tokens) on the host."""
+        host = self._read.read()
+        return host[: len(self.plans)], host[self.toks_at: self.toks_at + len(self.owner)]
 
 
 class VerifyOverlap:
@@ -85,35 +96,37 @@ class VerifyOverlap:
 
     def _launch_next_verify(self, prev: VerifyInFlight, plans: list[Plan]) -> VerifyInFlight:
         """Queue the verify after `prev` over prev's graph, its inputs derived on the device (the
-        module's docstring), then its target tokens and acceptance; nothing waits for the GPU."""
-        g, B, k1 = prev.graph, self.block_size, self.num_draft + 1
-        S, bs = len(plans), self.engine.runner.block_size
+        module's docstring; the graph derives the slots), then its target tokens and acceptance;
+        nothing waits for the GPU. A greedy step's post graph already moved the inputs on."""
+        g, B, k1, S = prev.graph, self.block_size, self.num_draft + 1, len(plans)
         g.fill(block_tables=[self.engine.block_manager.table(p.seq.seq_id) for p in plans])
+        if self._greedy_post(plans, g):
+            g.replay()
+            return VerifyInFlight(plans, g, self._run_post(g), g.num_seqs, prev.owner, time.perf_counter(), True)
         a = prev.accepted.view(S, 1)
         pos = g.positions[: S * B].view(S, B)
         start = pos[:, :1] + a + 1
-        if "block_offsets" not in g.aux:
-            g.aux["block_offsets"] = torch.arange(B, device=g.device)
-        new = start + g.aux["block_offsets"]
-        table = g.meta.block_tables[:S].gather(1, new // bs).long()
-        g.meta.slot_mapping[: S * B].copy_((table * bs + new % bs).flatten())
         g.meta.seq_lens[:S].copy_((start[:, 0] + B).to(torch.int32))
-        pos.copy_(new)
+        pos.copy_(start + g.aux["block_offsets"])
         g.input_ids[: S * B].view(S, B)[:, 0] = prev.toks.view(S, k1).gather(1, a)[:, 0]
         hidden = g.replay()[: S * k1]
         toks, owner = self._target_tokens(plans, hidden, g.extra["verify_positions"])
         accepted = self._accept(plans, g.extra["verify_ids"], toks)
-        return VerifyInFlight(plans, g, accepted, toks, owner, time.perf_counter(), True)
+        return VerifyInFlight(plans, g, torch.cat([accepted, toks]), S, owner, time.perf_counter(), True)
+
+    def _greedy_post(self, plans: list[Plan], g: StepGraph | None) -> bool:
+        """Whether a whole step over graph g takes its tokens and acceptance from g's post graph
+        (graphed.py _post_step): every request greedy."""
+        return g is not None and "post" in g.aux and all(p.seq.params.temperature == 0 for p in plans)
 
     def _complete_verify(self, prev: VerifyInFlight, ahead: VerifyInFlight | None) -> list[Sequence]:
         """Read an in-flight verify and commit it; `ahead`: the verify launched after it, whose pages
         stay. A request finished or aborted since prev's launch takes nothing."""
-        host = prev.read()
-        S = len(prev.plans)
-        for p, a in zip(prev.plans, host[:S]):
+        accepted, toks = prev.read()
+        for p, a in zip(prev.plans, accepted):
             p.accepted = a
         chosen: dict[int, list[int]] = {}
-        for i, t in zip(prev.owner, host[S:]):
+        for i, t in zip(prev.owner, toks):
             chosen.setdefault(i, []).append(t)
         # a step followed by one launched ahead was timed at that launch (the pace of launches)
         self._step_start, self._step_whole = prev.started, prev.whole and ahead is None
