@@ -4,10 +4,13 @@ one is read.
 With async scheduling, a step where every request verifies its whole block through the step's graph
 is left in flight. When the next step verifies the same requests again, it is launched first, its
 inputs derived on the device from the in-flight step's outputs: each block starts one past the
-accepted drafts (start + a + 1), its first token the target's token at slot a, its slots read from
-the block tables, which the host filled with pages for the longest block the in-flight step could
-leave (start + k + 1 + span). Only then does the host read the in-flight step and commit it, so the
-GPU has the next step queued while the host commits, checks stops and streams.
+accepted drafts (start + a + 1), its first token the target's token at slot a, its slots read in the
+graph from the block tables, which the host filled with pages for the longest block the in-flight
+step could leave (start + k + 1 + span). Only then does the host read the in-flight step and commit
+it, so the GPU has the next step queued while the host commits, checks stops and streams. A greedy
+step's post graph (graphed.py `_post_step`) has already chosen its tokens, accepted and moved the
+inputs on by then: the launch is the tables' fill, two replays and one copy to the host. Sampled
+steps choose their tokens and move the inputs with eager ops here.
 
 What stays exact: a request that finishes (or is aborted) at step N had rows in step N+1; they are
 computed and dropped, never committed, and its pages went back only after N+1 was queued, so
