@@ -317,3 +317,26 @@ def test_one_stall_does_not_stop_the_drafts():
     cpu = Observed()
     cpu.add(cpu.spec, 0, 25.0)
     assert cpu.spec[0] == 25.0
+
+
+def test_steps_without_drafts_are_timed_only_where_their_pace_can_decide(tiny_llama, drafter, monkeypatch):
+    """With graph costs measured at start, steps without drafts run to time their pace only once the
+    batch's tau is known and below the break-even that counts the DFlash step's observed cost against
+    the plain graph's (a faster plain pace could only lower it); without graph costs (a CPU) they are
+    timed first, as before."""
+    llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32")
+    sp = step_gated(llm, 2.0).engine.spec  # graphs: a plain step 1e6, a DFlash step 2e6
+    sp.seen.max_tries = 8
+    assert not sp._times_plain(4)  # no verify yet: the graphs decide the first steps
+    sp.step_gate.verifies, sp.step_gate.tau = 3, 3.5
+    assert not sp._times_plain(4)  # tau 3.5 over a break-even of at most 2: drafts pay at any pace
+    sp.seen.spec[0] = 4e6  # DFlash steps seen at twice their graph's cost: at most 4
+    assert sp._times_plain(4)
+    sp.step_gate.tau = 1.2
+    sp.seen.spec.clear()
+    assert sp._times_plain(4)
+    sp.seen.tries[0] = sp.seen.max_tries
+    assert not sp._times_plain(4)  # the tries are spent
+    monkeypatch.setattr(flashdraft.config, "STEP_GATE", True)
+    cpu = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32").engine.spec
+    assert not cpu.costs.measured and cpu.step_gate.verifies == 0 and cpu._times_plain(4)
