@@ -56,8 +56,13 @@ def oracle(llm, futures: dict[tuple, list[int]]):
     sp._draft_tokens = drafts
 
 
-def test_overlapped_verify_equals_sync_greedy_and_sampled(engines):
+def test_overlapped_verify_equals_sync_greedy_and_sampled(engines, tiny_llama):
+    """Both engines against each other (tokens, finish reasons, text, acceptance) and against plain
+    decoding (tokens: seeded requests draw the same noise at every position on either path)."""
+    from flashdraft import LLM
+
     sync, overlap = engines
+    plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
     greedy = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 21, 11, 1)]
     sampled = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=n, seed=7 + n, ignore_eos=True)
                for n in (9, 2, 17, 25)]
@@ -65,7 +70,9 @@ def test_overlapped_verify_equals_sync_greedy_and_sampled(engines):
              for t, n in ((0, 14), (0.8, 19), (0, 6), (1.2, 22))]
     before = overlap.engine.stats["num_overlapped_steps"]
     for params in (greedy, sampled, mixed):
-        assert outputs(overlap, PROMPTS, params) == outputs(sync, PROMPTS, params)
+        got = outputs(overlap, PROMPTS, params)
+        assert got == outputs(sync, PROMPTS, params)
+        assert [g[0] for g in got] == [o.token_ids for o in plain.generate(PROMPTS, params)]
     assert overlap.engine.stats["num_overlapped_steps"] - before > 15, "verify steps were meant to overlap"
     assert sync.engine.stats["num_overlapped_steps"] == 0
     assert overlap.engine.spec_totals() == sync.engine.spec_totals()
@@ -159,3 +166,14 @@ def test_preemption_under_kv_pressure(tiny_llama, drafter):
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (26, 30, 22, 28)]
     assert outputs(overlap, PROMPTS, params) == outputs(sync, PROMPTS, params)
     assert overlap.engine.stats["num_preemptions"] > 0 and overlap.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_shorter_verify_than_the_block(tiny_llama, drafter):
+    """num_speculative_tokens below B - 1: each verify reads the first k + 1 rows of its draft block
+    (positions and metadata derived in the graph); overlapped, greedy and seeded, as step by step."""
+    sync, overlap = pair(tiny_llama, drafter, num_speculative_tokens=2)
+    for t in (0.0, 0.9):
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n) for n in (9, 23, 14, 5)]
+        assert outputs(overlap, PROMPTS, params) == outputs(sync, PROMPTS, params)
+    assert overlap.engine.stats["num_overlapped_steps"] > 10
+    assert overlap.engine.block_manager.num_used_blocks == 0
