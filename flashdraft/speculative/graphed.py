@@ -189,18 +189,25 @@ class GraphedSteps:
         buffers, for a step that verifies the same requests again: each one past its accepted drafts,
         its first token the target's token there (sequences without rows keep theirs). A step the
         host schedules otherwise fills every buffer again."""
-        S, B, k1, m = g.num_seqs, self.block_size, self.num_draft + 1, g.meta
+        S, k1 = g.num_seqs, self.num_draft + 1
         hidden = g.outputs[: S * k1]
         toks = greedy_tokens(self.engine.runner.model.compute_logits(hidden, float32=False)).view(S, k1)
         acc = accepted_lengths(g.extra["verify_ids"].view(S, k1)[:, 1:], toks)
         out = g.extra["outcome"]
         out[:S].copy_(acc)
         out[S:].copy_(toks.flatten())
-        live = m.seq_lens > 0
-        pos, first = g.positions.view(S, B), g.input_ids.view(S, B)[:, 0]
+        self._next_blocks(g, acc, toks)
+
+    def _next_blocks(self, g: StepGraph, acc: torch.Tensor, toks: torch.Tensor) -> None:
+        """Move the first n = len(acc) sequences' draft blocks on after a verify that accepted acc [n]
+        drafts, the target's tokens toks [n, k+1]: each block starts one past the accepted drafts, its
+        first token the target's token there; sequences without rows (length 0) keep theirs."""
+        n, B, m = acc.shape[0], self.block_size, g.meta
+        live, lens = m.seq_lens[:n] > 0, m.seq_lens[:n]
+        pos, first = g.positions[: n * B].view(n, B), g.input_ids[: n * B].view(n, B)[:, 0]
         start = pos[:, :1] + acc[:, None] + 1
         pos.copy_(torch.where(live[:, None], start + g.aux["block_offsets"], pos))
-        m.seq_lens.copy_(torch.where(live, start[:, 0].to(torch.int32) + B, m.seq_lens))
+        lens.copy_(torch.where(live, start[:, 0].to(torch.int32) + B, lens))
         first.copy_(torch.where(live, toks.gather(1, acc[:, None])[:, 0], first))
 
     def _capture_post(self, g: StepGraph) -> torch.cuda.CUDAGraph | None:

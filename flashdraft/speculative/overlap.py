@@ -101,17 +101,12 @@ class VerifyOverlap:
         """Queue the verify after `prev` over prev's graph, its inputs derived on the device (the
         module's docstring; the graph derives the slots), then its target tokens and acceptance;
         nothing waits for the GPU. A greedy step's post graph already moved the inputs on."""
-        g, B, k1, S = prev.graph, self.block_size, self.num_draft + 1, len(plans)
+        g, k1, S = prev.graph, self.num_draft + 1, len(plans)
         g.fill(block_tables=[self.engine.block_manager.table(p.seq.seq_id) for p in plans])
         if self._greedy_post(plans, g):
             g.replay()
             return VerifyInFlight(plans, g, self._run_post(g), g.num_seqs, prev.owner, time.perf_counter(), True)
-        a = prev.accepted.view(S, 1)
-        pos = g.positions[: S * B].view(S, B)
-        start = pos[:, :1] + a + 1
-        g.meta.seq_lens[:S].copy_((start[:, 0] + B).to(torch.int32))
-        pos.copy_(start + g.aux["block_offsets"])
-        g.input_ids[: S * B].view(S, B)[:, 0] = prev.toks.view(S, k1).gather(1, a)[:, 0]
+        self._next_blocks(g, prev.accepted, prev.toks.view(S, k1))
         hidden = g.replay()[: S * k1]
         toks, owner = self._target_tokens(plans, hidden, g.extra["verify_positions"])
         accepted = self._accept(plans, g.extra["verify_ids"], toks)
