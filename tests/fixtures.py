@@ -262,7 +262,7 @@ def record_fed_drafts(monkeypatch) -> list:
         return real_accept(self, plans, ids, toks)
 
     def post(self, g):
-        k1, ids = self.num_draft + 1, g.extra["verify_ids"].tolist()
+        k1, ids = g.aux["k1"], g.extra["verify_ids"].tolist()
         fed.append([ids[i * k1 + 1: (i + 1) * k1] for i in range(int((g.meta.seq_lens > 0).sum()))])
         return real_post(self, g)
 

@@ -123,9 +123,10 @@ def test_step_graph_draft_block_matches_eager():
     assert (got[: len(seqs) * B] - want).abs().max() < 1e-4
 
 
-def _graphed_llm(model: str, kw: dict):
+def _graphed_llm(model: str, kw: dict, draft_counts: tuple[int, ...] | None = None):
     """An LLM whose steps go through the graph runner (CPU: eager replays of the static buffers,
-    static torch attention), and a counter of replays per graph kind."""
+    static torch attention), and a counter of replays per graph kind; draft_counts: the whole-step
+    graphs' draft counts (on CUDA the engine's own choice, speculative/dflash.py)."""
     from flashdraft import LLM
 
     llm = LLM(model, **kw)
@@ -137,6 +138,7 @@ def _graphed_llm(model: str, kw: dict):
 
         masked = isinstance(sp.attn, LayerMasks)
         sp.attn = LayerMasks(StaticTorchAttention, sp.attn.masks) if masked else StaticTorchAttention()
+        sp.draft_counts = draft_counts or sp.draft_counts
         sp.capture_graphs()
         # an eager replay (CPU) installs metadata only into the backends a graph lists; the ragged
         # graphs' context write also stores through the drafter's static backend, whose store plan is

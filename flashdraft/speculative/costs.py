@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 class StepCosts:
     batches: tuple[int, ...]  # graph buckets, ascending
     plain_ms: tuple[float, ...]
-    spec_ms: tuple[float, ...]
+    spec_ms: tuple[float, ...]  # verifying the whole draft block
+    fewer: dict[int, tuple[float, ...]] = field(default_factory=dict)  # verifying k < the block's drafts
 
     def bucket(self, n: int) -> int:
         """The index of the smallest bucket holding n requests (the largest past them all)."""
@@ -62,10 +63,12 @@ class StepCosts:
     def measured(self) -> bool:
         return any(p > 0 for p in self.plain_ms)
 
-    def break_even(self, n: int, seen: Observed | None = None) -> float:
+    def break_even(self, n: int, seen: Observed | None = None, k: int | None = None) -> float:
         """The tau from which a request's drafts pay with n requests running; with `seen`, each
         step's cost is the larger of the graphs' and the one observed while serving. Unmeasured: the
-        observed ratio of n's bucket, else of the nearest bucket seen both ways, else 1."""
+        observed ratio of n's bucket, else of the nearest bucket seen both ways, else 1. k: a step
+        verifying k drafts of `fewer` (seen only whole blocks: their observed cost scaled by the
+        graphs' ratio of the two steps)."""
         i = self.bucket(n)
         spec, plain = self.spec_ms[i], self.plain_ms[i]
         if not self.measured:
@@ -75,14 +78,20 @@ class StepCosts:
             if not both:
                 return 1.0
             i = both[0][1]
+        scale = self.fewer[k][i] / spec if k in self.fewer and spec > 0 else 1.0
+        spec *= scale
         if seen is not None and i in seen.spec and i in seen.plain:  # both seen: host time on both sides
-            spec, plain = max(spec, seen.spec[i]), max(plain, seen.plain[i])
+            spec, plain = max(spec, scale * seen.spec[i]), max(plain, seen.plain[i])
         return max(1.0, spec / plain)
 
     def as_dict(self) -> dict:
-        return {"batches": list(self.batches), "plain_ms": [round(x, 4) for x in self.plain_ms],
-                "spec_ms": [round(x, 4) for x in self.spec_ms],
-                "break_even": [round(self.break_even(b), 3) for b in self.batches]}
+        d = {"batches": list(self.batches), "plain_ms": [round(x, 4) for x in self.plain_ms],
+             "spec_ms": [round(x, 4) for x in self.spec_ms],
+             "break_even": [round(self.break_even(b), 3) for b in self.batches]}
+        for k, ms in self.fewer.items():
+            d[f"spec_ms_{k}_drafts"] = [round(x, 4) for x in ms]
+            d[f"break_even_{k}_drafts"] = [round(self.break_even(b, k=k), 3) for b in self.batches]
+        return d
 
 
 @dataclass
@@ -125,23 +134,23 @@ def measure(spec: DFlashSpeculator, replays: int = 5) -> StepCosts | None:
     runner = spec.engine.runner
     if spec.engine.device.type != "cuda" or spec.tree_size is not None:
         return None
-    key_spec, key_plain = ("dflash", spec.tap_layers), ("decode", spec.tap_layers)
+    key_spec, key_plain = spec.verify_key("dflash", spec.num_draft), ("decode", spec.tap_layers)
     buckets = sorted(b for (k, b, q), g in runner.graphs.items() if k == key_spec and g.captured)
     model = runner.model
-    rows = spec.num_draft + 1
     found = []
     with torch.inference_mode():
         for b in buckets:
-            gs = runner.graphs.get((key_spec, b, spec.block_size))
             gp = runner.graphs.get((key_plain, b, 1))
-            if gs is None or gp is None or not gs.captured or not gp.captured:
+            gs = [runner.graphs.get((spec.verify_key("dflash", k), b, spec.block_size)) for k in spec.draft_counts]
+            if gp is None or not gp.captured or any(g is None or not g.captured for g in gs):
                 continue
             found.append((b, _time(lambda g=gp, r=b: _head(model, g.replay()[:r]), replays),
-                          _time(lambda g=gs, r=b * rows: _head(model, g.replay()[:r]), replays)))
+                          *(_time(lambda g=g, r=b * (k + 1): _head(model, g.replay()[:r]), replays)
+                            for g, k in zip(gs, spec.draft_counts))))
     if not found:
         return None
-    b, p, s = zip(*found)
-    return StepCosts(tuple(b), tuple(p), tuple(s))
+    b, p, s, *fewer = zip(*found)
+    return StepCosts(tuple(b), tuple(p), tuple(s), dict(zip(spec.draft_counts[1:], fewer)))
 
 
 def _head(model, hidden: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ from flashdraft.engine.sequence import Sequence
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.speculative import costs as step_costs
 from flashdraft.speculative.drafts import DraftTokens
-from flashdraft.speculative.gate import StepGate, gate_record
+from flashdraft.speculative.gate import DepthProfile, StepGate, gate_record
 from flashdraft.speculative.graphed import GraphedSteps
 from flashdraft.speculative.kv_slots import poison_slots, position_slots
 from flashdraft.speculative.metrics import SpecStats
@@ -79,6 +79,14 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         self.depth = min(self.num_draft, self.block_size - 1)  # the deepest draft a verify can accept
         # slots a verifying request holds from its last committed token: the draft block, or the tree's rows
         self.span = max(self.block_size, self.num_draft + 1)
+        # the draft counts a whole step may verify, each with its graphs: the block's, and where the step
+        # gate chooses among measured costs (graphed chains, no count given, an attention-only target)
+        # a half and a quarter of it (DepthProfile)
+        self.draft_counts = (self.num_draft,)
+        if k is None and self.tree_size is None and not engine.runner.hybrid and engine.device.type == "cuda" \
+                and engine.runner.use_graphs and engine.config.speculative_min_acceptance_length == "auto" \
+                and config.STEP_GATE:
+            self.draft_counts += tuple(c for c in (self.num_draft // 2, self.num_draft // 4) if c >= 2)
         self.mask_token_id = drafter.spec.mask_token_id
         self.tap_layers = tuple(drafter.spec.target_layer_ids)
         drafter.setup(engine.max_model_len + 2 * self.block_size)
@@ -124,6 +132,10 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         if auto and config.STEP_GATE:
             self.costs = step_costs.measure(self) or step_costs.StepCosts.unmeasured(engine.config.max_num_seqs)
         self.step_gate = StepGate() if self.costs is not None else None
+        if self.costs is None or not self.costs.fewer:
+            self.draft_counts = self.draft_counts[:1]
+        self.profile = DepthProfile(self.draft_counts) if len(self.draft_counts) > 1 else None
+        self.count = self.num_draft  # drafts this step's verifies check
         self.seen = step_costs.Observed()  # step costs while serving (the step gate's)
         self._last_launch: float | None = None  # when the last overlapped step without drafts launched
         self.gated = False  # this step decodes without drafts (the step gate)
@@ -131,6 +143,9 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
             log.info("speculation pays from tau %s at %s running requests (step costs measured at start)",
                      "/".join(f"{self.costs.break_even(b):.2f}" for b in self.costs.batches),
                      "/".join(map(str, self.costs.batches)))
+            for k in self.costs.fewer:
+                log.info("verifying %d of %d drafts: from tau %s", k, self.num_draft,
+                         "/".join(f"{self.costs.break_even(b, k=k):.2f}" for b in self.costs.batches))
 
     # ---- hooks the engine calls -----------------------------------------------------------
     def totals(self) -> dict:
@@ -153,7 +168,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
             for st in (self._stats(seq), self.stats):
                 st.gated_steps += 1
             return 0
-        return self.num_draft
+        return self.count
 
     def _stats(self, seq: Sequence) -> SpecStats:
         if not hasattr(seq, "spec_stats"):
@@ -187,7 +202,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
             if plans is not None:  # launched before prev is read, on prev's outputs on the device
                 self._inflight = self._launch_next_verify(prev, plans)
                 self.engine.stats["num_overlapped_steps"] += 1
-                if self.costs is not None:  # a whole DFlash step's cost: the pace of launches
+                if self.costs is not None and plans[0].n == self.num_draft + 1:  # a whole step's cost: the pace
                     self._observe(True, len(plans), 1e3 * (self._inflight.launched - prev.launched))
             advanced = self._complete_verify(prev, self._inflight)
         else:
@@ -256,6 +271,13 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         """A step's cost seen while serving (whole DFlash steps or steps without drafts, n requests)."""
         self.seen.add(self.seen.spec if spec else self.seen.plain, self.costs.bucket(n), ms, self.costs.measured)
 
+    def _verify_count(self) -> int:
+        """Drafts a request's verify checks in the next step: the profile's count, the whole block
+        for the step gate's probe."""
+        if self.profile is None or self.step_gate.probing:
+            return self.num_draft
+        return self.profile.count
+
     def _gated(self, step: int, n: int) -> bool:
         """Whether engine step `step`, n requests running, decodes without drafts by the step gate:
         paused, or timing the pace of steps without drafts (costs.Observed)."""
@@ -282,6 +304,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         if self.costs.measured and self.costs.plain_ms[i] > 0:
             gate = self.step_gate
             worst = max(self.costs.spec_ms[i], self.seen.spec.get(i, 0.0)) / self.costs.plain_ms[i]
+            if self.profile is not None:  # at the count the gate's tau is for
+                worst *= self.costs.break_even(n, k=self.profile.best) / self.costs.break_even(n)
             return gate.verifies > 0 and gate.tau < worst
         return True
 
@@ -317,6 +341,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         self.num_running = len(eng.scheduler.running)
         self.paused = self.pause_at is not None and self.num_running >= self.pause_at
         self.gated = self._gated(self.steps, self.num_running)
+        self.count = self._verify_count()
         self.stats.paused_steps += self.paused
         batch = eng.scheduler.schedule(self.lookahead)
         eng.stats["num_preemptions"] += len(batch.preempted)
@@ -350,7 +375,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         # tokens there; one device->host transfer reads the accepted lengths and the tokens
         hidden, ids = self._forward(plans)
         if self._greedy_post(plans, self._verify_graph):  # tokens and acceptance from its post graph
-            k1 = self.num_draft + 1
+            k1 = plans[0].n
             owner = [i for i in range(len(plans)) for _ in range(k1)]
             g = self._verify_graph
             flight = VerifyInFlight(plans, g, self._run_post(g), g.num_seqs, owner, start, self._step_whole)
@@ -524,12 +549,19 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
                 if p.path:
                     moves += self._path_moves(s, start, p.path)
                 kept.append((s, start + p.n, a))
-        if self.costs is not None and self._step_whole and len(verified) == len(plans):
+        whole_block = bool(plans) and plans[0].n == self.num_draft + 1
+        if self.costs is not None and self._step_whole and len(verified) == len(plans) and whole_block:
             # a whole DFlash step, host and device, timed before the gate reads it
             self._observe(True, len(plans), 1e3 * (time.perf_counter() - self._step_start))
         if self.step_gate is not None and verified:
-            self.step_gate.record(sum(verified) / len(verified), self.steps,
-                                  self.costs.break_even(max(self.num_running, 1), self.seen), len(verified))
+            n = max(self.num_running, 1)
+            if self.profile is None:
+                self.step_gate.record(sum(verified) / len(verified), self.steps, self.costs.break_even(n, self.seen),
+                                      len(verified))
+            else:  # the profile averages and picks the count; the gate pauses where none pays
+                self.profile.record([a - 1 for a in verified], plans[0].n - 1, self.step_gate.probing)
+                tau, min_tau = self.profile.choose(lambda k: self.costs.break_even(n, self.seen, k), self.steps)
+                self.step_gate.record(tau, self.steps, min_tau, len(verified), averaged=True)
         eng.runner.commit_states(committed)  # hybrid targets: the accepted rows' state
         if moves:  # before poisoning or freeing what lies past the committed length
             self._move_kv(moves)

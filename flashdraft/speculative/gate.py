@@ -123,11 +123,12 @@ class StepGate:
     def drafts(self, step: int) -> bool:
         return step >= self.resume_at
 
-    def record(self, tau: float, step: int, min_tau: float, blocks: int = 1) -> bool:
+    def record(self, tau: float, step: int, min_tau: float, blocks: int = 1, averaged: bool = False) -> bool:
         """A verify in engine step `step` committed `tau` tokens per verifying request, `blocks`
-        requests verifying. Returns True when the steps from the next one on decode without drafts."""
+        requests verifying (averaged: tau is already an average over steps, DepthProfile's, which
+        becomes the gate's). Returns True when the steps from the next one on decode without drafts."""
         w = 1.0 - (1.0 - self.weight) ** blocks
-        if self.verifies == 0 or self.probing and blocks >= self.warmup:
+        if averaged or self.verifies == 0 or self.probing and blocks >= self.warmup:
             w = 1.0
         elif self.probing:
             w = max(w, 0.5)
@@ -145,3 +146,77 @@ class StepGate:
         self.pause = min(2 * pause, pause_cap(min_tau))
         self.probing = True
         return True
+
+
+@dataclass
+class DepthProfile:
+    """How many of a block's drafts a verify step checks, where the step costs were measured at
+    start for several counts (speculative/costs.py StepCosts.fewer): the count whose expected tokens
+    a request per unit of the step's price is highest.
+
+    A chain's drafts are accepted in order, so a verify of k drafts commits
+    1 + sum_{j <= k} P(the first j drafts are accepted) tokens a request. The profile keeps, per
+    depth j, an exponential average of the conditional acceptance P(draft j accepted | drafts
+    1..j-1 accepted) over the blocks whose verify reached j (`weight` a block, as StepGate's tau: a
+    first sample or a probe of `warmup` blocks replaces it, a smaller probe counts at least half).
+    A depth not yet seen counts as accepted, so a count below the block's is chosen only once the
+    depths it drops have been seen missing often enough. Depths past a shorter count are not
+    verified, so every `probe_every` steps one step verifies the whole block again (a workload whose
+    drafts improve)."""
+
+    counts: tuple[int, ...]  # the draft counts with graphs and costs, the block's first
+    weight: float = 0.05
+    warmup: int = 8  # blocks verified before a count below the block's is chosen
+    probe_every: int = 128  # engine steps between whole-block verifies while a shorter count is chosen
+    accept: list[float] | None = None  # conditional acceptance by depth (index j - 1)
+    seen: list[bool] | None = None
+    blocks: int = 0
+    count: int = 0  # the count the next verify step checks (0: not chosen yet, the block's)
+    best: int = 0  # the count that pays best, by the last choice
+    next_probe: int = 0
+
+    def __post_init__(self) -> None:
+        depth = self.counts[0]
+        self.accept = self.accept or [1.0] * depth
+        self.seen = self.seen or [False] * depth
+        self.count = self.count or depth
+
+    def record(self, accepted: list[int], drafts: int, probe: bool = False) -> None:
+        """One verify step of `drafts` drafts a request: the accepted drafts of each request."""
+        trials, hits = [0] * drafts, [0] * drafts
+        for a in accepted:
+            for j in range(min(a + 1, drafts)):
+                trials[j] += 1
+                hits[j] += j < a
+        for j, (t, h) in enumerate(zip(trials, hits)):
+            if not t:
+                continue
+            w = 1.0 - (1.0 - self.weight) ** t
+            if not self.seen[j] or probe and len(accepted) >= self.warmup:
+                w = 1.0
+            elif probe:
+                w = max(w, 0.5)
+            self.accept[j] += w * (h / t - self.accept[j])
+            self.seen[j] = True
+        self.blocks += len(accepted)
+
+    def tau(self, k: int) -> float:
+        """Expected tokens a verify of k drafts commits a request."""
+        total, reach = 1.0, 1.0
+        for c in self.accept[:k]:
+            reach *= c
+            total += reach
+        return total
+
+    def choose(self, break_even, step: int) -> tuple[float, float]:
+        """Pick the count for the steps after engine step `step` by break_even(k), the tau from which
+        a step of k drafts pays; returns (tau, break-even) at the best count, for the step gate."""
+        full = self.counts[0]
+        best = full if self.blocks < self.warmup else max(self.counts, key=lambda k: self.tau(k) / break_even(k))
+        if best != self.best or best == full:
+            self.next_probe = step + self.probe_every
+        self.best = best
+        self.count = best
+        if best != full and step >= self.next_probe:  # the whole block once: the depths past best
+            self.count, self.next_probe = full, step + self.probe_every
+        return self.tau(best), break_even(best)

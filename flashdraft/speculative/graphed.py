@@ -12,6 +12,7 @@ A step the graphs do not cover runs the same functions eagerly (speculative/dfla
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -81,13 +82,15 @@ class GraphedSteps:
             runner.capture_ragged_graphs(("decode", self.tap_layers), self._decode_step, n,
                                          self.engine.config.max_num_batched_tokens)
             return
-        runner.capture_graphs(("dflash", self.tap_layers), self.block_size, False, self.attn, self._graph_step, n,
-                              setup=self._setup_graph)
-        for (key, _, q_len), g in runner.graphs.items():
-            if key == ("dflash", self.tap_layers) and q_len == self.block_size:
-                g.aux["post"] = self._capture_post(g)
-        runner.capture_graphs(("dflash-sampled", self.tap_layers), self.block_size, False, self.attn,
-                              self._graph_step, n, setup=self._setup_sampled_graph)
+        for k in self.draft_counts:  # the whole step verifying k drafts a request (DepthProfile chooses k)
+            greedy = self.verify_key("dflash", k)
+            runner.capture_graphs(greedy, self.block_size, False, self.attn, self._graph_step, n,
+                                  setup=partial(self._setup_graph, k=k))
+            for (key, _, q_len), g in runner.graphs.items():
+                if key == greedy and q_len == self.block_size:
+                    g.aux["post"] = self._capture_post(g)
+            runner.capture_graphs(self.verify_key("dflash-sampled", k), self.block_size, False, self.attn,
+                                  self._graph_step, n, setup=partial(self._setup_sampled_graph, k=k))
         runner.capture_graphs(("decode", self.tap_layers), 1, True, runner.attn, self._decode_step, n)
         runner.capture_ragged_graphs(("decode", self.tap_layers), self._decode_step, n,
                                      self.engine.config.max_num_batched_tokens)
@@ -102,12 +105,13 @@ class GraphedSteps:
         eng, runner = self.engine, self.engine.runner
         seqs = [p.seq for p in plans]
         verifying = [p for p in plans if p.verify]
-        if verifying and len(verifying) == len(plans) and all(p.n == self.num_draft + 1 for p in plans):
+        k = plans[0].n - 1
+        if verifying and len(verifying) == len(plans) and k in self.draft_counts and all(p.n == k + 1 for p in plans):
             blocks = [t + [self.mask_token_id] * (self.block_size - len(t)) for t in tokens]
             drawn = any(self._draws(s) for s in seqs)  # the same step with drafts drawn in the graph
-            g = runner.filled_graph(("dflash-sampled" if drawn else "dflash", self.tap_layers), seqs, blocks,
+            g = runner.filled_graph(self.verify_key("dflash-sampled" if drawn else "dflash", k), seqs, blocks,
                                     eng.block_manager, False, self.attn, self._graph_step,
-                                    setup=self._setup_sampled_graph if drawn else self._setup_graph)
+                                    setup=partial(self._setup_sampled_graph if drawn else self._setup_graph, k=k))
             if g is not None:
                 if drawn:
                     g.fill(draft_temp=[float(s.params.temperature) for s in seqs], draft_seed=[s.seed for s in seqs])
@@ -134,11 +138,17 @@ class GraphedSteps:
         # read before any other replay: graphs share one memory pool
         return None if g is None else g.replay()[: len(seqs)]
 
+    def verify_key(self, kind: str, k: int) -> tuple:
+        """The graph key of a whole step of `kind` verifying k drafts a request."""
+        return (kind, self.tap_layers) if k == self.num_draft else (kind, self.tap_layers, k)
+
     # ---- functions of a StepGraph's static buffers ------------------------------------------
-    def _setup_graph(self, g: StepGraph) -> None:
-        """The verify's own buffers beside the draft block's: its input ids, and positions and
-        metadata that are the draft's when it verifies all B rows (else derived in the graph)."""
-        S, B, k1, dev = g.num_seqs, self.block_size, self.num_draft + 1, g.device
+    def _setup_graph(self, g: StepGraph, k: int | None = None) -> None:
+        """The verify's own buffers beside the draft block's, for k drafts a request (default: the
+        step's): its input ids, and positions and metadata that are the draft's when it verifies all
+        B rows (else derived in the graph)."""
+        S, B, dev = g.num_seqs, self.block_size, g.device
+        k1 = g.aux["k1"] = (self.num_draft if k is None else k) + 1
         g.extra["verify_ids"] = torch.zeros(S * k1, dtype=torch.long, device=dev)
         g.aux["row_seq"] = torch.arange(S * B, device=dev) // B  # each draft-block row's sequence
         g.aux["block_offsets"] = torch.arange(B, device=dev)
@@ -158,7 +168,7 @@ class GraphedSteps:
     def _graph_step(self, g: StepGraph) -> torch.Tensor:
         """One DFlash step over a graph's buffers: g.input_ids holds the draft blocks
         [x_start, MASK ...]; returns the verify's final hidden states [S * (k+1), H]."""
-        S, B, k1 = g.num_seqs, self.block_size, self.num_draft + 1
+        S, B, k1 = g.num_seqs, self.block_size, g.aux["k1"]
         vm, pos, ids = g.aux["verify_meta"], g.extra["verify_positions"], g.extra["verify_ids"]
         self._derive_slots(g)
         if k1 < B:  # the verify reads the first k+1 rows of every block
@@ -189,7 +199,7 @@ class GraphedSteps:
         buffers, for a step that verifies the same requests again: each one past its accepted drafts,
         its first token the target's token there (sequences without rows keep theirs). A step the
         host schedules otherwise fills every buffer again."""
-        S, k1 = g.num_seqs, self.num_draft + 1
+        S, k1 = g.num_seqs, g.aux["k1"]
         hidden = g.outputs[: S * k1]
         toks = greedy_tokens(self.engine.runner.model.compute_logits(hidden, float32=False)).view(S, k1)
         acc = accepted_lengths(g.extra["verify_ids"].view(S, k1)[:, 1:], toks)
@@ -245,8 +255,8 @@ class GraphedSteps:
         return self._draft_tokens(self.drafter(self.embed(g.input_ids), g.positions, self.kv, self.attn, g.meta),
                                   g.num_seqs, blocks=g.input_ids)
 
-    def _setup_sampled_graph(self, g: StepGraph) -> None:
-        self._setup_graph(g)
+    def _setup_sampled_graph(self, g: StepGraph, k: int | None = None) -> None:
+        self._setup_graph(g, k)
         self._setup_draw(g)
 
     def _setup_draw(self, g: StepGraph) -> None:

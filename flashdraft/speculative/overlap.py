@@ -87,21 +87,23 @@ class VerifyOverlap:
         if self.step_gate is not None and (not self.step_gate.drafts(step) or self.step_gate.probing
                                            or self._times_plain(n)):
             return None
-        k1, bm = self.num_draft + 1, eng.block_manager
+        k1, bm = prev.plans[0].n, eng.block_manager
+        if self._verify_count() != k1 - 1:  # the gate chose another count: the graph changes
+            return None
         ends = [s.num_computed_tokens + k1 + self.span for s in seqs]  # prev's longest commit, then a block
         if any(not s.params.speculative or end > eng.max_model_len for s, end in zip(seqs, ends)) or \
                 sum(bm.extra_blocks_for(s.seq_id, end) for s, end in zip(seqs, ends)) > bm.num_free_blocks:
             return None
         for s, end in zip(seqs, ends):
             bm.allocate(s.seq_id, end)
-        self.steps, self.num_running, self.paused, self.gated = step, n, False, False
+        self.steps, self.num_running, self.paused, self.gated, self.count = step, n, False, False, k1 - 1
         return [Plan(s, k1, i * k1, True) for i, s in enumerate(seqs)]
 
     def _launch_next_verify(self, prev: VerifyInFlight, plans: list[Plan]) -> VerifyInFlight:
         """Queue the verify after `prev` over prev's graph, its inputs derived on the device (the
         module's docstring; the graph derives the slots), then its target tokens and acceptance;
         nothing waits for the GPU. A greedy step's post graph already moved the inputs on."""
-        g, k1, S = prev.graph, self.num_draft + 1, len(plans)
+        g, k1, S = prev.graph, plans[0].n, len(plans)
         g.fill(block_tables=[self.engine.block_manager.table(p.seq.seq_id) for p in plans])
         if self._greedy_post(plans, g):
             g.replay()

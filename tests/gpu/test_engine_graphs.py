@@ -347,3 +347,37 @@ def test_async_scheduling_through_graphs(tmp_path, kind):
     assert got == want and want[2] == (base[: base.index(base[5]) + 1], "stop")
     assert overlap.engine.stats["num_overlapped_steps"] > 10 and sync.engine.stats["num_overlapped_steps"] == 0
     assert overlap.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.skipif(INTERPRET, reason="real graphs; the CPU harness runs the same code (test_draft_counts.py)")
+def test_steps_of_fewer_drafts_through_their_own_graphs(tiny_llama, tmp_path, monkeypatch):
+    """On CUDA with the step gate, whole steps verifying 7 and 3 drafts of a block of 8 are captured
+    and timed at start (speculative/costs.py StepCosts.fewer). Steps switching between the counts,
+    overlapped and step by step, give plain decoding's tokens (float32)."""
+
+    from fixtures import build_random_drafter
+
+    import flashdraft.config
+    from flashdraft import LLM, SamplingParams
+
+    monkeypatch.setattr(flashdraft.config, "STEP_GATE", True)
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=8))
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12]]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(tiny_llama), draft=None, device=DEVICE, dtype="float32",
+                                      kv_block_size=8).generate(prompts, params)]
+    for a in (False, True):
+        llm = LLM(str(tiny_llama), draft=draft, device=DEVICE, dtype="float32", attention_backend="triton",
+                  kv_block_size=8, async_scheduling=a)
+        sp = llm.engine.spec
+        assert sp.draft_counts == (7, 3) and sp.profile is not None
+        assert all(ms > 0 for ms in sp.costs.fewer[3]) and len(sp.costs.fewer[3]) == len(sp.costs.batches)
+        graphs = llm.engine.runner.graphs.items()
+        assert any(key == ("dflash", sp.tap_layers, 3) and g.captured for (key, _, _), g in graphs)
+        sp.step_gate = None  # every step verifies, at the counts below
+        sp._verify_count = lambda sp=sp: 7 if sp.steps // 4 % 2 else 3  # runs of 4 steps a count
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        t = llm.engine.spec_totals()
+        assert 3 * t["num_drafts"] < t["num_draft_tokens"] < 7 * t["num_drafts"]
+        assert (llm.engine.stats["num_overlapped_steps"] > 5) == a
+        assert llm.engine.block_manager.num_used_blocks == 0
