@@ -13,8 +13,10 @@ and the ratio grows towards B). The acceptance gate (gate.py) pauses a request's
 
 On CUDA the costs are measured once at start, after the step graphs are captured: each batch
 bucket's whole-DFlash-step graph and its decode graph (the one paused steps replay) are replayed,
-each followed by the head and the greedy choice over its rows, timed with CUDA events. A batch of n
-runs in the smallest bucket holding it, and so takes that bucket's ratio.
+each followed by the head and the greedy choice over its rows, timed with CUDA events, with random
+tokens in their rows (a mixture of experts routes each row by its token). A batch of n runs in the
+smallest bucket holding it, and so takes that bucket's ratio. Where several draft counts have graphs
+(speculative/gate.py DepthProfile), the whole step of each is timed.
 
 That is GPU time. While serving, the engine also times its steps (Observed): a DFlash step waits for
 its accepted lengths, so its wall time is host and GPU together; steps without drafts overlap the
@@ -138,12 +140,15 @@ def measure(spec: DFlashSpeculator, replays: int = 5) -> StepCosts | None:
     buckets = sorted(b for (k, b, q), g in runner.graphs.items() if k == key_spec and g.captured)
     model = runner.model
     found = []
+    gen = torch.Generator(spec.engine.device).manual_seed(0)
     with torch.inference_mode():
         for b in buckets:
             gp = runner.graphs.get((key_plain, b, 1))
             gs = [runner.graphs.get((spec.verify_key("dflash", k), b, spec.block_size)) for k in spec.draft_counts]
             if gp is None or not gp.captured or any(g is None or not g.captured for g in gs):
                 continue
+            for g, q in [(gp, 1)] + [(g, spec.block_size) for g in gs]:
+                _spread(g, q, model.config.vocab_size, gen)
             found.append((b, _time(lambda g=gp, r=b: _head(model, g.replay()[:r]), replays),
                           *(_time(lambda g=g, r=b * (k + 1): _head(model, g.replay()[:r]), replays)
                             for g, k in zip(gs, spec.draft_counts))))
@@ -151,6 +156,14 @@ def measure(spec: DFlashSpeculator, replays: int = 5) -> StepCosts | None:
         return None
     b, p, s, *fewer = zip(*found)
     return StepCosts(tuple(b), tuple(p), tuple(s), dict(zip(spec.draft_counts[1:], fewer)))
+
+
+def _spread(g, q: int, vocab: int, gen: torch.Generator) -> None:
+    """Random tokens as the first of each sequence's q rows (a draft block's others stay masks): the
+    placeholder rows of a capture are all token 0, which a mixture of experts routes to the same
+    experts in every row, a fraction of what real rows read."""
+    first = g.input_ids.view(-1, q)[:, 0]
+    first.copy_(torch.randint(vocab, first.shape, generator=gen, device=first.device))
 
 
 def _head(model, hidden: torch.Tensor) -> torch.Tensor:
