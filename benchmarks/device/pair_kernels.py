@@ -1,0 +1,64 @@
+"""Where the shipped pair's GPU step goes: the decode graph and the whole DFlash step graph (and its post
+graph) of each concurrency's bucket, replayed over a real step's inputs, timed with CUDA events and split
+by kernel with the torch profiler (duration, and what each kernel adds to the stream's span: with PDL a
+kernel starts before its predecessor ends, so its duration overstates it).
+
+    python benchmarks/device/pair_kernels.py smollm2.gguf humaneval.jsonl 1,8,32
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from e2e_step import critical_path, fill_graph  # noqa: E402
+
+from flashdraft import LLM  # noqa: E402
+from flashdraft.bench.command import tokenize  # noqa: E402
+from flashdraft.bench.datasets import load_prompts  # noqa: E402
+
+SHIPPED = str(ROOT / "flashdraft" / "drafters" / "smollm2-135m-dflash")
+
+
+def split(replay, label: str, replays: int = 20, top: int = 12) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(replays):
+            replay()
+        torch.cuda.synchronize()
+    added = critical_path(p.events())
+    rows = sorted(((e.device_time_total / replays, added.get(e.key, 0.0) / replays, e.count / replays, e.key[:80])
+                   for e in p.key_averages() if e.device_time_total > 0), key=lambda r: -r[1])
+    print(f"== {label}: {start.elapsed_time(end) / replays:.3f} ms a replay, {sum(r[2] for r in rows):.0f} kernels")
+    for us, add, n, name in rows[:top]:
+        print(f"  {us:8.1f} us ({add:7.1f} added) x{n:4.0f}  {name}")
+
+
+def main() -> None:
+    gguf, ds, concs = sys.argv[1], sys.argv[2], [int(c) for c in sys.argv[3].split(",")]
+    llm = LLM(gguf, draft=SHIPPED, device="cuda", dtype="bfloat16", speculative_min_acceptance_length=None)
+    eng, sp = llm.engine, llm.engine.spec
+    _, ids, _ = tokenize(eng, load_prompts(ds, max(concs)), True, 256)
+    for c in concs:
+        fill_graph(llm, ids[:c])
+        bucket = 1 << (c - 1).bit_length()
+        step = eng.runner.graphs[(sp.verify_key("dflash", sp.num_draft), bucket, sp.block_size)]
+        split(eng.runner.graphs[(("decode", sp.tap_layers), bucket, 1)].replay, f"decode, c={c}")
+        split(step.replay, f"DFlash step, c={c}")
+        if step.aux.get("post") is not None:
+            split(step.aux["post"].replay, f"its post graph, c={c}")
+
+
+if __name__ == "__main__":
+    main()
