@@ -222,6 +222,24 @@ class ModelRunner:
             return
         self.model.commit_states(self.states, rows)
 
+    def commit_states_from(self, take: torch.Tensor) -> None:
+        """Hybrid targets: commit the last graphed verify with the rows each of its sequences keeps in
+        `take` (a device tensor, the step's sequences in order), without reading it on the host: its
+        commit graph's replay (speculative/overlap.py launches the next verify right after it). The
+        kept inputs stay for the verify that rewrites them. Off CUDA, the host commit (a CPU's
+        tensors are the host's)."""
+        first = next(iter(self.states.values())).pending
+        if first is None or first.rows is None:
+            return
+        if first.commit_graph is not None:
+            graph, buf = first.commit_graph
+            buf.zero_()
+            buf[: take.shape[0]].copy_(take)
+            graph.replay()
+            return
+        self.model.commit_states(self.states, {slot: int(t) for slot, t, keep in
+                                               zip(first.rows.slots, take.tolist(), first.rows.keep) if keep})
+
     def capture_commit(self, pending: dict, bucket: int):
         """The CUDA graph of a verify graph's commit (HybridLM.commit_pending over its kept rows, the
         rows each sequence takes read from a [bucket] buffer), captured after the verify: a commit is

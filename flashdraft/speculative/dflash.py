@@ -562,7 +562,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
                 self.profile.record([a - 1 for a in verified], plans[0].n - 1, self.step_gate.probing)
                 tau, min_tau = self.profile.choose(lambda k: self.costs.break_even(n, self.seen, k), self.steps)
                 self.step_gate.record(tau, self.steps, min_tau, len(verified), averaged=True)
-        eng.runner.commit_states(committed)  # hybrid targets: the accepted rows' state
+        if not ahead:  # hybrid targets: the accepted rows' state (with a step launched after: on the device)
+            eng.runner.commit_states(committed)
         if moves:  # before poisoning or freeing what lies past the committed length
             self._move_kv(moves)
         for s, end, a in kept:

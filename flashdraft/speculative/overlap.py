@@ -68,7 +68,7 @@ class VerifyOverlap:
         launched on its outputs)."""
         eng = self.engine
         return (eng.async_scheduling and self._verify_graph is not None and not self.poison_rejected
-                and not eng.runner.hybrid and self.tree_size is None and self.min_tau_rule is None)
+                and self.tree_size is None and self.min_tau_rule is None)
 
     def _next_verify(self, prev: VerifyInFlight) -> list[Plan] | None:
         """The plans of the step after the in-flight verify `prev` when it can be launched before prev is
@@ -104,6 +104,8 @@ class VerifyOverlap:
         module's docstring; the graph derives the slots), then its target tokens and acceptance;
         nothing waits for the GPU. A greedy step's post graph already moved the inputs on."""
         g, k1, S = prev.graph, plans[0].n, len(plans)
+        if self.engine.runner.hybrid:  # prev's accepted rows into the recurrent state, on the device
+            self.engine.runner.commit_states_from((prev.accepted + 1).to(torch.int32))
         g.fill(block_tables=[self.engine.block_manager.table(p.seq.seq_id) for p in plans])
         if self._greedy_post(plans, g):
             g.replay()

@@ -381,3 +381,34 @@ def test_steps_of_fewer_drafts_through_their_own_graphs(tiny_llama, tmp_path, mo
         assert 3 * t["num_drafts"] < t["num_draft_tokens"] < 7 * t["num_drafts"]
         assert (llm.engine.stats["num_overlapped_steps"] > 5) == a
         assert llm.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.skipif(INTERPRET, reason="real graphs and the GDN kernels")
+@pytest.mark.parametrize("temps", [(0.0, 0.0, 0.0), (1.0, 0.0, 0.7)])
+def test_overlapped_verify_of_a_hybrid_target(tmp_path, temps):
+    """A hybrid target's verify stays in flight too: the next one is launched right after the in-flight
+    one's accepted rows are committed into the recurrent state from the device (its commit graph fed the
+    accepted counts on the device, ModelRunner.commit_states_from). The same tokens, finish reasons and
+    acceptance as the step-by-step engine, and plain decoding's tokens (float32), stops included."""
+    from fixtures import build_random_drafter, build_tiny_model
+
+    from flashdraft import LLM, SamplingParams
+
+    folder = build_tiny_model(tmp_path / "t", "qwen3_5_text")
+    draft = str(build_random_drafter(tmp_path / "d", folder, block_size=4))
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12]]
+    base = LLM(str(folder), draft=None, device=DEVICE, dtype="float32", kv_block_size=8)
+    stop = base.generate([prompts[2]], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids[9]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n, stop_token_ids=s)
+              for n, t, s in zip((6, 30, 25, 17), temps + (0.0,), ([], [], [stop], []))]
+    want = [o.token_ids for o in base.generate(prompts, params)]
+    outs, overlapped = [], []
+    for a in (False, True):
+        llm = LLM(str(folder), draft=draft, device=DEVICE, dtype="float32", kv_block_size=8, async_scheduling=a,
+                  speculative_min_acceptance_length=None)
+        outs.append([(o.token_ids, o.finish_reason, o.metrics["acceptance_histogram"])
+                     for o in llm.generate(prompts, params)])
+        overlapped.append(llm.engine.stats["num_overlapped_steps"])
+        assert llm.engine.block_manager.num_used_blocks == 0
+    assert outs[0] == outs[1] and [o[0] for o in outs[1]] == want
+    assert overlapped[0] == 0 and overlapped[1] > 10, overlapped
