@@ -15,8 +15,10 @@ steps choose their tokens and move the inputs with eager ops here.
 What stays exact: a request that finishes (or is aborted) at step N had rows in step N+1; they are
 computed and dropped, never committed, and its pages went back only after N+1 was queued, so
 anything that reuses them runs after it on the stream. Pages past a request's committed length are
-kept while a step in flight may use them. Steps the graphs do not cover (ragged steps, trees, hybrid
-targets' state commits, the per-request gate) run as before, one at a time.
+kept while a step in flight may use them. A hybrid target's recurrent state takes the in-flight step's
+accepted rows on the device before the next verify is launched (its commit graph, fed the accepted
+counts there). Steps the graphs do not cover (ragged steps, trees, the per-request gate) run as
+before, one at a time, and so does a step whose draft count differs from the in-flight one's.
 """
 
 from __future__ import annotations
