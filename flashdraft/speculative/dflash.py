@@ -549,8 +549,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
                 if p.path:
                     moves += self._path_moves(s, start, p.path)
                 kept.append((s, start + p.n, a))
-        whole_block = bool(plans) and plans[0].n == self.num_draft + 1
-        if self.costs is not None and self._step_whole and len(verified) == len(plans) and whole_block:
+        drafts = max((p.n - 1 for p in plans if p.verify), default=0)  # (every verify of a step checks as many)
+        if self.costs is not None and self._step_whole and len(verified) == len(plans) and drafts == self.num_draft:
             # a whole DFlash step, host and device, timed before the gate reads it
             self._observe(True, len(plans), 1e3 * (time.perf_counter() - self._step_start))
         if self.step_gate is not None and verified:
@@ -559,7 +559,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
                 self.step_gate.record(sum(verified) / len(verified), self.steps, self.costs.break_even(n, self.seen),
                                       len(verified))
             else:  # the profile averages and picks the count; the gate pauses where none pays
-                self.profile.record([a - 1 for a in verified], plans[0].n - 1, self.step_gate.probing)
+                self.profile.record([a - 1 for a in verified], drafts, self.step_gate.probing)
                 tau, min_tau = self.profile.choose(lambda k: self.costs.break_even(n, self.seen, k), self.steps)
                 self.step_gate.record(tau, self.steps, min_tau, len(verified), averaged=True)
         if not ahead:  # hybrid targets: the accepted rows' state (with a step launched after: on the device)
