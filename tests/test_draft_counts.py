@@ -159,3 +159,24 @@ def test_a_drafter_that_misses_gets_no_verifies(tiny_llama, drafter):
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(PROMPTS, params)]
     t = llm.engine.spec_totals()
     assert t["gated_steps"] > 3 * t["num_drafts"] > 0
+
+
+def test_requests_joining_steps_of_fewer_drafts(tiny_llama, drafter):
+    """Requests joining one by one while the others verify 3 drafts (prefill chunks beside verify
+    blocks: ragged steps), overlapped: plain decoding's tokens, and the steps go on at 3 drafts."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    llm = counted(tiny_llama, drafter, True)
+    right_for(llm, {tuple(p): w + [0] * 16 for p, w in zip(PROMPTS, want)}, 2)
+    eng, seqs = llm.engine, []
+    for p in PROMPTS:  # each joins 5 steps after the one before
+        seqs.append(eng.add_request(None, params, prompt_token_ids=p))
+        for _ in range(5):
+            eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    assert [s.output_token_ids for s in seqs] == want
+    t = eng.spec_totals()
+    assert eng.spec.profile.best == 3 and t["num_draft_tokens"] < 4 * t["num_drafts"]
+    assert eng.block_manager.num_used_blocks == 0
