@@ -74,6 +74,28 @@ def test_graphed_engine_matches_eager_torch(tiny_llama, tmp_path, with_drafter, 
         assert (graphed.engine.spec_totals()["gated_steps"] > 0) == (with_drafter == "gated")
 
 
+def overlap_on_and_off(target, draft: str, temps: tuple, **kw) -> tuple[list, list[int], list[list[int]]]:
+    """The engine with async scheduling off and on over prompts whose requests are greedy or seeded
+    (temps), one stopped mid-run by a token plain decoding gives: each run's (tokens, finish reason,
+    acceptance histogram) per request and overlapped steps, and plain decoding's tokens."""
+    from flashdraft import LLM, SamplingParams
+
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12]]
+    base = LLM(str(target), draft=None, device=DEVICE, dtype="float32", kv_block_size=8)
+    stop = base.generate([prompts[2]], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids[9]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n, stop_token_ids=s)
+              for n, t, s in zip((6, 30, 25, 17), temps + (0.0,), ([], [], [stop], []))]
+    outs, overlapped = [], []
+    for a in (False, True):
+        llm = LLM(str(target), draft=draft, device=DEVICE, dtype="float32", kv_block_size=8, async_scheduling=a,
+                  speculative_min_acceptance_length=None, **kw)
+        outs.append([(o.token_ids, o.finish_reason, o.metrics["acceptance_histogram"])
+                     for o in llm.generate(prompts, params)])
+        overlapped.append(llm.engine.stats["num_overlapped_steps"])
+        assert llm.engine.block_manager.num_used_blocks == 0
+    return outs, overlapped, [o.token_ids for o in base.generate(prompts, params)]
+
+
 @pytest.mark.skipif(INTERPRET, reason="real graphs; the CPU harness runs the same code (test_verify_overlap.py)")
 @pytest.mark.parametrize("temps", [(0.0, 0.0, 0.0), (1.0, 0.0, 0.7)])
 def test_overlapped_verify_matches_the_step_by_step_engine(tiny_llama, tmp_path, temps):
@@ -82,22 +104,8 @@ def test_overlapped_verify_matches_the_step_by_step_engine(tiny_llama, tmp_path,
     acceptance as the engine that reads every step first, greedy and seeded, stops included."""
     from fixtures import build_random_drafter
 
-    from flashdraft import LLM, SamplingParams
-
     draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
-    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12]]
-    base = LLM(str(tiny_llama), draft=None, device=DEVICE, dtype="float32", kv_block_size=8)
-    stop = base.generate([prompts[2]], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids[9]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n, stop_token_ids=s)
-              for n, t, s in zip((6, 30, 25, 17), temps + (0.0,), ([], [], [stop], []))]
-    outs, overlapped = [], []
-    for a in (False, True):
-        llm = LLM(str(tiny_llama), draft=draft, device=DEVICE, dtype="float32", attention_backend="triton",
-                  kv_block_size=8, async_scheduling=a, speculative_min_acceptance_length=None)
-        outs.append([(o.token_ids, o.finish_reason, o.metrics["acceptance_histogram"])
-                     for o in llm.generate(prompts, params)])
-        overlapped.append(llm.engine.stats["num_overlapped_steps"])
-        assert llm.engine.block_manager.num_used_blocks == 0
+    outs, overlapped, _ = overlap_on_and_off(tiny_llama, draft, temps, attention_backend="triton")
     assert outs[0] == outs[1]
     assert overlapped[0] == 0 and overlapped[1] > 10, overlapped
 
@@ -392,23 +400,8 @@ def test_overlapped_verify_of_a_hybrid_target(tmp_path, temps):
     acceptance as the step-by-step engine, and plain decoding's tokens (float32), stops included."""
     from fixtures import build_random_drafter, build_tiny_model
 
-    from flashdraft import LLM, SamplingParams
-
     folder = build_tiny_model(tmp_path / "t", "qwen3_5_text")
     draft = str(build_random_drafter(tmp_path / "d", folder, block_size=4))
-    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12]]
-    base = LLM(str(folder), draft=None, device=DEVICE, dtype="float32", kv_block_size=8)
-    stop = base.generate([prompts[2]], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids[9]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n, stop_token_ids=s)
-              for n, t, s in zip((6, 30, 25, 17), temps + (0.0,), ([], [], [stop], []))]
-    want = [o.token_ids for o in base.generate(prompts, params)]
-    outs, overlapped = [], []
-    for a in (False, True):
-        llm = LLM(str(folder), draft=draft, device=DEVICE, dtype="float32", kv_block_size=8, async_scheduling=a,
-                  speculative_min_acceptance_length=None)
-        outs.append([(o.token_ids, o.finish_reason, o.metrics["acceptance_histogram"])
-                     for o in llm.generate(prompts, params)])
-        overlapped.append(llm.engine.stats["num_overlapped_steps"])
-        assert llm.engine.block_manager.num_used_blocks == 0
+    outs, overlapped, want = overlap_on_and_off(folder, draft, temps)
     assert outs[0] == outs[1] and [o[0] for o in outs[1]] == want
     assert overlapped[0] == 0 and overlapped[1] > 10, overlapped
