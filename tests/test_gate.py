@@ -159,38 +159,38 @@ def test_step_costs_break_even_by_bucket():
 
 def test_pause_cap_and_the_step_gate_by_hand():
     """Pauses grow to a power of two of at least 100 (min_tau - 1) steps (a probe then costs about 1%
-    of the steps), 64 to 1024; the first is a power of two of at least 50 (min_tau - tau), from 16.
+    of the steps), 64 to 1024; the first is a power of two of at least 100 (min_tau - tau), from 16.
     The step gate: a warm-up of 8 blocks, the average (0.05 a block), pauses on the clock's
     multiples, a probe of 8 blocks replacing the average and a smaller one counting half, doubling
     to the cap, the reset."""
     assert [pause_cap(t) for t in (1.0, 1.5, 1.64, 2.0, 3.0, 4.0, 9.0, 30.0)] == [64, 64, 64, 128, 256, 512, 1024, 1024]
-    assert [first_pause(t, 3.0) for t in (2.9, 2.7, 2.5, 2.0, 1.0)] == [16, 16, 32, 64, 128]
-    assert first_pause(1.0, 1.5) == 32 and first_pause(1.0, 30.0) == 1024 and first_pause(1.0, 4.1) == 256
+    assert [first_pause(t, 3.0) for t in (2.9, 2.7, 2.5, 2.0, 1.0)] == [16, 32, 64, 128, 256]
+    assert first_pause(1.0, 1.5) == 64 and first_pause(1.0, 30.0) == 1024 and first_pause(1.0, 4.1) == 512
     g = StepGate()
     assert g.drafts(0)
     assert not g.record(2.5, 1, 3.0, 4)  # the warm-up: 4 of 8 blocks
-    assert g.record(2.5, 2, 3.0, 4) and g.resume_at == 64 and g.pause == 64  # first pause 32: 2 + 32 -> 64
-    assert not g.drafts(63) and g.drafts(64)
-    assert g.record(1.0, 64, 3.0, 8) and g.tau == 1.0  # a probe of 8 blocks replaces the average: 64 + 64
-    assert g.resume_at == 128 and g.pause == 128
-    assert g.record(1.0, 128, 3.0, 2) and g.resume_at == 256 and g.pause == 256  # the cap at 3: 256
-    assert g.record(1.0, 256, 3.0, 8) and g.resume_at == 512 and g.pause == 256
-    assert not g.record(4.0, 512, 3.0, 8) and g.pause == 0 and g.drafts(513)  # pays again
+    assert g.record(2.5, 2, 3.0, 4) and g.resume_at == 128 and g.pause == 128  # first pause 64: 2 + 64 -> 128
+    assert not g.drafts(127) and g.drafts(128)
+    assert g.record(1.0, 128, 3.0, 8) and g.tau == 1.0  # a probe of 8 blocks replaces the average: 128 + 128
+    assert g.resume_at == 256 and g.pause == 256  # the cap at 3: 256
+    assert g.record(1.0, 256, 3.0, 2) and g.resume_at == 512 and g.pause == 256
+    assert g.record(1.0, 512, 3.0, 8) and g.resume_at == 768 and g.pause == 256
+    assert not g.record(4.0, 768, 3.0, 8) and g.pause == 0 and g.drafts(769)  # pays again
     w = 1 - 0.95**4  # a step of 4 blocks
-    assert not g.record(2.5, 513, 3.0, 4) and g.tau == pytest.approx(4 - w * 1.5)
-    assert not g.record(1.0, 514, 3.0, 4) and g.tau == pytest.approx(4 - w * 1.5 - w * (3 - w * 1.5))
-    assert g.record(1.0, 515, 3.0, 4) and g.tau == pytest.approx(2.806, abs=1e-3)
-    assert g.resume_at == 544 and g.pause == 32  # first pause 16: 515 + 16 = 531 -> 544
+    assert not g.record(2.5, 769, 3.0, 4) and g.tau == pytest.approx(4 - w * 1.5)
+    assert not g.record(1.0, 770, 3.0, 4) and g.tau == pytest.approx(4 - w * 1.5 - w * (3 - w * 1.5))
+    assert g.record(1.0, 771, 3.0, 4) and g.tau == pytest.approx(2.806, abs=1e-3)
+    assert g.resume_at == 832 and g.pause == 64  # first pause 32: 771 + 32 = 803 -> 832
     half = StepGate(tau=1.0, verifies=9, blocks=9, resume_at=64, pause=128, probing=True)
     assert not half.record(4.0, 64, 2.0) and half.tau == 2.5  # a lone request's probe counts half
     lone = StepGate()  # one request: 8 steps before the first pause
     assert [lone.record(1.0, s, 3.0) for s in range(1, 9)] == [False] * 7 + [True]
     far = StepGate()  # far below the break-even (a CPU's 12-request batch): a long first pause
-    assert far.record(1.5, 7, 4.0, 12) and far.resume_at == 256 and far.pause == 256  # 7 + 128 -> 256
+    assert far.record(1.5, 7, 4.0, 12) and far.resume_at == 512 and far.pause == 512  # 7 + 256 -> 512
 
 
 def test_the_step_gate_stops_drafts_that_miss_and_keeps_those_that_pay(tiny_llama, drafter, plain):
-    """A random drafter (tau ~1) under a break-even tau of 3: two verify steps of four requests (the
+    """A random drafter (tau ~1) under a break-even tau of 2: two verify steps of four requests (the
     warm-up's 8 blocks), then steps without drafts for every request until a probe on the clock's
     multiple (256: a first pause of 128 from step 3); requests arriving later start without drafts.
     Oracle drafts (tau 4) under the same threshold: never gated. Tokens are plain decoding's
@@ -198,7 +198,7 @@ def test_the_step_gate_stops_drafts_that_miss_and_keeps_those_that_pay(tiny_llam
     prompts = MIXED[:4]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     ref = [o.token_ids for o in plain.generate(prompts, params)]
-    llm = step_gated(LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32"), 3.0)
+    llm = step_gated(LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32"), 2.0)
     first = llm.generate(prompts, params)
     assert [o.token_ids for o in first] == ref
     # step 1 prefills, 2-3 verify (the warm-up), 4-40 decode (a request whose random drafts were
@@ -214,7 +214,7 @@ def test_the_step_gate_stops_drafts_that_miss_and_keeps_those_that_pay(tiny_llam
     for o in again:
         m = o.metrics
         assert m["num_drafts"] == 1 and 1 + m["num_drafts"] + m["num_accepted_tokens"] + m["gated_steps"] == 240
-    assert llm.engine.spec.step_gate.resume_at == 512  # the pause doubled to the cap at tau 3: 256
+    assert llm.engine.spec.step_gate.resume_at == 384  # the pause at the cap at tau 2: 128
     oracle = step_gated(LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32"), 3.0)
     install_oracle(oracle, {tuple(p): r for p, r in zip(prompts, ref)})
     outs = oracle.generate(prompts, params)

@@ -80,12 +80,12 @@ def pause_cap(min_tau: float) -> int:
 
 def first_pause(tau: float, min_tau: float, least: int = 16) -> int:
     """The first pause of a batch whose average tau is below min_tau: a power of two of at least
-    50 (min_tau - tau) steps (a probe then costs at most ~2% of them: it takes the price of min_tau
+    100 (min_tau - tau) steps (a probe then costs at most ~1% of them: it takes the price of min_tau
     plain steps for tau tokens), from `least` to pause_cap(min_tau). Near the break-even the pause
     is short, so drafting resumes soon where it starts to pay; far below it (a 12-request batch on
     a CPU, whose verify costs four plain steps) probes are rare from the start."""
     steps, cap = least, pause_cap(min_tau)
-    while steps < cap and steps < 50 * (min_tau - tau):
+    while steps < cap and steps < 100 * (min_tau - tau):
         steps *= 2
     return steps
 
