@@ -414,10 +414,12 @@ def main() -> None:
                 timed(llm, prompts, short + 4, temp)  # warm-up: every step shape both runs meet (eager ones compile)
                 # the faster of two runs each: a one-off stall in either would skew the difference
                 t1, s1, _ = min(timed(llm, prompts, short, temp) for _ in range(2))
+                ov = llm.engine.stats["num_overlapped_steps"]
                 tn, sn, gaps = min(timed(llm, prompts, short + args.new_tokens, temp) for _ in range(2))
+                ov = (llm.engine.stats["num_overlapped_steps"] - ov) // 2  # a long run's steps launched ahead
                 ms = 1e3 * (tn - t1) / max(sn - s1, 1)
                 pace = middle_median(gaps)
-                row = {"concurrency": c, "ms_per_step": round(ms, 3), "steps": sn - s1,
+                row = {"concurrency": c, "ms_per_step": round(ms, 3), "steps": sn - s1, "overlapped_steps": ov,
                        "tokens_per_step": round(c * args.new_tokens / max(sn - s1, 1), 3),
                        "ms_per_step_median": round(1e3 * pace, 3) if pace is not None else None}
                 experts = experts_read(llm, prompts, temp) if arm.startswith("plain") else None

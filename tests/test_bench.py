@@ -293,6 +293,7 @@ def test_e2e_step_benchmark_runs_on_cpu(tmp_path):
     for arm in ("plain", "dflash", "dflash-auto"):
         (row,) = result["arms"][arm]
         assert row["steps"] == 8 and row["ms_per_step"] > 0 and row["ms_per_step_median"] > 0
+        assert row["overlapped_steps"] == 0  # a CPU schedules one step at a time
     assert result["break_even_tau"]["2"] > 0
     for arm in ("dflash", "dflash-auto"):  # tokens per second against plain's
         (r,), (d,) = result["arms"]["plain"], result["arms"][arm]
