@@ -237,8 +237,8 @@ class ModelRunner:
             buf[: take.shape[0]].copy_(take)
             graph.replay()
             return
-        self.model.commit_states(self.states, {slot: int(t) for slot, t, keep in
-                                               zip(first.rows.slots, take.tolist(), first.rows.keep) if keep})
+        self.commit_states({slot: int(t) for slot, t, keep in zip(first.rows.slots, take.tolist(), first.rows.keep)
+                            if keep})
 
     def capture_commit(self, pending: dict, bucket: int):
         """The CUDA graph of a verify graph's commit (HybridLM.commit_pending over its kept rows, the

@@ -183,12 +183,13 @@ class DepthProfile:
 
     def record(self, accepted: list[int], drafts: int, probe: bool = False) -> None:
         """One verify step of `drafts` drafts a request: the accepted drafts of each request."""
-        trials, hits = [0] * drafts, [0] * drafts
+        reached = [0] * (drafts + 2)  # reached[j]: blocks whose first j drafts were all accepted
         for a in accepted:
-            for j in range(min(a + 1, drafts)):
-                trials[j] += 1
-                hits[j] += j < a
-        for j, (t, h) in enumerate(zip(trials, hits)):
+            reached[min(a, drafts)] += 1
+        for j in range(drafts - 1, -1, -1):
+            reached[j] += reached[j + 1]
+        # depth j + 1 was tried by the blocks that accepted j drafts, and accepted by those that went on
+        for j, (t, h) in enumerate(zip(reached[:drafts], reached[1:drafts + 1])):
             if not t:
                 continue
             w = 1.0 - (1.0 - self.weight) ** t
