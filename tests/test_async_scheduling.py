@@ -57,6 +57,23 @@ def test_no_token_past_a_stop(pair):
     assert overlap.engine.block_manager.num_used_blocks == 0
 
 
+def test_a_request_ending_unforeseen_leaves_the_others_overlapped(pair):
+    """Stops the launched step could not foresee: the step after it is launched for the others all the
+    same (its rows gathered from the in-flight step's samples), so every decode step but the first
+    of each request's prefill goes ahead."""
+    sync, overlap = pair
+    base = [o.token_ids for o in sync.generate(PROMPTS, SamplingParams(max_tokens=30, ignore_eos=True))]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[b[at]]) for b, at in
+              zip(base, (4, 20, 11, 26))]
+    sync_steps, before = sync.engine.stats["num_steps"], overlap.engine.stats["num_overlapped_steps"]
+    got = outputs(overlap, PROMPTS, params)
+    assert got == outputs(sync, PROMPTS, params)
+    assert [g[1] for g in got] == ["stop"] * 4
+    steps = sync.engine.stats["num_steps"] - sync_steps
+    assert overlap.engine.stats["num_overlapped_steps"] - before >= steps - 2, "each stop broke the overlap"
+    assert overlap.engine.block_manager.num_used_blocks == 0
+
+
 def test_abort_while_a_step_is_in_flight(pair):
     sync, overlap = pair
     params = SamplingParams(max_tokens=16, ignore_eos=True)

@@ -97,6 +97,43 @@ def test_no_token_past_a_stop(engines):
     assert overlap.engine.block_manager.num_used_blocks == 0
 
 
+def test_requests_ending_apart_leave_the_others_overlapped(engines, tiny_llama):
+    """A request that ends (a stop the launched step could not foresee, or max_tokens) leaves the
+    others' next verify launched ahead all the same: their blocks move on the device to the first
+    rows of the same graph (4 -> 3 requests) or of the graph of fewer (3 -> 2 -> 1). Greedy through
+    the post graph, sampled through the eager acceptance; tokens as step by step and plain decoding."""
+    from flashdraft import LLM
+
+    sync, overlap = engines
+    sp = overlap.engine.spec
+    real, shrunk = sp._launch_next_verify, []
+
+    def launch(prev, plans):
+        flight = real(prev, plans)
+        if len(plans) < len(prev.plans):
+            shrunk.append((len(prev.plans), len(plans), flight.graph is prev.graph, plans[0].seq.params.temperature))
+        return flight
+
+    plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+    base = plain.generate([PROMPTS[1]], SamplingParams(max_tokens=40, ignore_eos=True))[0].token_ids
+    stop = next(t for i, t in enumerate(base) if i >= 16 and t not in base[:i])  # ends it at 17-40 tokens
+    sp._launch_next_verify = launch
+    try:
+        for t in (0.0, 1.0):
+            params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n) for n in (9, 31, 15, 27)]
+            params[1] = SamplingParams(max_tokens=40, ignore_eos=True, temperature=t, seed=3,
+                                       stop_token_ids=[stop] if t == 0 else [])
+            got = outputs(overlap, PROMPTS, params)
+            assert got == outputs(sync, PROMPTS, params)
+            assert [g[0] for g in got] == [o.token_ids for o in plain.generate(PROMPTS, params)]
+    finally:
+        del sp._launch_next_verify
+    for t in (0.0, 1.0):
+        seen = {(a, b, same) for a, b, same, temp in shrunk if temp == t}
+        assert (4, 3, True) in seen and (2, 1, False) in seen, shrunk
+    assert overlap.engine.block_manager.num_used_blocks == 0
+
+
 def test_full_acceptance_moves_blocks_by_b(tiny_llama, drafter):
     """Oracle drafts (tau = B): each overlapped step starts B positions on, its first token the
     in-flight step's last; every draft is accepted and the tokens are plain decoding's."""

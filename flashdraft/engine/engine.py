@@ -13,7 +13,7 @@ from flashdraft.engine.block_manager import BlockManager
 from flashdraft.engine.graphs import to_device
 from flashdraft.engine.model_runner import ModelRunner, plan_num_blocks, plan_state_slots, state_bytes_per_seq
 from flashdraft.engine.sampler import sample
-from flashdraft.engine.scheduler import Scheduler
+from flashdraft.engine.scheduler import Scheduler, kept_rows
 from flashdraft.engine.sequence import Output, Sequence
 from flashdraft.models.loader import load_model
 from flashdraft.sampling_params import SamplingParams
@@ -256,14 +256,14 @@ class LLMEngine:
 
     def _next_decode(self, prev: InFlight) -> list[Sequence] | None:
         """The sequences of the decode step after `prev`, when it can be scheduled before prev's
-        samples are read: every running sequence is one of prev's, in order (nothing aborted,
-        finished or still prefilling), no waiting request could be admitted, and each has a page for
+        samples are read: the running sequences are prev's, in order, less any that finished or were
+        aborted since (none new, none still prefilling), no waiting request could be admitted, and each has a page for
         its next token. A request that prev's token surely ends (max_tokens, the context window)
         gets no row; None when this is not such a step or no request is left."""
         sched = self.scheduler
-        if sched.running != prev.seqs or (sched.waiting and len(sched.running) < sched.max_num_seqs):
+        if kept_rows(prev.seqs, sched.running) is None or (sched.waiting and len(sched.running) < sched.max_num_seqs):
             return None
-        seqs = [s for s in prev.seqs if not (
+        seqs = [s for s in sched.running if not (
             (s.params.max_tokens is not None and s.num_output_tokens + 1 >= s.params.max_tokens)
             or s.num_tokens + 1 >= self.max_model_len)]
         if not seqs or len(seqs) > sched.max_num_batched_tokens:

@@ -42,6 +42,7 @@ from flashdraft.attention.base import AttentionBatch, LayerMasks
 from flashdraft.engine.graphs import to_device
 from flashdraft.engine.model_runner import make_backend
 from flashdraft.engine.sampler import sample
+from flashdraft.engine.scheduler import kept_rows
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.speculative import costs as step_costs
@@ -202,7 +203,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
             if plans is not None:  # launched before prev is read, on prev's outputs on the device
                 self._inflight = self._launch_next_verify(prev, plans)
                 self.engine.stats["num_overlapped_steps"] += 1
-                if self.costs is not None and plans[0].n == self.num_draft + 1:  # a whole step's cost: the pace
+                if self.costs is not None and plans[0].n == self.num_draft + 1 and len(plans) == len(prev.plans):
+                    # a whole step's cost: the pace
                     self._observe(True, len(plans), 1e3 * (self._inflight.launched - prev.launched))
             advanced = self._complete_verify(prev, self._inflight)
         else:
@@ -245,12 +247,13 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         without drafts (engine._next_decode's conditions, and no request drafting at the next step
         of the gates' clock); the clock advanced to it. None otherwise."""
         sched = self.engine.scheduler
-        if sched.running != prev.seqs:
+        if kept_rows(prev.seqs, sched.running) is None:  # (prev's requests, less any finished since)
             return None
         step, n = self.steps + 1, len(sched.running)
         paused = self.pause_at is not None and n >= self.pause_at
         whole = self._gated(step, n)
-        gated = [s for s in prev.seqs if s.params.speculative and s.num_tokens + self.span <= self.engine.max_model_len]
+        gated = [s for s in sched.running
+                 if s.params.speculative and s.num_tokens + self.span <= self.engine.max_model_len]
         if not (paused or whole) and any(getattr(s, "spec_gate", None) is None or s.spec_gate.drafts(step)
                                          for s in gated):
             return None

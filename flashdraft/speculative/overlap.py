@@ -17,7 +17,9 @@ computed and dropped, never committed, and its pages went back only after N+1 wa
 anything that reuses them runs after it on the stream. Pages past a request's committed length are
 kept while a step in flight may use them. A hybrid target's recurrent state takes the in-flight step's
 accepted rows on the device before the next verify is launched (its commit graph, fed the accepted
-counts there). Steps the graphs do not cover (ragged steps, trees, the per-request gate) run as
+counts there). Once requests have left (finished or aborted), the next verify is launched ahead for the
+others all the same: their blocks are gathered on the device into the first rows of the graph for as
+many requests (`_keep_rows`; not for hybrid targets, whose state rows would have to follow). Steps the graphs do not cover (ragged steps, trees, the per-request gate) run as
 before, one at a time, and so does a step whose draft count differs from the in-flight one's.
 """
 
@@ -28,7 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashdraft.engine.graphs import StepGraph
+from flashdraft.engine.graphs import StepGraph, to_device
+from flashdraft.engine.scheduler import kept_rows
 from flashdraft.speculative.plan import Plan
 
 if TYPE_CHECKING:
@@ -79,9 +82,11 @@ class VerifyOverlap:
         of its clock, prev not the gate's probe), each with room for the longest block prev can leave;
         its pages allocated and the clock advanced. None otherwise."""
         eng, sched = self.engine, self.engine.scheduler
-        seqs = prev.seqs
-        if sched.running != seqs or (sched.waiting and len(sched.running) < sched.max_num_seqs):
+        seqs, rows = sched.running, kept_rows(prev.seqs, sched.running)
+        if rows is None or (sched.waiting and len(seqs) < sched.max_num_seqs):
             return None
+        if len(rows) < len(prev.seqs) and (eng.runner.hybrid or self._graph_of(prev.graph, len(rows)) is None):
+            return None  # (requests left since prev's launch: its rows move to the graph of fewer)
         step, n = self.steps + 1, len(seqs)
         if self.pause_at is not None and n >= self.pause_at:
             return None
@@ -99,7 +104,7 @@ class VerifyOverlap:
         for s, end in zip(seqs, ends):
             bm.allocate(s.seq_id, end)
         self.steps, self.num_running, self.paused, self.gated, self.count = step, n, False, False, k1 - 1
-        return [Plan(s, k1, i * k1, True) for i, s in enumerate(seqs)]
+        return [Plan(s, k1, i * k1, True) for i, s in enumerate(list(seqs))]
 
     def _launch_next_verify(self, prev: VerifyInFlight, plans: list[Plan]) -> VerifyInFlight:
         """Queue the verify after `prev` over prev's graph, its inputs derived on the device (the
@@ -108,15 +113,43 @@ class VerifyOverlap:
         g, k1, S = prev.graph, plans[0].n, len(plans)
         if self.engine.runner.hybrid:  # prev's accepted rows into the recurrent state, on the device
             self.engine.runner.commit_states_from((prev.accepted + 1).to(torch.int32))
+        if not self._greedy_post(prev.plans, g):  # (a greedy step's post graph moved them on already)
+            self._next_blocks(g, prev.accepted, prev.toks.view(len(prev.plans), k1))
+        if S < len(prev.plans):  # requests left since prev's launch: the others' rows to the graph of S
+            g = self._keep_rows(g, kept_rows(prev.seqs, [p.seq for p in plans]), plans)
         g.fill(block_tables=[self.engine.block_manager.table(p.seq.seq_id) for p in plans])
         if self._greedy_post(plans, g):
             g.replay()
-            return VerifyInFlight(plans, g, self._run_post(g), g.num_seqs, prev.owner, time.perf_counter(), True)
-        self._next_blocks(g, prev.accepted, prev.toks.view(S, k1))
+            owner = [i for i in range(S) for _ in range(k1)]
+            return VerifyInFlight(plans, g, self._run_post(g), g.num_seqs, owner, time.perf_counter(), True)
         hidden = g.replay()[: S * k1]
         toks, owner = self._target_tokens(plans, hidden, g.extra["verify_positions"])
         accepted = self._accept(plans, g.extra["verify_ids"], toks)
         return VerifyInFlight(plans, g, torch.cat([accepted, toks]), S, owner, time.perf_counter(), True)
+
+    def _graph_of(self, g: StepGraph, n: int) -> StepGraph | None:
+        """The captured graph of the same whole step as g (its kind and draft count) for n requests."""
+        kind = "dflash-sampled" if "draft_temp" in g.extra else "dflash"
+        return self.engine.runner.graphs.get((self.verify_key(kind, g.aux["k1"] - 1), 1 << (n - 1).bit_length(),
+                                              self.block_size))
+
+    def _keep_rows(self, g: StepGraph, rows: list[int], plans: list[Plan]) -> StepGraph:
+        """The next blocks of the requests still running (prev's `rows`) moved from g's buffers into
+        the first rows of the graph for as many requests (g itself when the bucket holds), on the
+        device; the sequences past them padding (no rows, no stores). Returns that graph."""
+        to, B, n = self._graph_of(g, len(rows)), self.block_size, len(rows)
+        index = to_device(rows, torch.long, g.device)
+        blocks = [buf.view(-1, B).index_select(0, index) for buf in (g.input_ids, g.positions)]
+        lens = g.meta.seq_lens.index_select(0, index)
+        for buf, kept in zip((to.input_ids, to.positions), blocks):
+            buf.view(-1, B)[:n].copy_(kept)
+            buf.view(-1, B)[n:].zero_()
+        to.meta.seq_lens[:n].copy_(lens)
+        to.meta.seq_lens[n:].zero_()
+        to.fill(query_start_loc=[i * B for i in range(n + 1)])
+        if "draft_temp" in to.extra:
+            to.fill(draft_temp=[float(p.seq.params.temperature) for p in plans], draft_seed=[p.seq.seed for p in plans])
+        return to
 
     def _greedy_post(self, plans: list[Plan], g: StepGraph | None) -> bool:
         """Whether a whole step over graph g takes its tokens and acceptance from g's post graph
