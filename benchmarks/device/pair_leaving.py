@@ -3,11 +3,13 @@
 each concurrency, after one warm-up round. *off* restores the rule before it: a step is launched ahead of
 the in-flight one only for exactly the in-flight step's requests (engine.kept_rows replaced), so every
 request that finishes makes the next step run on its own. One JSON line per (concurrency, round, setting):
-tok/s, speedup, and steps launched ahead of all steps per arm.
+tok/s, speedup, steps launched ahead of all steps, and the slowest engine step (ms) per arm. A fifth
+argument `off` starts with the old rule (rounds alternate either way).
 
-    python benchmarks/device/pair_leaving.py smollm2.gguf humaneval.jsonl 8,32 4"""
+    python benchmarks/device/pair_leaving.py smollm2.gguf humaneval.jsonl 8,32 4 [off]"""
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -34,19 +36,33 @@ def setting(on: bool) -> None:
 
 
 gguf, prompts_file, concs, reps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+first = sys.argv[5:6] != ["off"]
 eng = LLM(gguf, draft=SHIPPED, device="cuda", dtype="bfloat16").engine
+slowest = [0.0]
+engine_step = eng.step
+
+
+def timed_step():
+    t = time.perf_counter()
+    out = engine_step()
+    slowest[0] = max(slowest[0], 1e3 * (time.perf_counter() - t))
+    return out
+
+
+eng.step = timed_step
 _, ids, _ = tokenize(eng, load_prompts(prompts_file, 32), True, 256)
 backend = EngineBackend(eng, ids, Workload(256, 0.0, 0, False))
 for c in map(int, concs.split(",")):
     for spec in (False, True):
         backend.warmup(spec, c)
     for rnd in range(reps):
-        for on in (True, False) if rnd % 2 == 0 else (False, True):
+        for on in (first, not first) if rnd % 2 == 0 else (not first, first):
             setting(on)
             row = {"c": c, "round": rnd, "leaving_overlaps": on}
             for spec, arm in ((False, "plain"), (True, "dflash")):
-                ahead, steps = eng.stats["num_overlapped_steps"], eng.stats["num_steps"]
+                ahead, steps, slowest[0] = eng.stats["num_overlapped_steps"], eng.stats["num_steps"], 0.0
                 r = backend.run(spec, c)
+                row[f"{arm}_slowest_step_ms"] = round(slowest[0], 1)
                 row[arm] = round(sum(x.output_tokens for x in r.results) / r.wall_s)
                 row[f"{arm}_ahead"] = f'{eng.stats["num_overlapped_steps"] - ahead}/{eng.stats["num_steps"] - steps}'
             row["speedup"] = round(row["dflash"] / row["plain"], 3)

@@ -19,8 +19,9 @@ kept while a step in flight may use them. A hybrid target's recurrent state take
 accepted rows on the device before the next verify is launched (its commit graph, fed the accepted
 counts there). Once requests have left (finished or aborted), the next verify is launched ahead for the
 others all the same: their blocks are gathered on the device into the first rows of the graph for as
-many requests (`_keep_rows`; not for hybrid targets, whose state rows would have to follow). Steps the graphs do not cover (ragged steps, trees, the per-request gate) run as
-before, one at a time, and so does a step whose draft count differs from the in-flight one's.
+many requests (`_keep_rows`; not for hybrid targets, whose state rows would have to follow). Steps
+the graphs do not cover (ragged steps, trees, the per-request gate) run as before, one at a time, and
+so does a step whose draft count differs from the in-flight one's, or one a waiting request joins.
 """
 
 from __future__ import annotations
