@@ -74,6 +74,36 @@ def test_a_request_ending_unforeseen_leaves_the_others_overlapped(pair):
     assert overlap.engine.block_manager.num_used_blocks == 0
 
 
+def test_requests_joining_behind_a_step_in_flight(tiny_llama):
+    """Two running at most, six requests: each waiting request is admitted while a decode step is in
+    flight, its whole prompt prefilled by a step of its own queued behind the next one, and it decodes
+    in the step after, launched ahead too (its first token the prefill's sample, on the device). One
+    joiner ends at its first token. Greedy and sampled: the tokens are the step-by-step engine's."""
+    sync, overlap = engines(tiny_llama, max_num_seqs=2)
+    real, joined = overlap.engine._launch_joining, []
+
+    def launch():
+        flight = real()
+        joined.append(0 if flight is None else len(flight.seqs))
+        return flight
+
+    prompts = PROMPTS + [[9, 8, 7, 6, 5], list(range(3, 23))]
+    overlap.engine._launch_joining = launch
+    try:
+        for t in (0.0, 1.0):
+            params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n)
+                      for n in (7, 13, 1, 16, 30, 9)]
+            steps, ahead = sync.engine.stats["num_steps"], overlap.engine.stats["num_overlapped_steps"]
+            assert outputs(overlap, prompts, params) == outputs(sync, prompts, params)
+            # every decode step but the first two went ahead (each request's prefill was its own step)
+            decode_steps = sync.engine.stats["num_steps"] - steps - len(prompts)
+            assert overlap.engine.stats["num_overlapped_steps"] - ahead >= decode_steps - 2
+    finally:
+        del overlap.engine._launch_joining
+    assert sum(joined) >= 6, joined
+    assert overlap.engine.block_manager.num_used_blocks == 0
+
+
 def test_abort_while_a_step_is_in_flight(pair):
     sync, overlap = pair
     params = SamplingParams(max_tokens=16, ignore_eos=True)

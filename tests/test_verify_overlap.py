@@ -21,8 +21,8 @@ def drafter(tiny_llama, tmp_path_factory):
 
 
 def pair(tiny_llama, drafter, **cfg):
-    kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8,
-              draft=str(drafter), **cfg)
+    kw = {**dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8,
+                 draft=str(drafter)), **cfg}
     return [_graphed_llm(str(tiny_llama), {**kw, "async_scheduling": a})[0] for a in (False, True)]
 
 
@@ -134,6 +134,46 @@ def test_requests_ending_apart_leave_the_others_overlapped(engines, tiny_llama):
     assert overlap.engine.block_manager.num_used_blocks == 0
 
 
+def test_requests_joining_behind_a_verify_in_flight(tiny_llama, drafter):
+    """Two running at most, six requests: each waiting request is admitted while a verify is in flight,
+    its whole prompt prefilled by a step of its own queued behind the next verify, and it verifies in
+    the step after, launched ahead too (its block's first token the prefill's, on the device). One
+    joiner ends at its first token (max_tokens=1), one at a stop. Greedy and seeded: the tokens are the
+    step-by-step engine's and plain decoding's."""
+    from flashdraft import LLM
+
+    sync, overlap = pair(tiny_llama, drafter, max_num_seqs=2)
+    sp = overlap.engine.spec
+    real, joined = sp._launch_joining, []
+
+    def launch():
+        flight = real()
+        joined.append(0 if flight is None else len(flight.plans))
+        return flight
+
+    prompts = PROMPTS + [[9, 8, 7, 6, 5], list(range(3, 23))]
+    plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+    base = plain.generate([prompts[4]], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
+    stop = next(t for i, t in enumerate(base) if i >= 6 and t not in base[:i])
+    sp._launch_joining = launch
+    try:
+        for t in (0.0, 0.8):
+            params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n)
+                      for n in (7, 13, 1, 16, 30, 9)]
+            params[4] = SamplingParams(max_tokens=30, ignore_eos=True, temperature=t, seed=4,
+                                       stop_token_ids=[stop] if t == 0 else [])
+            ahead = overlap.engine.stats["num_overlapped_steps"]
+            got = outputs(overlap, prompts, params)
+            assert got == outputs(sync, prompts, params)
+            assert [g[0] for g in got] == [o.token_ids for o in plain.generate(prompts, params)]
+            assert got[2][0] == got[2][0][:1] and got[2][1] == "length"
+            assert overlap.engine.stats["num_overlapped_steps"] - ahead > 10
+    finally:
+        del sp._launch_joining
+    assert sum(joined) >= 6, joined  # every waiting request joined behind a verify at least once
+    assert overlap.engine.block_manager.num_used_blocks == 0
+
+
 def test_full_acceptance_moves_blocks_by_b(tiny_llama, drafter):
     """Oracle drafts (tau = B): each overlapped step starts B positions on, its first token the
     in-flight step's last; every draft is accepted and the tokens are plain decoding's."""
@@ -198,10 +238,13 @@ def test_abort_and_late_requests_while_a_verify_is_in_flight(engines):
 
 def test_preemption_under_kv_pressure(tiny_llama, drafter):
     """Few pages: the overlapped launch needs pages for the longest block the in-flight step can leave;
-    where they are missing the step is not launched ahead and the scheduler preempts as before."""
+    where they are missing the step is not launched ahead and the scheduler preempts as before. The
+    tokens, finish reasons and texts are the step-by-step engine's; how many verifies each request took
+    may differ: a preempted request that comes back behind a verify in flight is prefilled whole and
+    verifies next, where the step-by-step engine may prefill it in chunks, the last one choosing a token."""
     sync, overlap = pair(tiny_llama, drafter, num_kv_blocks=14)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (26, 30, 22, 28)]
-    assert outputs(overlap, PROMPTS, params) == outputs(sync, PROMPTS, params)
+    assert [o[:3] for o in outputs(overlap, PROMPTS, params)] == [o[:3] for o in outputs(sync, PROMPTS, params)]
     assert overlap.engine.stats["num_preemptions"] > 0 and overlap.engine.block_manager.num_used_blocks == 0
 
 

@@ -27,6 +27,7 @@ class InFlight:
 
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor):
         self.seqs, self.tokens = seqs, tokens
+        self.joining: InFlight | None = None  # requests admitted behind this step: their prefill's samples
         self.done = None
         if tokens.is_cuda:
             self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -37,12 +38,15 @@ class InFlight:
             self.host = tokens.clone()
 
     def next_ids(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The device ids of the step after this one over `seqs` (a subsequence of this step's):
-        each sequence's sample."""
-        if len(seqs) == len(self.seqs):
-            return self.tokens
-        index = {id(s): i for i, s in enumerate(self.seqs)}
-        return self.tokens[to_device([index[id(s)] for s in seqs], torch.long, self.tokens.device)]
+        """The device ids of the step after this one over `seqs` (a subsequence of this step's, then of
+        the requests admitted behind it): each sequence's sample."""
+        own, tokens = self.seqs, self.tokens
+        if self.joining is not None:
+            own, tokens = own + self.joining.seqs, torch.cat([tokens, self.joining.tokens])
+        if len(seqs) == len(own):
+            return tokens
+        index = {id(s): i for i, s in enumerate(own)}
+        return tokens[to_device([index[id(s)] for s in seqs], torch.long, tokens.device)]
 
     def read(self) -> list[int]:
         if self.done is not None:
@@ -198,11 +202,12 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         advanced: list[Sequence] = []
         if prev is not None:
-            nxt = self._next_decode(prev)
+            nxt = self._next_decode(prev, join=True)
             if nxt is not None:  # launched before prev is read: the GPU never waits on the host
                 self._inflight = self._launch(nxt, [[0]] * len(nxt), prev.next_ids(nxt))
                 self.stats["num_overlapped_steps"] += 1
-            advanced = self._complete(prev)
+                self._inflight.joining = self._launch_joining()  # waiting requests' prefill behind it
+            advanced = (self._complete(prev.joining) if prev.joining is not None else []) + self._complete(prev)
             if self._inflight is not None:
                 return advanced
         batch = self.scheduler.schedule()
@@ -254,16 +259,22 @@ class LLMEngine:
                 advanced.append(seq)
         return advanced
 
-    def _next_decode(self, prev: InFlight) -> list[Sequence] | None:
+    def _next_decode(self, prev: InFlight, join: bool = False) -> list[Sequence] | None:
         """The sequences of the decode step after `prev`, when it can be scheduled before prev's
         samples are read: the running sequences are prev's, in order, less any that finished or were
-        aborted since (none new, none still prefilling), no waiting request could be admitted, and each has a page for
-        its next token. A request that prev's token surely ends (max_tokens, the context window)
-        gets no row; None when this is not such a step or no request is left."""
-        sched = self.scheduler
-        if kept_rows(prev.seqs, sched.running) is None or (sched.waiting and len(sched.running) < sched.max_num_seqs):
+        aborted since, then those admitted behind it (none still prefilling), no waiting request could
+        be admitted (join: none whose whole prompt could not be prefilled behind the next step), and
+        each has a page for its next token. A request that its last sample surely ends (max_tokens,
+        the context window) gets no row; None when this is not such a step or no request is left."""
+        sched, running = self.scheduler, self.scheduler.running
+        joining = prev.joining.seqs if prev.joining is not None else []
+        if joining and [id(s) for s in running[len(running) - len(joining):]] != [id(s) for s in joining]:
+            return None  # (a request admitted behind prev was aborted)
+        if kept_rows(prev.seqs, running[: len(running) - len(joining)]) is None:
             return None
-        seqs = [s for s in sched.running if not (
+        if sched.waiting and len(running) < sched.max_num_seqs and not (join and self._may_join(sched.waiting[0])):
+            return None
+        seqs = [s for s in running if not (
             (s.params.max_tokens is not None and s.num_output_tokens + 1 >= s.params.max_tokens)
             or s.num_tokens + 1 >= self.max_model_len)]
         if not seqs or len(seqs) > sched.max_num_batched_tokens:
@@ -273,6 +284,23 @@ class LLMEngine:
                 return None  # the scheduler decides whom to preempt, once prev is read
             self.block_manager.allocate(s.seq_id, s.num_computed_tokens + 1)
         return seqs
+
+    def _may_join(self, seq: Sequence) -> bool:
+        """Whether a waiting request's whole prompt can be prefilled in one step of its own."""
+        return seq.num_tokens - seq.num_computed_tokens <= self.scheduler.max_num_batched_tokens
+
+    def _launch_joining(self) -> InFlight | None:
+        """Admit the waiting requests whose whole prompt fits now and queue their prefill as a step of
+        its own, behind the step just launched (each request's first token sampled on the device);
+        None when none is admitted."""
+        sched = self.scheduler
+        if not sched.waiting or not self._may_join(sched.waiting[0]):
+            return None
+        batch = sched.admit(reserve=1)
+        if not batch.seqs:
+            return None
+        return self._launch(batch.seqs, [s.token_ids[s.num_computed_tokens: s.num_computed_tokens + n]
+                                         for s, n in zip(batch.seqs, batch.num_new_tokens)])
 
     def append_tokens(self, seq: Sequence, tokens: list[int]) -> int:
         """Commit tokens one by one, stopping exactly where plain decoding would. Returns how many

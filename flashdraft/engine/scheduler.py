@@ -60,11 +60,28 @@ class Scheduler:
                 out.num_new_tokens.append(n)
                 budget -= n
                 i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        if not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def admit(self, reserve: int = 0) -> ScheduledBatch:
+        """Admit the waiting requests whose whole remaining prompt fits now (pages, with `reserve` more
+        slots each, the token budget, max_num_seqs), in order, stopping at the first that does not,
+        without scheduling the running ones: their prefill is a step of its own, launched beside the
+        running requests' (speculative/overlap.py)."""
+        out = ScheduledBatch()
+        self._admit(out, self.max_num_batched_tokens, whole=True, reserve=reserve)
+        return out
+
+    def _admit(self, out: ScheduledBatch, budget: int, whole: bool = False, reserve: int = 0) -> None:
+        """Waiting requests into `out` and the running list: their prompt, or as much of it as the
+        budget and the free pages allow (whole: all of it and `reserve` slots more, or stop)."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             room = (self.bm.num_free_blocks + len(self.bm.table(seq.seq_id))) * self.bm.block_size
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, room - seq.num_computed_tokens)
-            if n <= 0:
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget, room - seq.num_computed_tokens - (reserve if whole else 0))
+            if n <= 0 or (whole and n < remaining):
                 break
             self.waiting.popleft()
             self.bm.allocate(seq.seq_id, seq.num_computed_tokens + n)
@@ -73,7 +90,6 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= n
-        return out
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -202,6 +202,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
             plans = self._next_verify(prev)
             if plans is not None:  # launched before prev is read, on prev's outputs on the device
                 self._inflight = self._launch_next_verify(prev, plans)
+                self._inflight.joining = self._launch_joining()  # waiting requests' prefill behind it
                 self.engine.stats["num_overlapped_steps"] += 1
                 if self.costs is not None and plans[0].n == self.num_draft + 1 and len(plans) == len(prev.plans):
                     # a whole step's cost: the pace

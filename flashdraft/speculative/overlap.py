@@ -19,9 +19,13 @@ kept while a step in flight may use them. A hybrid target's recurrent state take
 accepted rows on the device before the next verify is launched (its commit graph, fed the accepted
 counts there). Once requests have left (finished or aborted), the next verify is launched ahead for the
 others all the same: their blocks are gathered on the device into the first rows of the graph for as
-many requests (`_keep_rows`; not for hybrid targets, whose state rows would have to follow). Steps
-the graphs do not cover (ragged steps, trees, the per-request gate) run as before, one at a time, and
-so does a step whose draft count differs from the in-flight one's, or one a waiting request joins.
+many requests (`_keep_rows`; not for hybrid targets, whose state rows would have to follow). A waiting
+request whose whole prompt fits one step joins likewise (`_launch_joining`): admitted once the next
+verify is launched, its prefill queued behind it as a step of its own (a ragged graph, the drafter's
+context, the first token chosen on the device), and the verify after that takes its block too, written
+into the graph beside the others' (its prompt's end, the prefill's token first). Steps the graphs do
+not cover (ragged steps, trees, the per-request gate) run as before, one at a time, and so does a step
+whose draft count differs from the in-flight one's.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class VerifyInFlight:
         self.started, self.whole = started, whole  # the step costs' clock: when it began, all requests in it
         self.launched = time.perf_counter()
         self._read = InFlight(self.seqs, outcome)
+        self.joining: PrefillInFlight | None = None  # requests admitted behind it (their prefill launched)
 
     @property
     def accepted(self) -> torch.Tensor:
@@ -68,6 +73,21 @@ class VerifyInFlight:
         return host[: len(self.plans)], host[self.toks_at: self.toks_at + len(self.owner)]
 
 
+class PrefillInFlight:
+    """Requests admitted while a verify was in flight, prefilled by a step of their own queued behind the
+    next verify: their plans (whole prompts) and the target's first token of each on the device."""
+
+    def __init__(self, plans: list[Plan], toks: torch.Tensor):
+        from flashdraft.engine.engine import InFlight  # the engine module imports this one
+
+        self.plans, self.toks = plans, toks
+        self.seqs = [p.seq for p in plans]
+        self._read = InFlight(self.seqs, toks)
+
+    def read(self) -> list[int]:
+        return self._read.read()
+
+
 class VerifyOverlap:
     def _may_overlap(self, plans: list[Plan]) -> bool:
         """Whether this graphed whole-step verify may stay in flight (step(): a successor may be
@@ -78,16 +98,21 @@ class VerifyOverlap:
 
     def _next_verify(self, prev: VerifyInFlight) -> list[Plan] | None:
         """The plans of the step after the in-flight verify `prev` when it can be launched before prev is
-        read: the same requests, in order, all verifying whole blocks again (no request waiting that
-        could be admitted, no pause by speculative_disable_batch_size or the step gate at the next step
-        of its clock, prev not the gate's probe), each with room for the longest block prev can leave;
-        its pages allocated and the clock advanced. None otherwise."""
+        read: prev's requests in order, less any that left since, then those admitted behind it (their
+        prefill in flight), all verifying whole blocks (no request waiting that could be admitted but
+        not behind a verify, no pause by speculative_disable_batch_size or the step gate at the next
+        step of its clock, prev not the gate's probe), each with room for the longest block prev (or
+        the prefill) can leave; its pages allocated and the clock advanced. None otherwise."""
         eng, sched = self.engine, self.engine.scheduler
-        seqs, rows = sched.running, kept_rows(prev.seqs, sched.running)
-        if rows is None or (sched.waiting and len(seqs) < sched.max_num_seqs):
+        seqs, joining = sched.running, prev.joining.seqs if prev.joining is not None else []
+        if joining and [id(s) for s in seqs[len(seqs) - len(joining):]] != [id(s) for s in joining]:
+            return None  # (a request admitted behind prev was aborted)
+        rows = kept_rows(prev.seqs, seqs[: len(seqs) - len(joining)])
+        if rows is None or (sched.waiting and len(seqs) < sched.max_num_seqs and not self._may_join(sched.waiting[0])):
             return None
-        if len(rows) < len(prev.seqs) and (eng.runner.hybrid or self._graph_of(prev.graph, len(rows)) is None):
-            return None  # (requests left since prev's launch: its rows move to the graph of fewer)
+        if (len(rows) < len(prev.seqs) or joining) and \
+                (eng.runner.hybrid or self._graph_of(prev.graph, len(seqs), self._drawn(seqs)) is None):
+            return None  # (the requests changed since prev's launch: its rows move to the graph of as many)
         step, n = self.steps + 1, len(seqs)
         if self.pause_at is not None and n >= self.pause_at:
             return None
@@ -98,7 +123,9 @@ class VerifyOverlap:
         k1, bm = prev.plans[0].n, eng.block_manager
         if self._verify_count() != k1 - 1:  # the gate chose another count: the graph changes
             return None
-        ends = [s.num_computed_tokens + k1 + self.span for s in seqs]  # prev's longest commit, then a block
+        # prev's longest commit then a block; a request admitted behind prev: its prompt, then a block
+        ends = [s.num_computed_tokens + k1 + self.span for s in seqs[: len(rows)]] + \
+               [p.seq.num_computed_tokens + p.n + self.span for p in (prev.joining.plans if joining else [])]
         if any(not s.params.speculative or end > eng.max_model_len for s, end in zip(seqs, ends)) or \
                 sum(bm.extra_blocks_for(s.seq_id, end) for s, end in zip(seqs, ends)) > bm.num_free_blocks:
             return None
@@ -116,8 +143,10 @@ class VerifyOverlap:
             self.engine.runner.commit_states_from((prev.accepted + 1).to(torch.int32))
         if not self._greedy_post(prev.plans, g):  # (a greedy step's post graph moved them on already)
             self._next_blocks(g, prev.accepted, prev.toks.view(len(prev.plans), k1))
-        if S < len(prev.plans):  # requests left since prev's launch: the others' rows to the graph of S
-            g = self._keep_rows(g, kept_rows(prev.seqs, [p.seq for p in plans]), plans)
+        joining = prev.joining.plans if prev.joining is not None else []
+        if S < len(prev.plans) or joining:  # requests left or joined: the rows to the graph of S requests
+            old = [p.seq for p in plans[: S - len(joining)]]
+            g = self._keep_rows(g, kept_rows(prev.seqs, old), plans, prev.joining)
         g.fill(block_tables=[self.engine.block_manager.table(p.seq.seq_id) for p in plans])
         if self._greedy_post(plans, g):
             g.replay()
@@ -128,29 +157,74 @@ class VerifyOverlap:
         accepted = self._accept(plans, g.extra["verify_ids"], toks)
         return VerifyInFlight(plans, g, torch.cat([accepted, toks]), S, owner, time.perf_counter(), True)
 
-    def _graph_of(self, g: StepGraph, n: int) -> StepGraph | None:
-        """The captured graph of the same whole step as g (its kind and draft count) for n requests."""
-        kind = "dflash-sampled" if "draft_temp" in g.extra else "dflash"
-        return self.engine.runner.graphs.get((self.verify_key(kind, g.aux["k1"] - 1), 1 << (n - 1).bit_length(),
+    def _graph_of(self, g: StepGraph, n: int, drawn: bool | None = None) -> StepGraph | None:
+        """The captured graph of g's whole step (its draft count; its kind, or the one with drafts drawn
+        when `drawn`) for n requests."""
+        drawn = "draft_temp" in g.extra if drawn is None else drawn
+        return self.engine.runner.graphs.get((self.verify_key("dflash-sampled" if drawn else "dflash",
+                                                              g.aux["k1"] - 1), 1 << (n - 1).bit_length(),
                                               self.block_size))
 
-    def _keep_rows(self, g: StepGraph, rows: list[int], plans: list[Plan]) -> StepGraph:
+    def _drawn(self, seqs: list[Sequence]) -> bool:
+        """Whether a step of these requests draws its drafts (the graph kind _graphed_forward picks)."""
+        return any(self._draws(s) for s in seqs)
+
+    def _keep_rows(self, g: StepGraph, rows: list[int], plans: list[Plan],
+                   joining: PrefillInFlight | None = None) -> StepGraph:
         """The next blocks of the requests still running (prev's `rows`) moved from g's buffers into
-        the first rows of the graph for as many requests (g itself when the bucket holds), on the
-        device; the sequences past them padding (no rows, no stores). Returns that graph."""
-        to, B, n = self._graph_of(g, len(rows)), self.block_size, len(rows)
+        the first rows of the graph for `plans` (g itself when it is that graph), on the device; then
+        the blocks of the requests admitted behind prev (`joining`: each starts at the end of its
+        prompt, its first token the prefill's on the device); the sequences past them padding (no
+        rows, no stores). Returns that graph."""
+        to, B, n, S = self._graph_of(g, len(plans), self._drawn([p.seq for p in plans])), self.block_size, \
+            len(rows), len(plans)
         index = to_device(rows, torch.long, g.device)
         blocks = [buf.view(-1, B).index_select(0, index) for buf in (g.input_ids, g.positions)]
         lens = g.meta.seq_lens.index_select(0, index)
         for buf, kept in zip((to.input_ids, to.positions), blocks):
             buf.view(-1, B)[:n].copy_(kept)
-            buf.view(-1, B)[n:].zero_()
+            buf.view(-1, B)[S:].zero_()
         to.meta.seq_lens[:n].copy_(lens)
-        to.meta.seq_lens[n:].zero_()
-        to.fill(query_start_loc=[i * B for i in range(n + 1)])
+        to.meta.seq_lens[S:].zero_()
+        if joining is not None:
+            starts = [p.seq.num_computed_tokens + p.n for p in joining.plans]  # the prompt's end
+            host = to_device([[t + j for t in starts for j in range(B)], [t + B for t in starts]
+                              + [0] * (len(starts) * (B - 1))], torch.long, g.device)
+            to.positions[n * B: S * B].copy_(host[0])
+            to.meta.seq_lens[n:S].copy_(host[1][: S - n])
+            first = to.input_ids.view(-1, B)[n:S]
+            first.fill_(self.mask_token_id)
+            first[:, 0] = joining.toks
+        to.fill(query_start_loc=[i * B for i in range(S + 1)])
         if "draft_temp" in to.extra:
             to.fill(draft_temp=[float(p.seq.params.temperature) for p in plans], draft_seed=[p.seq.seed for p in plans])
         return to
+
+    def _may_join(self, seq: Sequence) -> bool:
+        """Whether a waiting request may be admitted while a verify is in flight, its prefill a step of
+        its own (_launch_joining): its whole prompt in one step, its drafts drawn as the graphs draw,
+        an attention-only target (a hybrid one's recurrent rows are not moved on the device)."""
+        eng = self.engine
+        return (not eng.runner.hybrid and bool(eng.runner.ragged_graphs) and seq.params.speculative
+                and seq.num_tokens - seq.num_computed_tokens <= eng.config.max_num_batched_tokens)
+
+    def _launch_joining(self) -> PrefillInFlight | None:
+        """Admit the waiting requests whose whole prompt fits now and queue their prefill as a step of
+        its own (the target over the prompts and the drafter's context, through a ragged graph; each
+        request's first token chosen on the device); None when none is admitted."""
+        sched = self.engine.scheduler
+        if not sched.waiting or not self._may_join(sched.waiting[0]):
+            return None
+        batch = sched.admit(reserve=self.span)
+        if not batch.seqs:
+            return None
+        plans, row = [], 0
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            plans.append(Plan(seq, n, row, False))
+            row += n
+        hidden, _ = self._forward(plans)
+        toks, _ = self._target_tokens(plans, hidden)
+        return PrefillInFlight(plans, toks)
 
     def _greedy_post(self, plans: list[Plan], g: StepGraph | None) -> bool:
         """Whether a whole step over graph g takes its tokens and acceptance from g's post graph
@@ -160,6 +234,10 @@ class VerifyOverlap:
     def _complete_verify(self, prev: VerifyInFlight, ahead: VerifyInFlight | None) -> list[Sequence]:
         """Read an in-flight verify and commit it; `ahead`: the verify launched after it, whose pages
         stay. A request finished or aborted since prev's launch takes nothing."""
+        joined = []
+        if prev.joining is not None:  # the requests admitted behind prev take their first token
+            self._step_whole = False
+            joined = self._commit(prev.joining.plans, dict(enumerate([[t] for t in prev.joining.read()])))
         accepted, toks = prev.read()
         for p, a in zip(prev.plans, accepted):
             p.accepted = a
@@ -168,4 +246,4 @@ class VerifyOverlap:
             chosen.setdefault(i, []).append(t)
         # a step followed by one launched ahead was timed at that launch (the pace of launches)
         self._step_start, self._step_whole = prev.started, prev.whole and ahead is None
-        return self._commit(prev.plans, chosen, ahead={id(s) for s in ahead.seqs} if ahead is not None else ())
+        return joined + self._commit(prev.plans, chosen, ahead={id(s) for s in ahead.seqs} if ahead is not None else ())

@@ -110,6 +110,32 @@ def test_overlapped_verify_matches_the_step_by_step_engine(tiny_llama, tmp_path,
     assert overlapped[0] == 0 and overlapped[1] > 10, overlapped
 
 
+@pytest.mark.skipif(INTERPRET, reason="real graphs; the CPU harness runs the same code (test_verify_overlap.py)")
+@pytest.mark.parametrize("temps", [(0.0, 0.0, 0.0), (1.0, 0.0, 0.7)])
+def test_overlapped_verifies_with_requests_joining(tiny_llama, tmp_path, monkeypatch, temps):
+    """Two requests at most: the other two join while a verify is in flight, their prompts prefilled
+    through a ragged graph behind the next verify and their blocks written into the graph of the step
+    after (overlap.py _launch_joining, _keep_rows): the same tokens, finish reasons and acceptance as
+    the step-by-step engine, and plain decoding's tokens."""
+    from fixtures import build_random_drafter
+
+    from flashdraft.speculative.overlap import VerifyOverlap
+
+    real, joined = VerifyOverlap._launch_joining, []
+
+    def launch(self):
+        flight = real(self)
+        joined.append(0 if flight is None else len(flight.plans))
+        return flight
+
+    monkeypatch.setattr(VerifyOverlap, "_launch_joining", launch)
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
+    outs, overlapped, plain = overlap_on_and_off(tiny_llama, draft, temps, attention_backend="triton", max_num_seqs=2)
+    assert outs[0] == outs[1]
+    assert [o[0] for o in outs[1]] == plain
+    assert overlapped[0] == 0 and overlapped[1] > 10 and sum(joined) >= 1, (overlapped, joined)
+
+
 @pytest.mark.parametrize("kind", ["dflash2", "sliding", "dflash2-sliding"])
 @pytest.mark.parametrize("temps", [(0.0, 0.0, 0.0), (1.0, 0.0, 0.7)])
 def test_graphed_dflash2_and_masked_drafters_match_eager_torch(tiny_llama, tmp_path, monkeypatch, kind, temps):

@@ -1,12 +1,14 @@
-"""Overlap when requests leave, on and off, in one engine: the shipped pair through the bench's runner
-(plain arm, then DFlash arm, greedy, 256 new tokens), the two settings alternating over `reps` rounds at
-each concurrency, after one warm-up round. *off* restores the rule before it: a step is launched ahead of
-the in-flight one only for exactly the in-flight step's requests (engine.kept_rows replaced), so every
-request that finishes makes the next step run on its own. One JSON line per (concurrency, round, setting):
-tok/s, speedup, steps launched ahead of all steps, and the slowest engine step (ms) per arm. A fifth
-argument `off` starts with the old rule (rounds alternate either way).
+"""Overlap rules on and off, in one engine: the shipped pair through the bench's runner (plain arm, then
+DFlash arm, greedy, 256 new tokens), the two settings alternating over `reps` rounds at each concurrency,
+after one warm-up round. The rule (first argument):
+  leaving  a step is launched ahead of the in-flight one for its requests less those that left since
+           (off: only for exactly the in-flight step's requests, engine.kept_rows replaced);
+  joining  a waiting request is admitted while a step is in flight, its prefill a step of its own
+           behind the next one (off: a waiting request makes the next step run on its own, as before).
+One JSON line per (concurrency, round, setting): tok/s, speedup, steps launched ahead of all steps, and
+the slowest engine step (ms) per arm. A last argument `off` starts with the rule off (rounds alternate).
 
-    python benchmarks/device/pair_leaving.py smollm2.gguf humaneval.jsonl 8,32 4 [off]"""
+    python benchmarks/device/pair_overlap_rules.py leaving smollm2.gguf humaneval.jsonl 8,32 4 [off]"""
 import json
 import sys
 import time
@@ -30,13 +32,22 @@ def same_requests_only(prev, running):
     return list(range(len(prev))) if running and [id(s) for s in prev] == [id(s) for s in running] else None
 
 
+JOIN = {cls: cls._may_join for cls in (engine_module.LLMEngine, overlap.VerifyOverlap)}
+
+
 def setting(on: bool) -> None:
-    for module in (engine_module, dflash, overlap):  # each looks kept_rows up at call time
-        module.kept_rows = kept_rows if on else same_requests_only
+    if rule == "leaving":
+        for module in (engine_module, dflash, overlap):  # each looks kept_rows up at call time
+            module.kept_rows = kept_rows if on else same_requests_only
+    else:  # no request may join behind a step in flight: waiting ones wait for a step of their own
+        for cls, may_join in JOIN.items():
+            cls._may_join = may_join if on else (lambda self, seq: False)
 
 
-gguf, prompts_file, concs, reps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-first = sys.argv[5:6] != ["off"]
+rule, gguf, prompts_file, concs, reps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+if rule not in ("leaving", "joining"):
+    raise SystemExit(f"the rule is leaving or joining, got {rule!r}")
+first = sys.argv[6:7] != ["off"]
 eng = LLM(gguf, draft=SHIPPED, device="cuda", dtype="bfloat16").engine
 slowest = [0.0]
 engine_step = eng.step
@@ -58,7 +69,7 @@ for c in map(int, concs.split(",")):
     for rnd in range(reps):
         for on in (first, not first) if rnd % 2 == 0 else (not first, first):
             setting(on)
-            row = {"c": c, "round": rnd, "leaving_overlaps": on}
+            row = {"c": c, "round": rnd, rule: on}
             for spec, arm in ((False, "plain"), (True, "dflash")):
                 ahead, steps, slowest[0] = eng.stats["num_overlapped_steps"], eng.stats["num_steps"], 0.0
                 r = backend.run(spec, c)
