@@ -209,6 +209,34 @@ def test_dflash_steps_without_drafts_overlap(tiny_llama, drafter, pause):
     assert overlap.engine.block_manager.num_used_blocks == 0
 
 
+def test_requests_joining_steps_without_drafts(tiny_llama, drafter):
+    """A DFlash engine serving requests that do not speculate (the bench's plain arm), two at most:
+    each waiting request joins behind a step in flight (its prefill a step of its own, through a
+    ragged graph) and decodes in the step after, launched ahead. Tokens as plain decoding's."""
+    from test_graphs import _graphed_llm
+
+    kw = dict(device="cpu", dtype="float32", attention_backend="torch", kv_block_size=8, max_num_seqs=2,
+              draft=str(drafter), async_scheduling=True)
+    overlap = _graphed_llm(str(tiny_llama), kw)[0]
+    plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+    real, joined = overlap.engine.spec._launch_joining, []
+
+    def launch():
+        flight = real()
+        joined.append(0 if flight is None else len(flight.seqs))
+        return flight
+
+    prompts = PROMPTS + [[9, 8, 7, 6, 5], list(range(3, 23))]
+    overlap.engine.spec._launch_joining = launch
+    for t in (0.0, 1.0):
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n, speculative=False)
+                  for n in (7, 13, 1, 16, 30, 9)]
+        assert outputs(overlap, prompts, params) == outputs(plain, prompts, params)
+    assert sum(joined) >= 6, joined
+    assert overlap.engine.stats["num_overlapped_steps"] > 40
+    assert overlap.engine.block_manager.num_used_blocks == 0
+
+
 def test_dflash_abort_preemption_and_hybrid_while_in_flight(tiny_llama, drafter, tmp_path_factory):
     from fixtures import build_random_drafter, build_tiny_model
 

@@ -148,7 +148,7 @@ def test_requests_joining_behind_a_verify_in_flight(tiny_llama, drafter):
 
     def launch():
         flight = real()
-        joined.append(0 if flight is None else len(flight.plans))
+        joined.append(0 if flight is None else len(flight.seqs))
         return flight
 
     prompts = PROMPTS + [[9, 8, 7, 6, 5], list(range(3, 23))]

@@ -24,7 +24,7 @@ from flashdraft.bench.datasets import load_prompts  # noqa: E402
 from flashdraft.bench.runner import EngineBackend, Workload  # noqa: E402
 from flashdraft.engine import engine as engine_module  # noqa: E402
 from flashdraft.engine.scheduler import kept_rows  # noqa: E402
-from flashdraft.speculative import dflash, overlap  # noqa: E402
+from flashdraft.speculative import overlap  # noqa: E402
 
 
 def same_requests_only(prev, running):
@@ -37,7 +37,7 @@ JOIN = {cls: cls._may_join for cls in (engine_module.LLMEngine, overlap.VerifyOv
 
 def setting(on: bool) -> None:
     if rule == "leaving":
-        for module in (engine_module, dflash, overlap):  # each looks kept_rows up at call time
+        for module in (engine_module, overlap):  # each looks kept_rows up at call time
             module.kept_rows = kept_rows if on else same_requests_only
     else:  # no request may join behind a step in flight: waiting ones wait for a step of their own
         for cls, may_join in JOIN.items():

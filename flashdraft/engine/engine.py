@@ -267,10 +267,7 @@ class LLMEngine:
         each has a page for its next token. A request that its last sample surely ends (max_tokens,
         the context window) gets no row; None when this is not such a step or no request is left."""
         sched, running = self.scheduler, self.scheduler.running
-        joining = prev.joining.seqs if prev.joining is not None else []
-        if joining and [id(s) for s in running[len(running) - len(joining):]] != [id(s) for s in joining]:
-            return None  # (a request admitted behind prev was aborted)
-        if kept_rows(prev.seqs, running[: len(running) - len(joining)]) is None:
+        if not self.follows(prev):
             return None
         if sched.waiting and len(running) < sched.max_num_seqs and not (join and self._may_join(sched.waiting[0])):
             return None
@@ -285,8 +282,19 @@ class LLMEngine:
             self.block_manager.allocate(s.seq_id, s.num_computed_tokens + 1)
         return seqs
 
+    def follows(self, prev: InFlight) -> bool:
+        """Whether the running requests are those of the in-flight step `prev` in order, less any that
+        finished or were aborted since its launch, then those admitted behind it."""
+        running, joining = self.scheduler.running, prev.joining.seqs if prev.joining is not None else []
+        if joining and [id(s) for s in running[len(running) - len(joining):]] != [id(s) for s in joining]:
+            return False  # (a request admitted behind prev was aborted)
+        return kept_rows(prev.seqs, running[: len(running) - len(joining)]) is not None
+
     def _may_join(self, seq: Sequence) -> bool:
-        """Whether a waiting request's whole prompt can be prefilled in one step of its own."""
+        """Whether a waiting request's whole prompt can be prefilled in one step of its own, launched
+        behind a step in flight (with a drafter: by the speculator's rule, overlap.py)."""
+        if self.spec is not None:
+            return self.spec._may_join(seq)
         return seq.num_tokens - seq.num_computed_tokens <= self.scheduler.max_num_batched_tokens
 
     def _launch_joining(self) -> InFlight | None:

@@ -42,7 +42,6 @@ from flashdraft.attention.base import AttentionBatch, LayerMasks
 from flashdraft.engine.graphs import to_device
 from flashdraft.engine.model_runner import make_backend
 from flashdraft.engine.sampler import sample
-from flashdraft.engine.scheduler import kept_rows
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.speculative import costs as step_costs
@@ -214,9 +213,12 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
                 self._inflight = self._launch_decode(nxt, [[0]] * len(nxt), prev.next_ids(nxt))
                 self.engine.stats["num_overlapped_steps"] += 1
                 self._last_launch = time.perf_counter()
-                if last is not None and self.costs is not None and len(nxt) == len(prev.seqs):  # a run's pace
+                if last is not None and self.costs is not None and len(nxt) == len(prev.seqs) \
+                        and prev.joining is None:  # a run's pace
                     self._observe(False, len(nxt), 1e3 * (self._last_launch - last))
-            advanced = self.engine._complete(prev)
+                self._inflight.joining = self._launch_joining()  # waiting requests' prefill behind it
+            advanced = (self.engine._complete(prev.joining) if prev.joining is not None else []) + \
+                self.engine._complete(prev)
         if self._inflight is not None or not self.engine.has_unfinished():
             return advanced  # (no empty step: the gates' clock counts the steps a sync engine runs)
         return advanced + self._step()
@@ -248,7 +250,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         without drafts (engine._next_decode's conditions, and no request drafting at the next step
         of the gates' clock); the clock advanced to it. None otherwise."""
         sched = self.engine.scheduler
-        if kept_rows(prev.seqs, sched.running) is None:  # (prev's requests, less any finished since)
+        if not self.engine.follows(prev):  # (prev's requests, less any gone since, then joiners)
             return None
         step, n = self.steps + 1, len(sched.running)
         paused = self.pause_at is not None and n >= self.pause_at
@@ -258,7 +260,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         if not (paused or whole) and any(getattr(s, "spec_gate", None) is None or s.spec_gate.drafts(step)
                                          for s in gated):
             return None
-        seqs = self.engine._next_decode(prev)
+        seqs = self.engine._next_decode(prev, join=True)  # (prev's requests less any gone, then joiners)
         if seqs is None:
             return None
         self.steps, self.num_running, self.paused, self.gated = step, n, paused, whole

@@ -40,6 +40,7 @@ from flashdraft.engine.scheduler import kept_rows
 from flashdraft.speculative.plan import Plan
 
 if TYPE_CHECKING:
+    from flashdraft.engine.engine import InFlight
     from flashdraft.engine.sequence import Sequence
 
 
@@ -57,7 +58,7 @@ class VerifyInFlight:
         self.started, self.whole = started, whole  # the step costs' clock: when it began, all requests in it
         self.launched = time.perf_counter()
         self._read = InFlight(self.seqs, outcome)
-        self.joining: PrefillInFlight | None = None  # requests admitted behind it (their prefill launched)
+        self.joining: InFlight | None = None  # requests admitted behind it: their prefill's samples
 
     @property
     def accepted(self) -> torch.Tensor:
@@ -71,21 +72,6 @@ class VerifyInFlight:
         """(accepted drafts, the target's tokens) on the host."""
         host = self._read.read()
         return host[: len(self.plans)], host[self.toks_at: self.toks_at + len(self.owner)]
-
-
-class PrefillInFlight:
-    """Requests admitted while a verify was in flight, prefilled by a step of their own queued behind the
-    next verify: their plans (whole prompts) and the target's first token of each on the device."""
-
-    def __init__(self, plans: list[Plan], toks: torch.Tensor):
-        from flashdraft.engine.engine import InFlight  # the engine module imports this one
-
-        self.plans, self.toks = plans, toks
-        self.seqs = [p.seq for p in plans]
-        self._read = InFlight(self.seqs, toks)
-
-    def read(self) -> list[int]:
-        return self._read.read()
 
 
 class VerifyOverlap:
@@ -125,7 +111,7 @@ class VerifyOverlap:
             return None
         # prev's longest commit then a block; a request admitted behind prev: its prompt, then a block
         ends = [s.num_computed_tokens + k1 + self.span for s in seqs[: len(rows)]] + \
-               [p.seq.num_computed_tokens + p.n + self.span for p in (prev.joining.plans if joining else [])]
+               [s.num_computed_tokens + self.span for s in joining]
         if any(not s.params.speculative or end > eng.max_model_len for s, end in zip(seqs, ends)) or \
                 sum(bm.extra_blocks_for(s.seq_id, end) for s, end in zip(seqs, ends)) > bm.num_free_blocks:
             return None
@@ -143,7 +129,7 @@ class VerifyOverlap:
             self.engine.runner.commit_states_from((prev.accepted + 1).to(torch.int32))
         if not self._greedy_post(prev.plans, g):  # (a greedy step's post graph moved them on already)
             self._next_blocks(g, prev.accepted, prev.toks.view(len(prev.plans), k1))
-        joining = prev.joining.plans if prev.joining is not None else []
+        joining = prev.joining.seqs if prev.joining is not None else []
         if S < len(prev.plans) or joining:  # requests left or joined: the rows to the graph of S requests
             old = [p.seq for p in plans[: S - len(joining)]]
             g = self._keep_rows(g, kept_rows(prev.seqs, old), plans, prev.joining)
@@ -170,7 +156,7 @@ class VerifyOverlap:
         return any(self._draws(s) for s in seqs)
 
     def _keep_rows(self, g: StepGraph, rows: list[int], plans: list[Plan],
-                   joining: PrefillInFlight | None = None) -> StepGraph:
+                   joining: InFlight | None = None) -> StepGraph:
         """The next blocks of the requests still running (prev's `rows`) moved from g's buffers into
         the first rows of the graph for `plans` (g itself when it is that graph), on the device; then
         the blocks of the requests admitted behind prev (`joining`: each starts at the end of its
@@ -187,32 +173,35 @@ class VerifyOverlap:
         to.meta.seq_lens[:n].copy_(lens)
         to.meta.seq_lens[S:].zero_()
         if joining is not None:
-            starts = [p.seq.num_computed_tokens + p.n for p in joining.plans]  # the prompt's end
+            starts = [s.num_computed_tokens for s in joining.seqs]  # the prompt's end
             host = to_device([[t + j for t in starts for j in range(B)], [t + B for t in starts]
                               + [0] * (len(starts) * (B - 1))], torch.long, g.device)
             to.positions[n * B: S * B].copy_(host[0])
             to.meta.seq_lens[n:S].copy_(host[1][: S - n])
             first = to.input_ids.view(-1, B)[n:S]
             first.fill_(self.mask_token_id)
-            first[:, 0] = joining.toks
+            first[:, 0] = joining.tokens
         to.fill(query_start_loc=[i * B for i in range(S + 1)])
         if "draft_temp" in to.extra:
             to.fill(draft_temp=[float(p.seq.params.temperature) for p in plans], draft_seed=[p.seq.seed for p in plans])
         return to
 
     def _may_join(self, seq: Sequence) -> bool:
-        """Whether a waiting request may be admitted while a verify is in flight, its prefill a step of
-        its own (_launch_joining): its whole prompt in one step, its drafts drawn as the graphs draw,
-        an attention-only target (a hybrid one's recurrent rows are not moved on the device)."""
+        """Whether a waiting request may be admitted while a step is in flight, its prefill a step of its
+        own (_launch_joining): its whole prompt in one step, through a ragged graph, on an attention-only
+        target (a hybrid one's recurrent rows are not moved on the device)."""
         eng = self.engine
-        return (not eng.runner.hybrid and bool(eng.runner.ragged_graphs) and seq.params.speculative
+        return (not eng.runner.hybrid and bool(eng.runner.ragged_graphs)
                 and seq.num_tokens - seq.num_computed_tokens <= eng.config.max_num_batched_tokens)
 
-    def _launch_joining(self) -> PrefillInFlight | None:
+    def _launch_joining(self) -> InFlight | None:
         """Admit the waiting requests whose whole prompt fits now and queue their prefill as a step of
         its own (the target over the prompts and the drafter's context, through a ragged graph; each
-        request's first token chosen on the device); None when none is admitted."""
-        sched = self.engine.scheduler
+        request's first token chosen on the device), their computed tokens moved on as at any launch;
+        None when none is admitted."""
+        from flashdraft.engine.engine import InFlight  # the engine module imports this one
+
+        eng, sched = self.engine, self.engine.scheduler
         if not sched.waiting or not self._may_join(sched.waiting[0]):
             return None
         batch = sched.admit(reserve=self.span)
@@ -224,7 +213,10 @@ class VerifyOverlap:
             row += n
         hidden, _ = self._forward(plans)
         toks, _ = self._target_tokens(plans, hidden)
-        return PrefillInFlight(plans, toks)
+        for p in plans:
+            p.seq.num_computed_tokens += p.n
+        eng.stats["num_steps"] += 1
+        return InFlight(batch.seqs, toks)
 
     def _greedy_post(self, plans: list[Plan], g: StepGraph | None) -> bool:
         """Whether a whole step over graph g takes its tokens and acceptance from g's post graph
@@ -234,10 +226,8 @@ class VerifyOverlap:
     def _complete_verify(self, prev: VerifyInFlight, ahead: VerifyInFlight | None) -> list[Sequence]:
         """Read an in-flight verify and commit it; `ahead`: the verify launched after it, whose pages
         stay. A request finished or aborted since prev's launch takes nothing."""
-        joined = []
-        if prev.joining is not None:  # the requests admitted behind prev take their first token
-            self._step_whole = False
-            joined = self._commit(prev.joining.plans, dict(enumerate([[t] for t in prev.joining.read()])))
+        # the requests admitted behind prev take their first token
+        joined = self.engine._complete(prev.joining) if prev.joining is not None else []
         accepted, toks = prev.read()
         for p, a in zip(prev.plans, accepted):
             p.accepted = a

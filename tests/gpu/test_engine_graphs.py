@@ -125,7 +125,7 @@ def test_overlapped_verifies_with_requests_joining(tiny_llama, tmp_path, monkeyp
 
     def launch(self):
         flight = real(self)
-        joined.append(0 if flight is None else len(flight.plans))
+        joined.append(0 if flight is None else len(flight.seqs))
         return flight
 
     monkeypatch.setattr(VerifyOverlap, "_launch_joining", launch)
