@@ -282,9 +282,10 @@ class LLMEngine:
             self.block_manager.allocate(s.seq_id, s.num_computed_tokens + 1)
         return seqs
 
-    def follows(self, prev: InFlight) -> bool:
-        """Whether the running requests are those of the in-flight step `prev` in order, less any that
-        finished or were aborted since its launch, then those admitted behind it."""
+    def follows(self, prev) -> bool:
+        """Whether the running requests are those of the in-flight step `prev` (an InFlight, or the
+        speculator's VerifyInFlight) in order, less any that finished or were aborted since its launch,
+        then those admitted behind it."""
         running, joining = self.scheduler.running, prev.joining.seqs if prev.joining is not None else []
         if joining and [id(s) for s in running[len(running) - len(joining):]] != [id(s) for s in joining]:
             return False  # (a request admitted behind prev was aborted)

@@ -91,11 +91,10 @@ class VerifyOverlap:
         the prefill) can leave; its pages allocated and the clock advanced. None otherwise."""
         eng, sched = self.engine, self.engine.scheduler
         seqs, joining = sched.running, prev.joining.seqs if prev.joining is not None else []
-        if joining and [id(s) for s in seqs[len(seqs) - len(joining):]] != [id(s) for s in joining]:
-            return None  # (a request admitted behind prev was aborted)
-        rows = kept_rows(prev.seqs, seqs[: len(seqs) - len(joining)])
-        if rows is None or (sched.waiting and len(seqs) < sched.max_num_seqs and not self._may_join(sched.waiting[0])):
+        if not eng.follows(prev) or \
+                (sched.waiting and len(seqs) < sched.max_num_seqs and not self._may_join(sched.waiting[0])):
             return None
+        rows = kept_rows(prev.seqs, seqs[: len(seqs) - len(joining)])
         if (len(rows) < len(prev.seqs) or joining) and \
                 (eng.runner.hybrid or self._graph_of(prev.graph, len(seqs), self._drawn(seqs)) is None):
             return None  # (the requests changed since prev's launch: its rows move to the graph of as many)
