@@ -309,3 +309,30 @@ def test_head_and_choice_run_in_inference_mode(pair, monkeypatch):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True))
         monkeypatch.undo()
         assert seen and all(seen)
+
+
+def test_admit_takes_whole_prompts_only():
+    """Scheduler.admit (requests joining behind a step in flight): whole prompts, in order, each with
+    `reserve` free slots past it, within the token budget and max_num_seqs; it stops at the first that
+    does not fit whole (no chunk, no skipping ahead), where schedule() would admit a chunk of it."""
+    from flashdraft.config import EngineConfig
+    from flashdraft.engine.block_manager import BlockManager
+    from flashdraft.engine.scheduler import Scheduler
+    from flashdraft.engine.sequence import Sequence
+
+    def fresh(lengths, blocks=6, budget=64, most=8):
+        sched = Scheduler(EngineConfig(max_num_seqs=most, max_num_batched_tokens=budget), BlockManager(blocks, 8))
+        seqs = [Sequence(list(range(1, n + 1)), SamplingParams()) for n in lengths]
+        for s in seqs:
+            sched.add(s)
+        return sched, seqs
+
+    sched, seqs = fresh([10, 20, 5])  # 6 pages of 8: 10 (+4) and 20 (+4) fit; 5 + 4 slots not in the page left
+    out = sched.admit(reserve=4)
+    assert out.seqs == seqs[:2] and out.num_new_tokens == [10, 20] and list(sched.waiting) == seqs[2:]
+    assert sched.running == seqs[:2]
+    sched, seqs = fresh([40, 3], budget=32)  # over the budget: not admitted, nor the one behind it
+    assert not sched.admit().seqs and list(sched.waiting) == seqs
+    assert sched.schedule().num_new_tokens == [32]  # the step-by-step scheduler takes a chunk
+    sched, seqs = fresh([4, 4, 4], most=2)
+    assert sched.admit().seqs == seqs[:2] and list(sched.waiting) == seqs[2:]
