@@ -207,7 +207,7 @@ class LLMEngine:
                 self._inflight = self._launch(nxt, [[0]] * len(nxt), prev.next_ids(nxt))
                 self.stats["num_overlapped_steps"] += 1
                 self._inflight.joining = self._launch_joining()  # waiting requests' prefill behind it
-            advanced = (self._complete(prev.joining) if prev.joining is not None else []) + self._complete(prev)
+            advanced = self._complete_joining(prev) + self._complete(prev)
             if self._inflight is not None:
                 return advanced
         batch = self.scheduler.schedule()
@@ -258,6 +258,10 @@ class LLMEngine:
                 self.append_tokens(seq, [tok])
                 advanced.append(seq)
         return advanced
+
+    def _complete_joining(self, prev) -> list[Sequence]:
+        """Commit the first tokens of the requests admitted behind the in-flight step `prev`, if any."""
+        return self._complete(prev.joining) if prev.joining is not None else []
 
     def _next_decode(self, prev: InFlight, join: bool = False) -> list[Sequence] | None:
         """The sequences of the decode step after `prev`, when it can be scheduled before prev's

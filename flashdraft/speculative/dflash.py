@@ -217,8 +217,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
                         and prev.joining is None:  # a run's pace
                     self._observe(False, len(nxt), 1e3 * (self._last_launch - last))
                 self._inflight.joining = self._launch_joining()  # waiting requests' prefill behind it
-            advanced = (self.engine._complete(prev.joining) if prev.joining is not None else []) + \
-                self.engine._complete(prev)
+            advanced = self.engine._complete_joining(prev) + self.engine._complete(prev)
         if self._inflight is not None or not self.engine.has_unfinished():
             return advanced  # (no empty step: the gates' clock counts the steps a sync engine runs)
         return advanced + self._step()

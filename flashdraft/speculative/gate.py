@@ -127,11 +127,7 @@ class StepGate:
         """A verify in engine step `step` committed `tau` tokens per verifying request, `blocks`
         requests verifying (averaged: tau is already an average over steps, DepthProfile's, which
         becomes the gate's). Returns True when the steps from the next one on decode without drafts."""
-        w = 1.0 - (1.0 - self.weight) ** blocks
-        if averaged or self.verifies == 0 or self.probing and blocks >= self.warmup:
-            w = 1.0
-        elif self.probing:
-            w = max(w, 0.5)
+        w = 1.0 if averaged else sample_weight(self.weight, blocks, self.verifies == 0, self.probing, self.warmup)
         self.tau += w * (tau - self.tau)
         self.verifies += 1
         self.blocks += blocks
@@ -146,6 +142,18 @@ class StepGate:
         self.pause = min(2 * pause, pause_cap(min_tau))
         self.probing = True
         return True
+
+
+def sample_weight(weight: float, blocks: int, first: bool, probe: bool, warmup: int,
+                  probed: int | None = None) -> float:
+    """The weight in an exponential average of a step's sample over `blocks` blocks (`weight` a
+    block): all of it for the first sample, or for a probe of `warmup` blocks or more (`probed`
+    blocks; default `blocks`), which replaces the average (the drafts may pay again: a new
+    workload); at least half for a smaller probe."""
+    w = 1.0 - (1.0 - weight) ** blocks
+    if first or probe and (blocks if probed is None else probed) >= warmup:
+        return 1.0
+    return max(w, 0.5) if probe else w
 
 
 @dataclass
@@ -192,11 +200,7 @@ class DepthProfile:
         for j, (t, h) in enumerate(zip(reached[:drafts], reached[1:drafts + 1])):
             if not t:
                 continue
-            w = 1.0 - (1.0 - self.weight) ** t
-            if not self.seen[j] or probe and len(accepted) >= self.warmup:
-                w = 1.0
-            elif probe:
-                w = max(w, 0.5)
+            w = sample_weight(self.weight, t, not self.seen[j], probe, self.warmup, len(accepted))
             self.accept[j] += w * (h / t - self.accept[j])
             self.seen[j] = True
         self.blocks += len(accepted)

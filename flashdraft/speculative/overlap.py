@@ -225,8 +225,7 @@ class VerifyOverlap:
     def _complete_verify(self, prev: VerifyInFlight, ahead: VerifyInFlight | None) -> list[Sequence]:
         """Read an in-flight verify and commit it; `ahead`: the verify launched after it, whose pages
         stay. A request finished or aborted since prev's launch takes nothing."""
-        # the requests admitted behind prev take their first token
-        joined = self.engine._complete(prev.joining) if prev.joining is not None else []
+        joined = self.engine._complete_joining(prev)  # the requests admitted behind prev: their first token
         accepted, toks = prev.read()
         for p, a in zip(prev.plans, accepted):
             p.accepted = a
