@@ -32,10 +32,18 @@ Tiling (tl.dot needs >= 16 along every dim on real hardware, so BLOCK_M >= 16 ev
 Split-K (flash-decoding): when query tiles x sequences x kv heads cannot fill the GPU (batch 1 x 8
 kv heads is 8 programs for 132 SMs), the key range is cut into up to 2 x SMs / programs partitions
 (at most 64, sized as above) that write unnormalised partials (acc, running max, running sum) to
-a float32 workspace; a small reduce kernel merges them. The split count is fixed by the grid (a CUDA
-graph's, sized for its longest sequence), but each program cuts its own tile's key range (the window
-on sliding layers) into that many partitions: a 1k-key decode in a graph sized for 40k keys spreads
-over every partition, not over the first two (trailing empty ones write neutral partials).
+a float32 workspace, merged in partition order. Grids of at most MERGE_SPLITS partitions merge in
+the kernel: the tile's last partition to finish (an arrival count, as skinny.py's split-K GEMMs
+keep) reads the others' partials, and partitions past the tile's keys end at once (one partition
+holding keys writes `out` itself). Larger grids leave the merge to `_reduce_kernel`, a program per
+(token, head group): one program reading 17 partials one after another took 9.6 us a layer where
+the merge kernel's launch and run took 6.3 (H200, Qwen3-8B decode at 1k keys), while at 3
+partitions the in-kernel merge saved SmolLM2's c = 32 decode and verify graphs 9-10% (no launch a
+layer). The split count is fixed by the grid (a CUDA graph's, sized for its longest sequence), but
+each program cuts its own tile's key range (the window on sliding layers) into at most that many
+partitions of at least MIN_SPLIT_KEYS: a 1k-key decode in a graph sized for 40k keys spreads over
+16 partitions, not over the first two (with the merge kernel, trailing empty ones write neutral
+partials).
 
 Compiles: the split count is a runtime argument, not a constant, so eager steps
 with new sequence lengths (prefill chunks) reuse the compiled kernels; as constants, every new
@@ -43,9 +51,10 @@ length could compile another variant in the middle of serving.
 
 Graph safety: grids and workspace shapes depend only on S, n_kv, max_query_len, max_seq_len and T,
 never on tensor values; programs past a sequence's rows return at once; no host syncs; the split-K workspace is
-cached per (device, shape), so a CUDA graph captures a buffer that stays alive. Query rows with
-no visible key (seq_len 0) give zeros; rows past query_start_loc[S] are never written (pass a
-zeroed `out` to keep them zero)."""
+cached per (device, shape), so a CUDA graph captures a buffer that stays alive, and the arrival
+counts are back at zero after every launch. Query rows with no visible key (seq_len 0) give zeros;
+rows past query_start_loc[S] are written with zeros when zero_padding asks (CUDA graphs: a bucket's
+padding rows must hold no stale NaN for the layers after), else never written."""
 
 from __future__ import annotations
 
@@ -60,7 +69,12 @@ from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 MAX_SPLITS = 64
 MIN_SPLIT_KEYS = 64  # a KV partition holds at least this many keys
-REDUCE_SPLITS = 64  # (partition, head) rows per load of the split-K merge
+# grids of at most this many partitions merge in the kernel, more through _reduce_kernel: the merging
+# program reads the partials one partition after another (H200, Qwen3-8B decode at 1k keys, 17
+# partitions: 9.6 us a layer against 6.3 us with the merge kernel; SmolLM2's verify at c = 32, 3: faster;
+# FLASHDRAFT_MERGE_SPLITS=1: never, for A/B runs)
+MERGE_SPLITS = int(os.environ.get("FLASHDRAFT_MERGE_SPLITS", "4"))
+REDUCE_SPLITS = 64  # (partition, head) rows per load of _reduce_kernel
 INTERPRETER_SMS = 16  # stand-in SM count when kernels run on CPU tensors (TRITON_INTERPRET=1)
 NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: no inf - inf = nan on empty rows
 # the Triton interpreter multiplies bf16 bit patterns as integers in tl.dot: give it float32 operands
@@ -68,6 +82,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _sm_counts: dict[torch.device, int] = {}
+_counts: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -149,17 +164,45 @@ def _attend(q, k, v, key, key_ok, pos, tree, ctx, m_i, l_i, acc, scale_log2, CAU
 # integers that change from step to step are not specialised on (Triton would otherwise compile a
 # variant per divisibility class, "== 1" and "% 16 == 0", the first time a step's token count hits one:
 # a compile stall in the middle of serving)
+@triton.jit
+def _zero_padding_rows(out_ptr, qsl_ptr, seq, kv_head, num_tokens, stride_ot, stride_oh, N_KV: tl.constexpr,
+                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Zeros of this kv head's query heads in the rows past the last sequence's (a graph bucket's
+    padding rows), shared out among the grid's sequences: BLOCK_M // GROUP rows at a time each."""
+    ROWS: tl.constexpr = BLOCK_M // GROUP
+    num_seqs = tl.num_programs(1) // N_KV
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    head = kv_head * GROUP + m % GROUP
+    zeros = tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty)
+    for first in range(tl.load(qsl_ptr + num_seqs) + seq * ROWS, num_tokens, num_seqs * ROWS):
+        row = first + m // GROUP
+        ok = (m < ROWS * GROUP) & (row < num_tokens)
+        tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], zeros,
+                 mask=ok[:, None] & (d < HEAD_DIM)[None, :])
+
+
+# integers that change from step to step are not specialised on (Triton would otherwise compile a
+# variant per divisibility class, "== 1" and "% 16 == 0", the first time a step's token count hits one:
+# a compile stall in the middle of serving)
 @triton.jit(do_not_specialize=["num_tokens", "num_splits", "stride_bt"])
-def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
+def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, count_ptr,
                  qsl_ptr, seq_lens_ptr, bt_ptr, tree_ptr, sink_ptr, scale_log2, num_tokens, num_heads, num_splits,
                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  stride_ot, stride_oh, stride_bt,
                  N_KV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr,
                  TREE: tl.constexpr, WINDOW: tl.constexpr, SINK: tl.constexpr, SPLIT: tl.constexpr,
-                 F32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
+                 MIN_PART: tl.constexpr, MERGE: tl.constexpr, MERGE_M: tl.constexpr,
+                 ZERO_PADDING: tl.constexpr, F32_DOT: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (query tile, sequence * n_kv, partition). One split: normalised output straight to
-    `out`. Several: unnormalised partials to the workspace, merged by `_reduce_kernel`.
+    `out`. Several, MERGE: a tile whose keys fill one partition writes `out` the same way; else
+    each partition holding keys writes its unnormalised partial to the workspace, and the tile's
+    last to finish (an arrival count) merges them in partition order (the same sums whichever
+    finished last), over the tile's first MERGE_M rows (the rows a tile can hold: a decode tile's
+    GROUP). Several, not MERGE: every partition writes its partial (empty ones neutral ones) for
+    `_reduce_kernel`. ZERO_PADDING: the rows past the last sequence's are written with zeros (by the
+    first partition of each tile-0 program).
 
     Before waiting for the previous kernel (PDL, launch.py) a program reads what no kernel of the
     step writes: the metadata (copied in by the host before the step) and, of its first key tile,
@@ -172,6 +215,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
     q_start, q_len, row, head, valid = _tile_rows(qsl_ptr, tile, seq, kv_head, GROUP, BLOCK_M)
     if tile * (BLOCK_M // GROUP) >= q_len:
         pdl_enter(USE_PDL)  # every program waits: the grid completes only after its predecessor
+        if ZERO_PADDING:  # after the wait: the kernel before may still read what `out` holds
+            if (tile == 0) & (split == 0):
+                _zero_padding_rows(out_ptr, qsl_ptr, seq, kv_head, num_tokens, stride_ot, stride_oh, N_KV, GROUP,
+                                   HEAD_DIM, BLOCK_D, BLOCK_M)
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     d = tl.arange(0, BLOCK_D)
@@ -184,9 +231,16 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
     first = 0
     if WINDOW > 0:  # keys before every row's window are never read
         first = tl.maximum(tl.min(tl.where(valid, pos, seq_len)) - WINDOW + 1, 0)
-    # the tile's own key range [first, kv_end) cut into num_splits partitions of whole key tiles (the
-    # grid is fixed by the graph; the partition follows the sequence): trailing ones may be empty
-    part = tl.cdiv(tl.cdiv(tl.maximum(kv_end - first, 0), num_splits), BLOCK_N) * BLOCK_N
+    # the tile's own key range [first, kv_end) cut into at most num_splits partitions of whole key
+    # tiles, at least MIN_PART keys each (the grid is fixed by the graph; the partitions follow the
+    # sequence): the `used` first ones hold keys, the programs of the others end here
+    span = tl.maximum(kv_end - first, 0)
+    part = tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N, MIN_PART)
+    used = tl.maximum(tl.cdiv(span, part), 1)
+    if MERGE:
+        if split >= used:
+            pdl_enter(USE_PDL)
+            return
     lo = first + split * part
     hi = tl.minimum(kv_end, lo + part)
     n = tl.arange(0, BLOCK_N)
@@ -199,6 +253,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
     k = tl.load(k_ptr + k_off, mask=cached[:, None] & d_ok[None, :], other=0.0)
     v = tl.load(v_ptr + v_off, mask=cached[:, None] & d_ok[None, :], other=0.0)
     pdl_enter(USE_PDL)
+    if ZERO_PADDING:
+        if (tile == 0) & (split == 0):
+            _zero_padding_rows(out_ptr, qsl_ptr, seq, kv_head, num_tokens, stride_ot, stride_oh, N_KV, GROUP,
+                               HEAD_DIM, BLOCK_D, BLOCK_M)
     q = tl.load(q_ptr + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=valid[:, None] & d_ok[None, :], other=0.0)
     ctx = seq_len - q_len
@@ -233,15 +291,58 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr,
 
     pdl_trigger(USE_PDL)
     mask = valid[:, None] & d_ok[None, :]
-    if not SPLIT:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
+    out = out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    if SPLIT:
         idx = (split * num_tokens + q_start + row) * num_heads + head
-        tl.store(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
-        tl.store(ws_m_ptr + idx, m_i, mask=valid)
-        tl.store(ws_l_ptr + idx, l_i, mask=valid)
+        if not MERGE:
+            tl.store(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
+            tl.store(ws_m_ptr + idx, m_i, mask=valid)
+            tl.store(ws_l_ptr + idx, l_i, mask=valid)
+            return
+        if used > 1:
+            # this partition's partial to its slot; the tile's last partition to arrive merges them
+            tl.store(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :], acc, mask=mask)
+            tl.store(ws_m_ptr + idx, m_i, mask=valid)
+            tl.store(ws_l_ptr + idx, l_i, mask=valid)
+            tl.debug_barrier()  # every thread's partial is written before the count (release) below
+            count = count_ptr + tile * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == used - 1:
+                _merge_partials(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, used, num_tokens, num_heads, q_start, q_len,
+                                tile, kv_head, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, MERGE_M)
+                tl.atomic_xchg(count, 0)  # ready for the next launch (CUDA graphs replay it)
+            return
+    tl.store(out, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_partials(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, used, num_tokens, num_heads, q_start, q_len, tile, kv_head,
+                    stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, MERGE_M: tl.constexpr):
+    """The `used` partials of a query tile's first MERGE_M rows merged into normalised output, in
+    partition order. Read past L1 (.cg): other programs wrote them."""
+    ROWS: tl.constexpr = BLOCK_M // GROUP
+    m = tl.arange(0, MERGE_M)
+    row = tile * ROWS + m // GROUP
+    head = kv_head * GROUP + m % GROUP
+    valid = (m < ROWS * GROUP) & (row < q_len)
+    d = tl.arange(0, BLOCK_D)
+    mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+    m_i = tl.full([MERGE_M], NEG, tl.float32)
+    l_i = tl.zeros([MERGE_M], tl.float32)
+    acc = tl.zeros([MERGE_M, BLOCK_D], tl.float32)
+    for s in range(0, used):
+        idx = (s * num_tokens + q_start + row) * num_heads + head
+        m_p = tl.load(ws_m_ptr + idx, mask=valid, other=NEG, cache_modifier=".cg")
+        l_p = tl.load(ws_l_ptr + idx, mask=valid, other=0.0, cache_modifier=".cg")
+        o = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_i, m_p)
+        alpha = tl.exp2(m_i - m_new)
+        w = tl.exp2(m_p - m_new)
+        l_i = l_i * alpha + l_p * w
+        acc = acc * alpha[:, None] + o * w[:, None]
+        m_i = m_new
+    out = out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(out, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
@@ -249,9 +350,10 @@ def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_seqs, num
                    stride_ot, stride_oh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ZERO_PADDING: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (token, head group): merges the split-K partials of that token's GROUP query heads into
-    normalised output, BLOCK_S partitions per load (one load for <= BLOCK_S splits). Small programs
-    over tokens rather than a loop over the partitions per query tile: a 16-row verify at batch 1
-    has 128 of them instead of 8 (H100: 14.7 us per layer before)."""
+    normalised output, BLOCK_S partitions per load (one load for <= BLOCK_S splits), where a query
+    tile's own last partition would merge too many (_attn_kernel's MERGE). Small programs over
+    tokens rather than a loop over the partitions per query tile: a 16-row verify at batch 1 has 128
+    of them instead of 8 (H100: 14.7 us per layer before)."""
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     head = tl.program_id(1) * GROUP + tl.arange(0, BLOCK_G)  # [G]
@@ -337,7 +439,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     zero_padding: bool = False, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, n_heads, D] -> [T, n_heads, D] over the paged caches described by `meta`.
     num_splits overrides the split-K heuristic (tests, tuning). zero_padding: rows past the last
-    sequence's are zeros (written by the split-K merge when there is one, else a fill first)."""
+    sequence's are zeros (written by the attention kernel, or by the merge kernel where one runs)."""
     T, H, hd = q.shape
     n_kv = k_cache.shape[2]
     group = H // n_kv
@@ -355,23 +457,27 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if meta.window is not None:
             keys = min(keys, meta.window + meta.max_query_len)
         num_splits = _num_splits(tiles * S * n_kv, keys, q.device)
-    if zero_padding and num_splits == 1:
-        out.zero_()
+    # the rows a query tile can hold (a decode tile: its GROUP heads of one row); a few partitions are
+    # merged by the tile's last one to finish, more by _reduce_kernel (see MERGE_SPLITS)
+    merge_m = triton.next_power_of_2(min(block_m // group, meta.max_query_len) * group)
+    merge = 1 < num_splits <= MERGE_SPLITS
     ws = _workspace(q.device, num_splits, T, H, hd) if num_splits > 1 else (out, out, out)
+    count = _counters(q.device, tiles * S * n_kv) if merge else meta.seq_lens
     consts = dict(N_KV=n_kv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_M=block_m)
     tree = meta.tree_mask is not None and meta.causal
     if tree and meta.window is not None:
         raise NotImplementedError("sliding-window attention under token-tree masks")
     _attn_kernel[(tiles, S * n_kv, num_splits)](
-        q, k_cache, v_cache, out, *ws, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        q, k_cache, v_cache, out, *ws, count, meta.query_start_loc, meta.seq_lens, meta.block_tables,
         meta.tree_mask if tree else meta.seq_lens, sinks if sinks is not None else meta.seq_lens,
         scale * 1.4426950408889634, T, H, num_splits,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         out.stride(0), out.stride(1), meta.block_tables.stride(0), **consts, BLOCK_N=block_n,
         PAGE=k_cache.shape[1], CAUSAL=meta.causal, TREE=tree, WINDOW=meta.window or 0, SINK=sinks is not None,
-        SPLIT=num_splits > 1,
+        SPLIT=num_splits > 1, MIN_PART=triton.cdiv(MIN_SPLIT_KEYS, block_n) * block_n,
+        MERGE=merge, MERGE_M=merge_m, ZERO_PADDING=zero_padding and (num_splits == 1 or merge),
         F32_DOT=INTERPRET or q.dtype == torch.float32, num_warps=warps, **launch_kwargs(q))
-    if num_splits > 1:
+    if num_splits > 1 and not merge:
         # a program per (token, kv head) merges the group's heads; too few of those to fill the GPU
         # (a decode at batch 1: 4-8) read the partials at a few SMs' bandwidth, so then one per query head
         g = group if T * n_kv >= _sm_count(q.device) else 1
@@ -382,14 +488,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Split-K arrival counts, one per (query tile, sequence, kv head): zeros, and left at zero by
+    each tile's merging program. One buffer per device: the kernels of a stream run one after another."""
+    c = _counts.get(device)
+    if c is None or c.numel() < n:
+        if c is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-K counters must be allocated before graph capture")
+        c = _counts[device] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
+    return c
+
+
 def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: torch.dtype, device: torch.device,
                      causal: bool = True, tree: bool = False, window: int | None = None, sinks: bool = False) -> int:
     """Compile, before serving, every attention variant an eager step (prefill, mixed prefill +
     decode) can pick: each query-tile height (from the step's longest query, 16 to the cap rows)
-    with and without split-K (tree: the variants with token-tree masks, for steps that verify
-    trees), and the split-K merge both per query head and per kv head (below and above the token
-    count that fills the GPU). Otherwise the first step that needs one compiles it mid-run, a stall
-    of a second or so. Returns how many variants were launched."""
+    without split-K, with it merged in the kernel and with it merged by `_reduce_kernel` (tree: the
+    variants with token-tree masks, for steps that verify trees), and that merge both per query head
+    and per kv head (below and above the token count that fills the GPU). Otherwise the first step
+    that needs one compiles it mid-run, a stall of a second or so. Returns how many variants were
+    launched."""
     group = n_heads // n_kv
     heights = {}
     for q_len in (1 << i for i in range(12)):
@@ -398,6 +516,7 @@ def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: t
     pages = triton.cdiv(max(*heights.values(), merge_rows), page) + 1
     k = torch.zeros(pages, page, n_kv, head_dim, device=device, dtype=dtype)
     v = torch.zeros_like(k)
+    launched = 0
     for q_len in (*heights.values(), merge_rows):
         batch = AttentionBatch(slot_mapping=torch.full((q_len,), -1, dtype=torch.long), query_start_loc=[0, q_len],
                                seq_lens=[pages * page], block_tables=[list(range(pages))], block_size=page,
@@ -405,10 +524,11 @@ def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: t
                                window=window)
         meta = DeviceMeta.from_batch(batch, device)
         q = torch.zeros(q_len, n_heads, head_dim, device=device, dtype=dtype)
-        for splits in (1, 2):
+        for splits in (1, 2, MAX_SPLITS):  # MAX_SPLITS: more loads than a tile's last partition merges
             paged_attention(q, k, v, meta, 1.0, num_splits=splits,
                             sinks=torch.zeros(n_heads, device=device) if sinks else None)
-    return 2 * len(heights) + 2
+            launched += 1
+    return launched
 
 
 class TritonAttention(AttentionBackend):

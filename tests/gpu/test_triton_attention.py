@@ -208,6 +208,26 @@ def test_zero_padding_rows(num_splits):
     assert torch.equal(got[rows:], torch.zeros_like(got[rows:]))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3, 40])
+def test_zero_padding_rows_outnumbering_the_programs(num_splits):
+    """More padding rows than the grid's sequences take in one pass (2 sequences x 8 rows of a
+    32-row tile of group 4): each zeroes its share in turns; with 3 partitions the tiles' last
+    partitions merge (and leave the arrival counts at zero), with 40 the merge kernel does."""
+    c = make_case([1, 5], [700, 40], n_kv=2, group=4, hd=64, page=16, pad_rows=37, seed=9)
+    meta = DeviceMeta.from_batch(c["batch"], DEVICE)
+    kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
+    store_kv(kc, vc, c["k"], c["v"], meta.slot_mapping)
+    out = torch.full_like(c["q"], float("nan"))
+    got = triton_paged.paged_attention(c["q"], kc, vc, meta, c["scale"], out=out, num_splits=num_splits,
+                                       zero_padding=True)
+    rows = c["rows"]
+    assert got.shape[0] == rows + 37 and torch.equal(got[rows:], torch.zeros_like(got[rows:]))
+    _, _, want = reference(c)
+    assert (got[:rows].float() - want.float()).abs().max().item() < TOL[c["q"].dtype]
+    if num_splits == 3:
+        assert not triton_paged._counts[c["q"].device].any()
+
+
 def test_static_bounds_larger_than_batch():
     """A graph runner's meta: max_query_len / max_seq_len / table width above the real batch."""
     c = make_case([1, 16, 3], [40, 5, 70], n_kv=2, group=3, hd=64, seed=4)
@@ -372,7 +392,7 @@ def test_new_lengths_and_token_counts_do_not_compile_new_variants(q_len):
     lengths = [300, 333, 420, 555, 640, 777, 901, 1000]
     check(make_case([q_len], [lengths[0]], n_kv=2, group=4, hd=64, dtype=torch.bfloat16, seed=7))
     check(make_case([q_len, q_len], [lengths[0]] * 2, n_kv=2, group=4, hd=64, dtype=torch.bfloat16, seed=7))
-    # as the engine does at start: the variants of the split-K merge for many tokens too
+    # as the engine does at start: the variants of the split-K merges for many tokens too
     triton_paged.compile_variants(8, 2, 64, 16, torch.bfloat16, DEVICE)
     before = _compiled_variants(triton_paged._attn_kernel), _compiled_variants(triton_paged._reduce_kernel)
     for n, ctx in enumerate(lengths[1:]):
