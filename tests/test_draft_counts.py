@@ -116,6 +116,18 @@ def right_for(llm, futures: dict[tuple, list[int]], m: int):
     sp._draft_tokens, sp._forward, sp._launch_next_verify = drafts, forward, launch
 
 
+def launches_seen(sp) -> list[tuple[int, int]]:
+    """(drafts of the verify in flight, drafts of the one launched ahead on it), filled as steps launch."""
+    counts, launch = [], sp._launch_next_verify
+
+    def launch_seen(prev, plans):
+        counts.append((prev.plans[0].n - 1, plans[0].n - 1))
+        return launch(prev, plans)
+
+    sp._launch_next_verify = launch_seen
+    return counts
+
+
 @pytest.mark.parametrize("m,drafted", [(2, 3), (7, 7)])
 def test_the_step_verifies_the_count_that_pays(tiny_llama, drafter, m, drafted):
     """Drafts right for 2 slots: a verify of 3 drafts commits what one of 7 does for 1.5 plain steps
@@ -130,6 +142,7 @@ def test_the_step_verifies_the_count_that_pays(tiny_llama, drafter, m, drafted):
     for async_scheduling in (False, True):
         llm = counted(tiny_llama, drafter, async_scheduling)
         right_for(llm, futures, m)
+        counts = launches_seen(llm.engine.spec)
         got = llm.generate(PROMPTS, params)
         assert [o.token_ids for o in got] == want
         t = llm.engine.spec_totals()
@@ -144,6 +157,8 @@ def test_the_step_verifies_the_count_that_pays(tiny_llama, drafter, m, drafted):
             whole = (t["num_draft_tokens"] - 3 * t["num_drafts"]) / 4
             assert whole == (12 if async_scheduling else 8) and llm.engine.spec.profile.best == 3
         assert llm.engine.block_manager.num_used_blocks == 0
+        if async_scheduling:  # the change of count itself launched ahead of the last 7-draft step
+            assert (7, 3) in counts and (3, 3) in counts if drafted == 3 else set(counts) == {(7, 7)}
         totals.append(t)
     assert totals[0]["num_accepted_tokens"] == totals[1]["num_accepted_tokens"]
     assert llm.engine.stats["num_overlapped_steps"] >= 4
@@ -180,3 +195,29 @@ def test_requests_joining_steps_of_fewer_drafts(tiny_llama, drafter):
     t = eng.spec_totals()
     assert eng.spec.profile.best == 3 and t["num_draft_tokens"] < 4 * t["num_drafts"]
     assert eng.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_change_of_count_is_launched_ahead(tiny_llama, drafter, temperature):
+    """The count changing from step to step (forced: 7, 7, 3, 3, 3, 7, 3, ...), overlapped: each step
+    after a change is launched before the one in flight is read, its blocks moved to the other
+    count's graph (greedy, and drafts drawn for seeded sampled requests: the sampled graph's kind);
+    the tokens are plain decoding's (seeded requests draw the same noise at every position)."""
+    import itertools
+
+    params = [SamplingParams(temperature=temperature, max_tokens=n, seed=3 + n, ignore_eos=True)
+              for n in (30, 23, 40, 9)]
+    plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    llm = counted(tiny_llama, drafter, True)
+    right_for(llm, {tuple(p): w + [0] * 16 for p, w in zip(PROMPTS, want)}, 7)
+    sp = llm.engine.spec
+    pattern = itertools.cycle([7, 7, 3, 3, 3, 7, 3])
+    sp._verify_count = lambda: next(pattern)
+    counts, graphs = launches_seen(sp), sp._graph_of
+    drawn = []
+    sp._graph_of = lambda g, n, d=None, k=None: drawn.append(d) or graphs(g, n, d, k)  # the kind of graph moved to
+    got = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == want
+    assert {(7, 3), (3, 7)} <= set(counts) and set(drawn) == {temperature > 0}
+    assert llm.engine.block_manager.num_used_blocks == 0

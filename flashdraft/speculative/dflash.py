@@ -203,8 +203,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
                 self._inflight = self._launch_next_verify(prev, plans)
                 self._inflight.joining = self._launch_joining()  # waiting requests' prefill behind it
                 self.engine.stats["num_overlapped_steps"] += 1
-                if self.costs is not None and plans[0].n == self.num_draft + 1 and len(plans) == len(prev.plans):
-                    # a whole step's cost: the pace
+                if self.costs is not None and plans[0].n == prev.plans[0].n == self.num_draft + 1 \
+                        and len(plans) == len(prev.plans):  # a whole step's cost: the pace
                     self._observe(True, len(plans), 1e3 * (self._inflight.launched - prev.launched))
             advanced = self._complete_verify(prev, self._inflight)
         else:

@@ -23,9 +23,10 @@ many requests (`_keep_rows`; not for hybrid targets, whose state rows would have
 request whose whole prompt fits one step joins likewise (`_launch_joining`): admitted once the next
 verify is launched, its prefill queued behind it as a step of its own (a ragged graph, the drafter's
 context, the first token chosen on the device), and the verify after that takes its block too, written
-into the graph beside the others' (its prompt's end, the prefill's token first). Steps the graphs do
-not cover (ragged steps, trees, the per-request gate) run as before, one at a time, and so does a step
-whose draft count differs from the in-flight one's.
+into the graph beside the others' (its prompt's end, the prefill's token first). A step whose draft
+count differs from the in-flight one's (the profile chose another, gate.py) is launched ahead the same
+way: every count's graph holds whole blocks, so the blocks move to the graph of the new count. Steps the
+graphs do not cover (ragged steps, trees, the per-request gate) run as before, one at a time.
 """
 
 from __future__ import annotations
@@ -85,28 +86,27 @@ class VerifyOverlap:
     def _next_verify(self, prev: VerifyInFlight) -> list[Plan] | None:
         """The plans of the step after the in-flight verify `prev` when it can be launched before prev is
         read: prev's requests in order, less any that left since, then those admitted behind it (their
-        prefill in flight), all verifying whole blocks (no request waiting that could be admitted but
-        not behind a verify, no pause by speculative_disable_batch_size or the step gate at the next
-        step of its clock, prev not the gate's probe), each with room for the longest block prev (or
-        the prefill) can leave; its pages allocated and the clock advanced. None otherwise."""
+        prefill in flight), all verifying the count of drafts chosen now through that count's graph (no
+        request waiting that could be admitted but not behind a verify, no pause by
+        speculative_disable_batch_size or the step gate at the next step of its clock, prev not the
+        gate's probe), each with room for the longest block prev (or the prefill) can leave; its pages
+        allocated and the clock advanced. None otherwise."""
         eng, sched = self.engine, self.engine.scheduler
         seqs, joining = sched.running, prev.joining.seqs if prev.joining is not None else []
         if not eng.follows(prev) or \
                 (sched.waiting and len(seqs) < sched.max_num_seqs and not self._may_join(sched.waiting[0])):
             return None
         rows = kept_rows(prev.seqs, seqs[: len(seqs) - len(joining)])
-        if (len(rows) < len(prev.seqs) or joining) and \
-                (eng.runner.hybrid or self._graph_of(prev.graph, len(seqs), self._drawn(seqs)) is None):
-            return None  # (the requests changed since prev's launch: its rows move to the graph of as many)
+        k1, k, bm = prev.plans[0].n, self._verify_count(), eng.block_manager
+        if (len(rows) < len(prev.seqs) or joining or k != k1 - 1) and \
+                (eng.runner.hybrid or self._graph_of(prev.graph, len(seqs), self._drawn(seqs), k) is None):
+            return None  # (the requests or the count changed since prev's launch: its rows move to that graph)
         step, n = self.steps + 1, len(seqs)
         if self.pause_at is not None and n >= self.pause_at:
             return None
         # (a probe's result decides whether the next step drafts: it is read first)
         if self.step_gate is not None and (not self.step_gate.drafts(step) or self.step_gate.probing
                                            or self._times_plain(n)):
-            return None
-        k1, bm = prev.plans[0].n, eng.block_manager
-        if self._verify_count() != k1 - 1:  # the gate chose another count: the graph changes
             return None
         # prev's longest commit then a block; a request admitted behind prev: its prompt, then a block
         ends = [s.num_computed_tokens + k1 + self.span for s in seqs[: len(rows)]] + \
@@ -116,8 +116,8 @@ class VerifyOverlap:
             return None
         for s, end in zip(seqs, ends):
             bm.allocate(s.seq_id, end)
-        self.steps, self.num_running, self.paused, self.gated, self.count = step, n, False, False, k1 - 1
-        return [Plan(s, k1, i * k1, True) for i, s in enumerate(list(seqs))]
+        self.steps, self.num_running, self.paused, self.gated, self.count = step, n, False, False, k
+        return [Plan(s, k + 1, i * (k + 1), True) for i, s in enumerate(list(seqs))]
 
     def _launch_next_verify(self, prev: VerifyInFlight, plans: list[Plan]) -> VerifyInFlight:
         """Queue the verify after `prev` over prev's graph, its inputs derived on the device (the
@@ -127,9 +127,10 @@ class VerifyOverlap:
         if self.engine.runner.hybrid:  # prev's accepted rows into the recurrent state, on the device
             self.engine.runner.commit_states_from((prev.accepted + 1).to(torch.int32))
         if not self._greedy_post(prev.plans, g):  # (a greedy step's post graph moved them on already)
-            self._next_blocks(g, prev.accepted, prev.toks.view(len(prev.plans), k1))
+            self._next_blocks(g, prev.accepted, prev.toks.view(len(prev.plans), prev.plans[0].n))
         joining = prev.joining.seqs if prev.joining is not None else []
-        if S < len(prev.plans) or joining:  # requests left or joined: the rows to the graph of S requests
+        if S < len(prev.plans) or joining or k1 != prev.plans[0].n:
+            # requests left or joined, or another count: the rows to the graph of S requests and k1 - 1 drafts
             old = [p.seq for p in plans[: S - len(joining)]]
             g = self._keep_rows(g, kept_rows(prev.seqs, old), plans, prev.joining)
         g.fill(block_tables=[self.engine.block_manager.table(p.seq.seq_id) for p in plans])
@@ -142,13 +143,13 @@ class VerifyOverlap:
         accepted = self._accept(plans, g.extra["verify_ids"], toks)
         return VerifyInFlight(plans, g, torch.cat([accepted, toks]), S, owner, time.perf_counter(), True)
 
-    def _graph_of(self, g: StepGraph, n: int, drawn: bool | None = None) -> StepGraph | None:
-        """The captured graph of g's whole step (its draft count; its kind, or the one with drafts drawn
-        when `drawn`) for n requests."""
+    def _graph_of(self, g: StepGraph, n: int, drawn: bool | None = None, k: int | None = None) -> StepGraph | None:
+        """The captured graph of g's whole step (its kind, or the one with drafts drawn when `drawn`; its
+        draft count, or k) for n requests."""
         drawn = "draft_temp" in g.extra if drawn is None else drawn
-        return self.engine.runner.graphs.get((self.verify_key("dflash-sampled" if drawn else "dflash",
-                                                              g.aux["k1"] - 1), 1 << (n - 1).bit_length(),
-                                              self.block_size))
+        k = g.aux["k1"] - 1 if k is None else k
+        return self.engine.runner.graphs.get((self.verify_key("dflash-sampled" if drawn else "dflash", k),
+                                              1 << (n - 1).bit_length(), self.block_size))
 
     def _drawn(self, seqs: list[Sequence]) -> bool:
         """Whether a step of these requests draws its drafts (the graph kind _graphed_forward picks)."""
@@ -161,7 +162,8 @@ class VerifyOverlap:
         the blocks of the requests admitted behind prev (`joining`: each starts at the end of its
         prompt, its first token the prefill's on the device); the sequences past them padding (no
         rows, no stores). Returns that graph."""
-        to, B, n, S = self._graph_of(g, len(plans), self._drawn([p.seq for p in plans])), self.block_size, \
+        k = plans[0].n - 1 if plans else None  # (none: the warm-up's call, graphed.py)
+        to, B, n, S = self._graph_of(g, len(plans), self._drawn([p.seq for p in plans]), k), self.block_size, \
             len(rows), len(plans)
         index = to_device(rows, torch.long, g.device)
         blocks = [buf.view(-1, B).index_select(0, index) for buf in (g.input_ids, g.positions)]
