@@ -341,3 +341,28 @@ def test_graphed_steps_of_dflash2_and_masked_drafters(tiny_llama, tmp_path, monk
     assert fed == want_fed
     plain = LLM(str(tiny_llama), **{**kw, "draft": None})
     assert [o.token_ids for o in plain.generate(prompts, params)] == want
+
+
+def test_capture_holds_the_garbage_collector_off(monkeypatch):
+    """No cyclic collection while a graph is captured (a finaliser's CUDA calls would invalidate the
+    capture); the collector is back on after it, also when the captured code raises."""
+    import contextlib
+    import gc
+
+    from flashdraft.engine import graphs
+
+    seen = []
+
+    @contextlib.contextmanager
+    def recording(graph, pool=None):
+        seen.append(gc.isenabled())
+        yield
+
+    monkeypatch.setattr(graphs.torch.cuda, "graph", recording)
+    assert gc.isenabled()
+    with graphs.capture(object()):
+        seen.append(gc.isenabled())
+    assert seen == [False, False] and gc.isenabled()
+    with pytest.raises(RuntimeError), graphs.capture(object()):
+        raise RuntimeError("in the capture")
+    assert gc.isenabled()

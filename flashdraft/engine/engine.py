@@ -10,7 +10,7 @@ import torch
 
 from flashdraft.config import EngineConfig
 from flashdraft.engine.block_manager import BlockManager
-from flashdraft.engine.graphs import to_device
+from flashdraft.engine.graphs import collect_before_capture, to_device
 from flashdraft.engine.model_runner import ModelRunner, plan_num_blocks, plan_state_slots, state_bytes_per_seq
 from flashdraft.engine.sampler import sample
 from flashdraft.engine.scheduler import Scheduler, kept_rows
@@ -115,6 +115,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.kv_block_size, config.max_num_seqs if state else 0)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(loaded.model, config, self.device, self.dtype, num_blocks, self.max_model_len)
+        collect_before_capture(self.device)
         self.runner.capture_graphs(("target", ()), 1, True, self.runner.attn, self.runner.target_step(()),
                                    config.max_num_seqs)
         self.spec = None

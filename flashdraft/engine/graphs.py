@@ -19,6 +19,8 @@ and follow the buffers on every replay."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +40,30 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) 
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+@contextlib.contextmanager
+def capture(graph: torch.cuda.CUDAGraph, pool=None):
+    """torch.cuda.graph with Python's cyclic garbage collector held off: a collection during a capture
+    can finalise an earlier engine's graphs, streams or memory, CUDA calls that invalidate the capture
+    in progress (it then fails at a later launch, e.g. cuBLAS's EXECUTION_FAILED). torch no longer
+    collects before a capture (torch.compiler.config.force_cudagraph_gc); the engine collects once
+    before its first (collect_before_capture)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def collect_before_capture(device: torch.device) -> None:
+    """Collect dead Python cycles (an earlier engine's, holding CUDA graphs and memory) before an
+    engine captures its graphs, so that none is finalised between captures."""
+    if device.type == "cuda":
+        gc.collect()
 
 
 class StepGraph:
@@ -112,7 +138,7 @@ class StepGraph:
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         self._install()  # outside the capture; index tensors derived from the meta are built inside
-        with torch.cuda.graph(graph, pool=pool):
+        with capture(graph, pool):
             self.outputs = self._call()
         torch.cuda.synchronize(self.device)
         self.graph = graph

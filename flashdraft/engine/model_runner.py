@@ -11,7 +11,7 @@ from flashdraft.attention.base import AttentionBackend, AttentionBatch, LayerMas
 from flashdraft.attention.torch_ref import TorchAttention
 from flashdraft.config import EngineConfig
 from flashdraft.engine.block_manager import BlockManager
-from flashdraft.engine.graphs import StepGraph, to_device
+from flashdraft.engine.graphs import StepGraph, capture, to_device
 from flashdraft.engine.sampler import SamplingBatch, greedy_tokens
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.hybrid import RecurrentRows, take_rows
@@ -252,7 +252,7 @@ class ModelRunner:
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool), torch.inference_mode():
+        with capture(graph, self.graph_pool), torch.inference_mode():
             self.model.commit_pending(self.states, pending, take)
         torch.cuda.synchronize(self.device)
         return graph, take

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashdraft.engine.graphs import StepGraph
+from flashdraft.engine.graphs import StepGraph, capture
 from flashdraft.engine.model_runner import WARM_ROWS
 from flashdraft.engine.sampler import greedy_tokens
 from flashdraft.engine.sequence import Sequence
@@ -239,7 +239,7 @@ class GraphedSteps:
                 self._post_step(g)
         torch.cuda.current_stream(g.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.engine.runner.graph_pool), torch.inference_mode():
+        with capture(graph, self.engine.runner.graph_pool), torch.inference_mode():
             self._post_step(g)
         for t, s in zip((g._rows, g._ints), saved):
             t.copy_(s)
