@@ -161,9 +161,6 @@ def _attend(q, k, v, key, key_ok, pos, tree, ctx, m_i, l_i, acc, scale_log2, CAU
     return m_new, l_i, acc
 
 
-# integers that change from step to step are not specialised on (Triton would otherwise compile a
-# variant per divisibility class, "== 1" and "% 16 == 0", the first time a step's token count hits one:
-# a compile stall in the middle of serving)
 @triton.jit
 def _zero_padding_rows(out_ptr, qsl_ptr, seq, kv_head, num_tokens, stride_ot, stride_oh, N_KV: tl.constexpr,
                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -524,7 +521,7 @@ def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: t
                                window=window)
         meta = DeviceMeta.from_batch(batch, device)
         q = torch.zeros(q_len, n_heads, head_dim, device=device, dtype=dtype)
-        for splits in (1, 2, MAX_SPLITS):  # MAX_SPLITS: more loads than a tile's last partition merges
+        for splits in (1, 2, MAX_SPLITS):  # 2: merged in the kernel; MAX_SPLITS: by _reduce_kernel
             paged_attention(q, k, v, meta, 1.0, num_splits=splits,
                             sinks=torch.zeros(n_heads, device=device) if sinks else None)
             launched += 1
