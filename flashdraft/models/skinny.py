@@ -1,5 +1,5 @@
-"""Triton GEMMs for few rows: y = x @ W^T (+ bias) with x [M, K], M <= 32 (a decode batch, a verify
-or draft block), W [N, K] row-major as nn.Linear stores it. At these M a GEMM only streams W: a
+"""Triton GEMMs for few rows: y = x @ W^T (+ bias) with x [M, K], M <= MAX_ROWS (32; a decode batch,
+a verify or draft block), W [N, K] row-major as nn.Linear stores it. At these M a GEMM only streams W: a
 Qwen3-8B decode step reads 15 GB of weights for 0.03 TFLOP, so its time is set by how close the
 weight reads come to the memory bandwidth. Both kernels keep many programs in flight, each streaming
 a strip of BLOCK_N weight rows over the whole K, the same sum order on every call. A GEMM of few output
@@ -11,7 +11,8 @@ the fused layers), the partials themselves are the result (`parts=True`) and fus
 them in the same order: the count, reload and store that end every strip cost a narrow GEMM 1.2-2.3
 us at one row (H200), more than the add costs the norm.
 
-    dot     M <= 32: "swap AB", acc[BLOCK_N, MPAD] += W_strip @ x^T on the tensor cores, MPAD 16 / 32
+    dot     M <= MAX_ROWS: "swap AB", acc[BLOCK_N, MPAD] += W_strip @ x^T on the tensor cores, MPAD
+            16 / 32 (64 / 128 with transformer.SKINNY_ROWS raised)
     gemv    M == 1: acc[BLOCK_N, BLOCK_K] += w * x in float32, one reduction at the end
 
 The model path uses `dot` for every M, one row included: a row's result then does not depend on how
@@ -39,8 +40,9 @@ import triton
 import triton.language as tl
 
 from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
+from flashdraft.models.transformer import SKINNY_ROWS
 
-MAX_ROWS = 32
+MAX_ROWS = SKINNY_ROWS  # 32 unless raised for an A/B run (transformer.SKINNY_ROWS)
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allow 227 KB)
 # split-K (_dot_split): GEMMs of fewer output rows than this split K over 2 programs a strip, each
 # streaming at least SPLIT_MIN_K of it
@@ -185,6 +187,11 @@ def _gemv_tiles(N: int, K: int) -> tuple[int, int, int, int]:
     return max(4, 4096 // bk), bk, 4, 3
 
 
+def _mpad(M: int) -> int:
+    """The x^T tile's width: 16 or 32 rows (64, 128 for more)."""
+    return max(16, triton.next_power_of_2(M))
+
+
 def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages): 32 x 256 x 5 stages for N <= 4096, 64 x 256 x 4 for
     N > 16384 (vocabulary heads), else 64 x 128 x 5; glu two strips of 32 x 128 x 3: as swept best on
@@ -194,7 +201,7 @@ def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tupl
     a verify block.
     Fewer stages (then a shorter BLOCK_K) when the pipelined W and x tiles would not fit in shared
     memory (float32)."""
-    mpad = 16 if M <= 16 else 32
+    mpad = _mpad(M)
     if glu:
         bn, bk, stages = 32, 128, 3
     elif N <= 256:  # MoE routers: a few strips, latency-bound (H200, GPT-OSS's 32 x 2,880: 6.2 against 7.1 us)
@@ -267,7 +274,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         raise ValueError(f"split-K {split} needs no glu and K a multiple of {split} x {bk}, N of {bn}; "
                          f"got N={N}, K={K}")
     tiles_n = triton.cdiv(N, bn)
-    mpad = 16 if M <= 16 else 32
+    mpad = _mpad(M)
     parts = parts and split > 1
     if parts:  # the parts are the result: y_ptr only names the dtype, count is unused
         y = part = torch.empty(M, split, N, device=x.device, dtype=torch.float32)

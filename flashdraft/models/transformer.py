@@ -92,18 +92,25 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-# Few-row GEMMs (decode batches, verify and draft blocks: <= 32 rows) on the Triton kernels of
-# flashdraft/models/skinny.py, which read the weights closer to the memory bandwidth than cuBLAS
+# Few-row GEMMs (decode batches, verify and draft blocks: <= SKINNY_ROWS rows) on the Triton kernels
+# of flashdraft/models/skinny.py, which read the weights closer to the memory bandwidth than cuBLAS
 # does at these shapes: "auto" for CUDA activations in bf16/fp16 when triton imports, "triton" also
 # for CPU tensors under TRITON_INTERPRET=1 (tests), "cublas" never. No backward: never with grad.
 GEMM = os.environ.get("FLASHDRAFT_GEMM", "auto")
+# the most rows the Triton GEMMs take: 32; 64 or 128 (FLASHDRAFT_SKINNY_ROWS, for A/B runs; not timed
+# on a GPU yet) would take a small target's verify blocks at concurrency 4-8 (16) too, the gate-up
+# activation fused, where cuBLAS now runs them with the activation as a kernel of its own (their
+# wider x tiles may shorten the K tile: such rows round as cuBLAS's do now, not as rows <= 32)
+SKINNY_ROWS = int(os.environ.get("FLASHDRAFT_SKINNY_ROWS", "32"))
+if SKINNY_ROWS not in (32, 64, 128):
+    raise ValueError(f"FLASHDRAFT_SKINNY_ROWS must be 32, 64 or 128, got {SKINNY_ROWS}")
 
 
 def skinny_enabled(x: torch.Tensor) -> bool:
     """Whether a 2-D activation `x` takes the few-row Triton GEMM (see GEMM)."""
     if GEMM not in ("auto", "triton", "cublas"):
         raise ValueError(f"FLASHDRAFT_GEMM must be auto, triton or cublas, got {GEMM!r}")
-    if GEMM == "cublas" or torch.is_grad_enabled() or x.dim() != 2 or not 1 <= x.shape[0] <= 32:
+    if GEMM == "cublas" or torch.is_grad_enabled() or x.dim() != 2 or not 1 <= x.shape[0] <= SKINNY_ROWS:
         return False
     if GEMM == "auto" and (x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16)):
         return False

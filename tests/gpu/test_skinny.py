@@ -57,6 +57,26 @@ def test_matches_float64(dtype, M, N, K, variant):
     assert err <= TOL[dtype] * max(1.0, want.abs().max().item()), f"max abs diff {err:.3g}"
 
 
+@pytest.mark.parametrize("M", [33, 64, 100, 128])
+@pytest.mark.parametrize("N,K,variant", [(64, 256, "plain"), (300, 1000, "plain"), (64, 256, "glu"),
+                                         (300, 1000, "glu"), (64, 1024, "split")])
+def test_more_rows_when_raised(monkeypatch, M, N, K, variant):
+    """With the row cap raised (transformer.SKINNY_ROWS 64 or 128, for A/B runs), 33-128 rows take
+    x^T tiles of 64 / 128 and still match float64, split-K included."""
+    monkeypatch.setattr(skinny, "MAX_ROWS", 128)
+    g = torch.Generator().manual_seed(M + N + K)
+    glu = variant == "glu"
+    x = torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(2 * N if glu else N, K, generator=g) / K**0.5).to(DEVICE, torch.bfloat16)
+    got = skinny.skinny_linear(x, w, glu=glu, split=2 if variant == "split" else None,
+                               tiles=(32, 128, 4, 3) if variant == "split" else None)
+    want = reference(x, w, glu=glu)
+    assert got.shape == (M, N)
+    err = (got.double() - want).abs().max().item()
+    assert err <= TOL[torch.bfloat16] * max(1.0, want.abs().max().item()), f"max abs diff {err:.3g}"
+    assert skinny._mpad(M) == (64 if M <= 64 else 128)
+
+
 @pytest.mark.parametrize("variant", ["plain", "bias", "glu"])
 def test_one_row_gemv_kernel(variant):
     g = torch.Generator().manual_seed(7)
@@ -236,17 +256,22 @@ def test_mlp_fused_down_projection():
         assert (got - want).abs().max().item() < 1e-4
 
 
-def test_engine_tokens_match_cublas_path(tiny_qwen3, tmp_path):
+@pytest.mark.parametrize("rows", [32, 64])
+def test_engine_tokens_match_cublas_path(tiny_qwen3, tmp_path, monkeypatch, rows):
     """Greedy DFlash generation with every few-row GEMM on the Triton kernels gives the tokens of
-    the path without them (float32: no near-ties)."""
+    the path without them (float32: no near-ties); also with the row cap raised to 64 (prefill
+    chunks of up to 48 rows then take them too)."""
     from fixtures import build_random_drafter
 
     from flashdraft import LLM, SamplingParams
 
+    monkeypatch.setattr(transformer, "SKINNY_ROWS", rows)
+    monkeypatch.setattr(skinny, "MAX_ROWS", rows)
     draft = str(build_random_drafter(tmp_path / "d", tiny_qwen3, block_size=4))
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 60))]
     params = SamplingParams(max_tokens=7, ignore_eos=True)
-    kw = dict(draft=draft, device=str(DEVICE), dtype="float32", max_num_batched_tokens=24, kv_block_size=8)
+    kw = dict(draft=draft, device=str(DEVICE), dtype="float32", max_num_batched_tokens=24 if rows == 32 else 48,
+              kv_block_size=8)
     calls = []
     real = skinny.skinny_linear
 
@@ -266,7 +291,7 @@ def test_engine_tokens_match_cublas_path(tiny_qwen3, tmp_path):
         if mode == "cublas":
             assert not calls
     assert out["triton"] == out["cublas"]
-    assert calls and max(calls) <= 32
+    assert calls and max(calls) <= rows and (rows == 32 or max(calls) > 32)
 
 
 def test_pdl_switch():
