@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch, DeviceMeta
-from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
+from flashdraft.models.launch import arrival_counts, launch_kwargs, pdl_enter, pdl_trigger
 
 MAX_SPLITS = 64
 MIN_SPLIT_KEYS = 64  # a KV partition holds at least this many keys
@@ -82,7 +82,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 _workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _sm_counts: dict[torch.device, int] = {}
-_counts: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -459,7 +458,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     merge_m = triton.next_power_of_2(min(block_m // group, meta.max_query_len) * group)
     merge = 1 < num_splits <= MERGE_SPLITS
     ws = _workspace(q.device, num_splits, T, H, hd) if num_splits > 1 else (out, out, out)
-    count = _counters(q.device, tiles * S * n_kv) if merge else meta.seq_lens
+    count = arrival_counts(q.device, tiles * S * n_kv) if merge else meta.seq_lens
     consts = dict(N_KV=n_kv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_M=block_m)
     tree = meta.tree_mask is not None and meta.causal
     if tree and meta.window is not None:
@@ -483,17 +482,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                     BLOCK_S=max(1, REDUCE_SPLITS // triton.next_power_of_2(g)),
                                     ZERO_PADDING=zero_padding, num_warps=4, **launch_kwargs(q))
     return out
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Split-K arrival counts, one per (query tile, sequence, kv head): zeros, and left at zero by
-    each tile's merging program. One buffer per device: the kernels of a stream run one after another."""
-    c = _counts.get(device)
-    if c is None or c.numel() < n:
-        if c is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split-K counters must be allocated before graph capture")
-        c = _counts[device] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
-    return c
 
 
 def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: torch.dtype, device: torch.device,

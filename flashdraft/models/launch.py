@@ -95,3 +95,18 @@ def pdl_trigger(USE_PDL: tl.constexpr):
     if USE_PDL > 0:
         tl.extra.cuda.gdc_launch_dependents()
 
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counts(device: torch.device, n: int) -> torch.Tensor:
+    """At least n int32 arrival counts for kernels whose last program to finish a piece of work
+    completes it (skinny.py's split-K GEMMs, the attention's in-kernel split-K merge): zeros, and
+    left at zero by every launch's last programs. One buffer a device, shared: the kernels of a
+    stream count only after their PDL wait, when the kernel before has finished."""
+    c = _ARRIVALS.get(device)
+    if c is None or c.numel() < n:
+        if c is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("arrival counts must be allocated before graph capture")
+        c = _ARRIVALS[device] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
+    return c

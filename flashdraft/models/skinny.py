@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
+from flashdraft.models.launch import arrival_counts, launch_kwargs, pdl_enter, pdl_trigger
 from flashdraft.models.transformer import SKINNY_ROWS
 
 MAX_ROWS = SKINNY_ROWS  # 32 unless raised for an A/B run (transformer.SKINNY_ROWS)
@@ -284,26 +284,12 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         part, count = y, y  # unused without split-K
     if split > 1 and not parts:
         part = torch.empty(tiles_n * split * bn * mpad, device=x.device, dtype=torch.float32)
-        count = _counters(x.device, tiles_n)
+        count = arrival_counts(x.device, tiles_n)
     _dot_kernel[(tiles_n, split)](x, w, b, y, part, count, M, N, K, x.stride(0), w.stride(0), N,
                                   BLOCK_N=bn, BLOCK_K=bk, MPAD=mpad, EVEN=even, **flags, IEEE=_ieee(w),
                                   SPLIT=split, PARTS=parts, num_warps=warps, num_stages=stages,
                                   **launch_kwargs(x))
     return y
-
-
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Split-K arrival counts, one per output strip: zeros, and left at zero by every call's last
-    program. One buffer per device: the kernels of a stream run one after another."""
-    c = _COUNTS.get(device)
-    if c is None or c.numel() < n:
-        if c is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split-K counters must be allocated before graph capture")
-        c = _COUNTS[device] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
-    return c
 
 
 def _dot_split(N: int, K: int, bn: int, bk: int) -> int:
