@@ -365,3 +365,27 @@ def test_best_bandwidth_keeps_the_fastest_copy(monkeypatch):
 
     monkeypatch.setattr(e2e, "copy_bandwidth", full)
     assert e2e.best_bandwidth(cpu, 3.9e12) == 3.9e12
+
+
+def test_knob_ab_runs_each_setting_in_its_own_process(tmp_path, capsys):
+    """benchmarks/device/knob_ab.py: each setting's knobs reach its process's environment, the kept
+    lines come back under the setting's name, every run's output is written; bad settings are named."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "device" / "knob_ab.py"
+    spec = importlib.util.spec_from_file_location("knob_ab", path)
+    knob_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(knob_ab)
+    show = "import os; print('== rows', os.environ.get('FLASHDRAFT_SKINNY_ROWS', 'unset')); print('other')"
+    rc = knob_ab.main(["--rounds", "2", "--out", str(tmp_path), "", "FLASHDRAFT_SKINNY_ROWS=64",
+                       "--", sys.executable, "-c", show])
+    printed = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    round_lines = lambda r: [f"## round {r}, defaults (rc 0)", "== rows unset",  # noqa: E731
+                             f"## round {r}, FLASHDRAFT_SKINNY_ROWS=64 (rc 0)", "== rows 64"]
+    assert printed == round_lines(0) + round_lines(1)
+    assert "other" in (tmp_path / "round1-setting1.txt").read_text()
+    with pytest.raises(ValueError, match="FLASHDRAFT_NAME=VALUE"):
+        knob_ab.parse_setting("SKINNY_ROWS=64")
