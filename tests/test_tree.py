@@ -293,11 +293,11 @@ def use_oracle_graph_trees(monkeypatch, prompts, ref) -> None:
 
     futures = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
     current: list = []
-    real_forward = DFlashSpeculator._forward_tree
+    real_flight = DFlashSpeculator._tree_flight
 
-    def forward_tree(self, plans):
-        current[:] = [p.seq for p in plans if p.verify]
-        return real_forward(self, plans)
+    def tree_flight(self, plans, *args):  # every graphed tree step, launched ahead or not
+        current[:] = [p.seq for p in plans]
+        return real_flight(self, plans, *args)
 
     def trees(self, hidden, num_seqs, draw=None):
         t = oracle_trees(self, futures, 1)[0](current)
@@ -305,7 +305,7 @@ def use_oracle_graph_trees(monkeypatch, prompts, ref) -> None:
         cat = lambda x, v: torch.cat([x, x.new_full((pad, x.shape[1]), v)])  # noqa: E731
         return type(t)(cat(t.tokens, 3), cat(t.parents, 0), cat(t.depths, 1), cat(t.valid, False), t.max_depth)
 
-    monkeypatch.setattr(DFlashSpeculator, "_forward_tree", forward_tree)
+    monkeypatch.setattr(DFlashSpeculator, "_tree_flight", tree_flight)
     monkeypatch.setattr(DFlashSpeculator, "_trees", trees)
 
 
@@ -345,3 +345,21 @@ def test_tree_kernels_switch(monkeypatch):
         tree.use_kernels(x)
     monkeypatch.setattr(tree, "KERNELS", "auto")
     assert tree.use_kernels(x) is False  # a CPU tensor: no fused path
+
+
+def test_path_moves_from_the_block_tables():
+    """tree.path_moves: the row at depth d <= a lies at the slot of position start + path[d] and moves to
+    start + d's, through each request's block table; rows in place, depths past a and padding requests
+    (start < 0) move nothing (-1)."""
+    from flashdraft.speculative.tree import path_moves
+
+    page = 4
+    tables = torch.tensor([[3, 0, 7, 1], [4, 5, 6, 8], [0, 0, 0, 0]], dtype=torch.int32)
+    path = torch.tensor([[0, 2, 5, 6], [0, 1, 3, 0], [0, 2, 4, 6]])
+    a = torch.tensor([3, 2, 3])
+    start = torch.tensor([2, 6, -1])
+    src, dst = path_moves(path, a, start, tables, page)
+    slot = lambda s, q: int(tables[s, q // page]) * page + q % page  # noqa: E731
+    want_src = [[slot(0, 4), slot(0, 7), slot(0, 8)], [-1, slot(1, 9), -1], [-1, -1, -1]]
+    want_dst = [[slot(0, 3), slot(0, 4), slot(0, 5)], [-1, slot(1, 8), -1], [-1, -1, -1]]
+    assert src.tolist() == want_src and dst.tolist() == want_dst

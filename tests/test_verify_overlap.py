@@ -257,3 +257,79 @@ def test_a_shorter_verify_than_the_block(tiny_llama, drafter):
         assert outputs(overlap, PROMPTS, params) == outputs(sync, PROMPTS, params)
     assert overlap.engine.stats["num_overlapped_steps"] > 10
     assert overlap.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def tree_engines(tiny_llama, drafter):
+    return pair(tiny_llama, drafter, speculative_tree_size=6)
+
+
+def test_overlapped_tree_steps_equal_sync(tree_engines, tiny_llama):
+    """Token trees: the next tree step launched on the in-flight one's outcome (its accepted path's
+    last token and length, its rows' K/V already moved on the device) commits what the step-by-step
+    engine commits, greedy, sampled and mixed, stops included, and plain decoding's tokens."""
+    from flashdraft import LLM
+
+    sync, overlap = tree_engines
+    plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+    greedy = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 21, 11, 1)]
+    sampled = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=n, seed=7 + n, ignore_eos=True)
+               for n in (9, 2, 17, 25)]
+    mixed = [SamplingParams(temperature=t, max_tokens=n, seed=n, ignore_eos=True)
+             for t, n in ((0, 14), (0.8, 19), (0, 6), (1.2, 22))]
+    before = overlap.engine.stats["num_overlapped_steps"]
+    for params in (greedy, sampled, mixed):
+        got = outputs(overlap, PROMPTS, params)
+        assert got == outputs(sync, PROMPTS, params)
+        assert [g[0] for g in got] == [o.token_ids for o in plain.generate(PROMPTS, params)]
+    assert overlap.engine.stats["num_overlapped_steps"] - before > 10, "tree steps were meant to overlap"
+    assert sync.engine.stats["num_overlapped_steps"] == 0
+    assert overlap.engine.spec_totals() == sync.engine.spec_totals()
+    base = sync.generate([PROMPTS[2]], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
+    for at in (4, 9):
+        params = [SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[base[at]]),
+                  SamplingParams(max_tokens=30, ignore_eos=True)]
+        got = outputs(overlap, [PROMPTS[2], PROMPTS[0]], params)
+        assert got == outputs(sync, [PROMPTS[2], PROMPTS[0]], params)
+        assert got[0][0] == base[: base.index(base[at]) + 1] and got[0][1] == "stop"
+    assert overlap.engine.block_manager.num_used_blocks == 0
+
+
+def test_overlapped_oracle_trees_move_accepted_rows(tiny_llama, drafter, monkeypatch):
+    """Trees whose right path sits behind a wrong sibling, accepted to the full depth at every step:
+    the accepted rows' K/V are moved to their positions' slots on the device before the next step is
+    launched on them, so the overlapped engine commits plain decoding's tokens, block by block."""
+    from test_tree import use_oracle_graph_trees
+
+    from flashdraft.speculative.dflash import DFlashSpeculator
+
+    sync, overlap = pair(tiny_llama, drafter, speculative_tree_size=6)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = sync.generate(PROMPTS, SamplingParams(max_tokens=60, ignore_eos=True))
+    use_oracle_graph_trees(monkeypatch, PROMPTS, ref)
+    futures = {tuple(p): o.token_ids for p, o in zip(PROMPTS, ref)}
+    real_launch = DFlashSpeculator._launch_next_verify
+
+    def launch(self, prev, plans):
+        # the oracle reads the committed length the next tree starts from: what prev will commit
+        B = self.block_size
+        for p in plans:
+            p.seq.token_ids.extend(futures[tuple(p.seq.token_ids[: p.seq.num_prompt_tokens])]
+                                   [p.seq.num_output_tokens: p.seq.num_output_tokens + B])
+        try:
+            return real_launch(self, prev, plans)
+        finally:
+            for p in plans:
+                del p.seq.token_ids[-B:]
+
+    monkeypatch.setattr(DFlashSpeculator, "_launch_next_verify", launch)
+    seen = []
+    for llm in (sync, overlap):
+        outs = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == [o.token_ids[:24] for o in ref]
+        seen.append([o.metrics["acceptance_histogram"] for o in outs])
+    assert seen[0] == seen[1]
+    depth = overlap.engine.spec.depth
+    for h in seen[1]:
+        assert sum(h) == h[depth] > 0, h  # every tree accepted to its full depth
+    assert overlap.engine.stats["num_overlapped_steps"] >= 4

@@ -25,8 +25,13 @@ verify is launched, its prefill queued behind it as a step of its own (a ragged 
 context, the first token chosen on the device), and the verify after that takes its block too, written
 into the graph beside the others' (its prompt's end, the prefill's token first). A step whose draft
 count differs from the in-flight one's (the profile chose another, gate.py) is launched ahead the same
-way: every count's graph holds whole blocks, so the blocks move to the graph of the new count. Steps the
-graphs do not cover (ragged steps, trees, the per-request gate) run as before, one at a time.
+way: every count's graph holds whole blocks, so the blocks move to the graph of the new count. A token
+tree step (tree_step.py) stays in flight too: its acceptance and the accepted rows' K/V moves run on the
+device, and the next tree step of the same requests starts at its accepted path's end, its first token
+the target's token there (read as a chain's: the tokens along the path stand in for the verify rows').
+Steps the graphs do not cover (ragged steps, the per-request gate) run as before, one at a time, and so
+does the step after a probe of the step gate (gate.py): launching a verify behind a probe that then
+pauses drafting would cost a whole DFlash step where the probe's read costs the host's time.
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ class VerifyOverlap:
         launched on its outputs)."""
         eng = self.engine
         return (eng.async_scheduling and self._verify_graph is not None and not self.poison_rejected
-                and self.tree_size is None and self.min_tau_rule is None)
+                and self.min_tau_rule is None)
 
     def _next_verify(self, prev: VerifyInFlight) -> list[Plan] | None:
         """The plans of the step after the in-flight verify `prev` when it can be launched before prev is
@@ -127,13 +132,15 @@ class VerifyOverlap:
         if self.engine.runner.hybrid:  # prev's accepted rows into the recurrent state, on the device
             self.engine.runner.commit_states_from((prev.accepted + 1).to(torch.int32))
         if not self._greedy_post(prev.plans, g):  # (a greedy step's post graph moved them on already)
-            self._next_blocks(g, prev.accepted, prev.toks.view(len(prev.plans), prev.plans[0].n))
+            self._next_blocks(g, prev.accepted, prev.toks.view(len(prev.plans), -1))
         joining = prev.joining.seqs if prev.joining is not None else []
         if S < len(prev.plans) or joining or k1 != prev.plans[0].n:
             # requests left or joined, or another count: the rows to the graph of S requests and k1 - 1 drafts
             old = [p.seq for p in plans[: S - len(joining)]]
             g = self._keep_rows(g, kept_rows(prev.seqs, old), plans, prev.joining)
         g.fill(block_tables=[self.engine.block_manager.table(p.seq.seq_id) for p in plans])
+        if g.aux.get("tree"):  # token trees: the same requests again, through the same graph
+            return self._tree_flight(plans, g, time.perf_counter(), True)
         if self._greedy_post(plans, g):
             g.replay()
             owner = [i for i in range(S) for _ in range(k1)]

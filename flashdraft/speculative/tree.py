@@ -141,3 +141,22 @@ def accept(trees: Trees, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         path.scatter_(1, depth_row.gather(1, cur), cur)
         cur = parent_row.gather(1, cur)
     return depth_row.gather(1, best[:, None])[:, 0], path
+
+
+def path_moves(path: torch.Tensor, a: torch.Tensor, start: torch.Tensor, block_tables: torch.Tensor,
+               page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V moves of the accepted rows, as tree_triton.accept_paths computes them: the row at depth
+    d (1 <= d <= a) lies at the slot of position start + path[d] and belongs at start + d. Returns
+    (from slot, to slot) [S, D], -1 where nothing moves (past a, a row already in place, or start < 0:
+    a padding request)."""
+    D = path.shape[1] - 1
+    d = torch.arange(1, D + 1, device=path.device)
+    move = (d <= a[:, None]) & (path[:, 1:] != d) & (start[:, None] >= 0)
+    tables = block_tables.long()
+
+    def slot(q: torch.Tensor) -> torch.Tensor:
+        p = tables.gather(1, (q // page).clamp(0, tables.shape[1] - 1))
+        return torch.where(move, p * page + q % page, -1)
+
+    base = start.clamp_min(0)[:, None]
+    return slot(base + path[:, 1:]), slot(base + d)

@@ -19,7 +19,8 @@ from flashdraft.engine.graphs import StepGraph, to_device
 from flashdraft.engine.sampler import draw_candidates, greedy_tokens
 from flashdraft.engine.sequence import Sequence
 from flashdraft.speculative.kv_slots import copy_slots, poison_slots, position_slots
-from flashdraft.speculative.tree import Trees, accept, build_trees, use_kernels
+from flashdraft.speculative.overlap import VerifyInFlight
+from flashdraft.speculative.tree import Trees, accept, build_trees, path_moves, use_kernels
 
 if TYPE_CHECKING:
     from flashdraft.speculative.drafts import Draw
@@ -31,27 +32,29 @@ class TreeSteps:
         """A step where requests verify token trees: draft and build the trees, one target forward
         over every row (tree rows at their depths' positions, each seeing its ancestors), the
         target's token at every row, the accepted path of each tree; one device->host transfer;
-        commit, moving the accepted rows' K/V to their positions' slots. A greedy step replayed as a
-        graph brings its acceptance along (_tree_graph_step), and on the fused GPU path its K/V moves."""
-        hidden, positions, trees, accepted = self._forward_tree(plans)
+        commit, moving the accepted rows' K/V to their positions' slots. A whole step replayed as a
+        graph does all of it on the device (_graphed_tree_step) and may stay in flight (overlap.py)."""
+        flight = self._graphed_tree_step(plans)
+        if flight is not None:
+            if self._may_overlap(plans):  # in flight until the next step() (overlap.py)
+                self._inflight = flight
+                return []
+            return self._complete_verify(flight, None)
+        hidden, positions, trees = self._forward_tree(plans)
         verifying = [p for p in plans if p.verify]
         V, N = len(verifying), self.num_draft
-        moved = False  # the accepted rows' K/V already at their positions' slots
-        if accepted is not None:
-            (a, path, committed, moved), toks, owner = accepted, hidden.new_zeros(0, dtype=torch.long), []
-        else:
-            toks, owner = self._target_tokens(plans, hidden, positions)
-            # each tree's target tokens as [V, 1 + N]; rows a short verify did not check never match
-            t_idx, first = [], 0
-            for p in plans:
-                if p.verify:
-                    t_idx.append([first + i if i < p.n else toks.shape[0] for i in range(N + 1)])
-                first += p.n if p.verify else int(p.seq.num_computed_tokens + p.n == p.seq.num_tokens)
-            idx = to_device([i for row in t_idx for i in row] + [int(i < p.n - 1) for p in verifying
-                                                                 for i in range(N)], torch.long, toks.device)
-            target = torch.cat([toks, toks.new_full((1,), -2)])[idx[: V * (N + 1)]].view(V, N + 1)
-            a, path = accept(replace(trees, valid=trees.valid & idx[V * (N + 1):].view(V, N).bool()), target)
-            committed = target.gather(1, path)
+        toks, owner = self._target_tokens(plans, hidden, positions)
+        # each tree's target tokens as [V, 1 + N]; rows a short verify did not check never match
+        t_idx, first = [], 0
+        for p in plans:
+            if p.verify:
+                t_idx.append([first + i if i < p.n else toks.shape[0] for i in range(N + 1)])
+            first += p.n if p.verify else int(p.seq.num_computed_tokens + p.n == p.seq.num_tokens)
+        idx = to_device([i for row in t_idx for i in row] + [int(i < p.n - 1) for p in verifying
+                                                             for i in range(N)], torch.long, toks.device)
+        target = torch.cat([toks, toks.new_full((1,), -2)])[idx[: V * (N + 1)]].view(V, N + 1)
+        a, path = accept(replace(trees, valid=trees.valid & idx[V * (N + 1):].view(V, N).bool()), target)
+        committed = target.gather(1, path)
         D1 = path.shape[1]
         host = torch.cat([a, path.flatten(), committed.flatten(), toks]).tolist()
         chosen: dict[int, list[int]] = {}
@@ -59,8 +62,7 @@ class TreeSteps:
         for i, p in enumerate(plans):
             if p.verify:
                 p.accepted = host[k]
-                rows = host[V + k * D1: V + (k + 1) * D1]
-                p.path = None if moved else rows[1: p.accepted + 1]
+                p.path = host[V + k * D1: V + (k + 1) * D1][1: p.accepted + 1]
                 chosen[i] = host[V + V * D1 + k * D1: V + V * D1 + k * D1 + p.accepted + 1]
                 k += 1
         for i, t in zip(owner, host[V + 2 * V * D1:]):
@@ -68,31 +70,84 @@ class TreeSteps:
                 chosen.setdefault(i, []).append(t)
         return self._commit(plans, chosen)
 
-    def _forward_tree(self, plans: list[Plan]) -> tuple[torch.Tensor, torch.Tensor, Trees, tuple | None]:
+    def _graphed_tree_step(self, plans: list[Plan]) -> VerifyInFlight | None:
+        """A step where every request verifies a whole tree, as its graph's replay (None when no graph
+        covers it): launched, its outcome left on the device (_tree_flight)."""
+        eng, runner = self.engine, self.engine.runner
+        seqs = [p.seq for p in plans]
+        self._verify_graph = None
+        if self.poison_rejected or not all(p.verify and p.n == self.num_draft + 1 for p in plans):
+            return None
+        blocks = [p.seq.token_ids[-1:] + [self.mask_token_id] * (self.block_size - 1) for p in plans]
+        sampled = any(s.params.temperature > 0 for s in seqs)  # the target's tokens drawn after the replay
+        g = runner.filled_graph(("dflash-tree-sampled" if sampled else "dflash-tree", self.tap_layers), seqs, blocks,
+                                eng.block_manager, False, self.attn, self._tree_graph_step,
+                                setup=self._setup_sampled_tree_graph if sampled else self._setup_tree_graph)
+        if g is None:
+            return None
+        if sampled:
+            g.fill(draft_temp=[float(s.params.temperature) if self._draws(s) else 0.0 for s in seqs],
+                   draft_seed=[s.seed for s in seqs])
+        self._flush_context()  # (off CUDA) eager steps' context rows go in before the graph's own
+        self._verify_graph = g
+        return self._tree_flight(plans, g, self._step_start, self._step_whole)
+
+    def _tree_flight(self, plans: list[Plan], g: StepGraph, started: float, whole: bool) -> VerifyInFlight:
+        """Replay the whole tree step of graph g (its inputs filled, or moved on by the step before),
+        then, all on the device: the target's tokens of a sampled step, the acceptance (a greedy
+        step's is in the graph), the accepted rows' K/V moved to their positions' slots (in the
+        graph on the fused GPU path); returns the step in flight, its outcome the accepted drafts [S]
+        and the target's tokens along each accepted path [S, D + 1], read as a chain's (overlap.py)."""
+        out = g.replay()  # read before any other replay: graphs share one memory pool
+        n, N1 = len(plans), self.num_draft + 1
+        trees = Trees(*(t[:n] for t in out[2:6]), self.block_size - 1)
+        m = g.meta
+        start = m.seq_lens[:n].long() - self.block_size  # each root's position
+        if "draft_temp" in g.extra:  # sampled: acceptance after the target's draws
+            toks, _ = self._target_tokens(plans, out[0][: n * N1], out[1][: n * N1])
+            target = toks.view(n, N1)
+            if use_kernels(target):
+                from flashdraft.speculative.tree_triton import accept_paths
+
+                a, path, committed, src, dst = accept_paths(trees, target, start, m.block_tables[:n], m.block_size)
+                self._move_slots(src, dst)
+            else:
+                a, path = accept(trees, target)
+                committed = target.gather(1, path)
+                self._move_path(path, a, start, m)
+        else:
+            a, path, committed = (t[:n] for t in out[6:])
+            if not g.aux.get("moves_kv", False):
+                self._move_path(path, a, start, m)
+        owner = [i for i in range(n) for _ in range(committed.shape[1])]
+        return VerifyInFlight(plans, g, torch.cat([a, committed.flatten()]), n, owner, started, whole)
+
+    def _move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The moves (from slot, to slot) [S, D] (-1: none) of every target and draft layer's K/V, in
+        speculative/tree_triton.py's kernel."""
+        from flashdraft.speculative.tree_triton import move_slots
+
+        runner = self.engine.runner
+        move_slots(runner.k_cache, runner.v_cache, src, dst)
+        move_slots(self.k_cache, self.v_cache, src, dst)
+
+    def _move_path(self, path: torch.Tensor, a: torch.Tensor, start: torch.Tensor, meta) -> None:
+        """The accepted rows' K/V to their positions' slots with torch ops (tree.path_moves): off the
+        fused GPU path (the selection of the moves waits for the device there)."""
+        src, dst = path_moves(path, a, start, meta.block_tables[: path.shape[0]], meta.block_size)
+        keep = src >= 0
+        r = self.engine.runner
+        copy_slots((r.k_cache, r.v_cache, self.k_cache, self.v_cache), src[keep], dst[keep])
+
+    def _forward_tree(self, plans: list[Plan]) -> tuple[torch.Tensor, torch.Tensor, Trees]:
         """The trees of the verifying requests (propose_tree), then the target over every row with
         its taps, tree rows at positions start + depth under their ancestor masks, then the context
         K/V of every row into the draft cache (written at the rows' slots: the accepted rows' move
-        with the target's at commit). Returns the final hidden states, the rows' positions, the trees,
-        and for a greedy step replayed as a graph its acceptance (a, path, committed tokens, and whether
-        the graph moved the accepted rows' K/V already; else None)."""
+        with the target's at commit). Returns the final hidden states, the rows' positions and the
+        trees."""
         eng, runner = self.engine, self.engine.runner
         seqs = [p.seq for p in plans]
         verifying = [p for p in plans if p.verify]
-        if not self.poison_rejected and len(verifying) == len(plans) and all(p.n == self.num_draft + 1 for p in plans):
-            blocks = [p.seq.token_ids[-1:] + [self.mask_token_id] * (self.block_size - 1) for p in plans]
-            drawn = any(self._draws(s) for s in seqs)
-            g = runner.filled_graph(("dflash-tree-sampled" if drawn else "dflash-tree", self.tap_layers), seqs, blocks,
-                                    eng.block_manager, False, self.attn, self._tree_graph_step,
-                                    setup=self._setup_sampled_tree_graph if drawn else self._setup_tree_graph)
-            if g is not None:
-                if drawn:
-                    g.fill(draft_temp=[float(s.params.temperature) if self._draws(s) else 0.0 for s in seqs],
-                           draft_seed=[s.seed for s in seqs])
-                out = g.replay()  # read before any other replay: graphs share one memory pool
-                n, rows = len(plans), len(plans) * plans[0].n
-                trees = Trees(*(t[:n] for t in out[2:6]), self.block_size - 1)
-                accepted = None if drawn else tuple(t[:n] for t in out[6:]) + (g.aux.get("moves_kv", False),)
-                return out[0][:rows], out[1][:rows], trees, accepted
         trees = self.propose_tree([p.seq for p in verifying])
         tokens = [p.seq.token_ids[-1:] + [self.mask_token_id] * (p.n - 1) if p.verify else
                   p.seq.token_ids[p.seq.num_computed_tokens:][:p.n] for p in plans]
@@ -111,7 +166,7 @@ class TreeSteps:
         batch.tree_mask = tree_mask
         hidden, taps = runner.run(ids, positions, batch, self.tap_layers)
         self._write_context(taps, positions, batch.slot_mapping)
-        return hidden, positions, trees, None
+        return hidden, positions, trees
 
     def propose_tree(self, seqs: list[Sequence]) -> Trees:
         """One non-causal drafter forward over each request's block, then its tree of tree_size
@@ -157,6 +212,9 @@ class TreeSteps:
         """A tree step's verify buffers beside the draft block's: input ids, positions and metadata
         of tree_size + 1 rows per sequence (derived from the block's inside the graph), the tree masks."""
         S, N1, dev = g.num_seqs, self.num_draft + 1, g.device
+        g.aux["tree"] = True
+        g.aux["row_seq"] = torch.arange(S * self.block_size, device=dev) // self.block_size
+        g.aux["block_offsets"] = torch.arange(self.block_size, device=dev)
         g.extra["verify_ids"] = torch.zeros(S * N1, dtype=torch.long, device=dev)
         g.extra["verify_positions"] = torch.zeros(S * N1, dtype=torch.long, device=dev)
         m = g.meta
@@ -179,6 +237,7 @@ class TreeSteps:
         path [S, D + 1] and the target's tokens along the path [S, D + 1]."""
         m, vm = g.meta, g.aux["verify_meta"]
         S, B, N1 = g.num_seqs, self.block_size, self.num_draft + 1
+        self._derive_slots(g)  # the draft block's slots (a step launched ahead fills only its tables)
         real = m.seq_lens > 0
         start = (m.seq_lens.long() - B).clamp_min(0)
         q = start[:, None] + torch.arange(N1, device=g.device)

@@ -104,6 +104,9 @@ def test_moves_equal_the_host_moves():
         assert got == want
         moves += sorted(want)
     assert moves and any(m[0] in {d for _, d in moves} for m in moves)  # a source that is also a destination
+    # the torch twin (graphed tree steps off the fused path) computes the same pairs, slot for slot
+    t_src, t_dst = tree.path_moves(path, a, start.to(DEVICE), tables.to(DEVICE), page)
+    assert torch.equal(t_src, src) and torch.equal(t_dst, dst)
     L, H, Dh = 3, 2, 8
     k = torch.randn(L, 18, page, H, Dh, device=DEVICE)
     v = torch.randn(L, 18, page, H, Dh, device=DEVICE)
