@@ -394,6 +394,9 @@ def test_engine_tokens_match_torch_path(tiny_qwen3, tmp_path, monkeypatch, with_
         return real_accept(self, plans, ids, toks)
 
     monkeypatch.setattr(DFlashSpeculator, "_accept", recorded)
+    # greedy graphed steps would take tokens and acceptance from their post graph, past _accept: here
+    # they take the eager route that every other step takes, so that every verify's drafts are seen
+    monkeypatch.setattr(DFlashSpeculator, "_greedy_post", lambda self, plans, g: False)
     with fused_mode("off"):
         ref = LLM(str(tiny_qwen3), attention_backend="torch", **kw)
         want = [o.token_ids for o in ref.generate(prompts, params)]
