@@ -322,6 +322,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         from flashdraft.engine.engine import InFlight  # the engine module imports this one
 
         eng, runner = self.engine, self.engine.runner
+        if runner.use_graphs:  # (off CUDA, tests) eager steps' context rows go in before a graph's own
+            self._flush_context()
         out = runner.graphed(("decode", self.tap_layers), seqs, tokens, eng.block_manager, True, runner.attn,
                              self._decode_step, input_ids=ids)
         if out is not None:
@@ -425,6 +427,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         tokens = [p.seq.token_ids[-1:] + [self.mask_token_id] * (p.n - 1) if p.verify else
                   p.seq.token_ids[p.seq.num_computed_tokens:][:p.n] for p in plans]
         if not self.poison_rejected:
+            if runner.use_graphs:  # (off CUDA, tests) eager steps' context rows go in before a graph's own
+                self._flush_context()
             out = self._graphed_forward(plans, tokens)
             if out is not None:
                 return out
