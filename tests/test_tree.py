@@ -293,11 +293,15 @@ def use_oracle_graph_trees(monkeypatch, prompts, ref) -> None:
 
     futures = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
     current: list = []
-    real_flight = DFlashSpeculator._tree_flight
+    real_flight, real_forward = DFlashSpeculator._tree_flight, DFlashSpeculator._forward_tree
 
     def tree_flight(self, plans, *args):  # every graphed tree step, launched ahead or not
         current[:] = [p.seq for p in plans]
         return real_flight(self, plans, *args)
+
+    def forward_tree(self, plans):  # eager tree steps
+        current[:] = [p.seq for p in plans if p.verify]
+        return real_forward(self, plans)
 
     def trees(self, hidden, num_seqs, draw=None):
         t = oracle_trees(self, futures, 1)[0](current)
@@ -306,6 +310,7 @@ def use_oracle_graph_trees(monkeypatch, prompts, ref) -> None:
         return type(t)(cat(t.tokens, 3), cat(t.parents, 0), cat(t.depths, 1), cat(t.valid, False), t.max_depth)
 
     monkeypatch.setattr(DFlashSpeculator, "_tree_flight", tree_flight)
+    monkeypatch.setattr(DFlashSpeculator, "_forward_tree", forward_tree)
     monkeypatch.setattr(DFlashSpeculator, "_trees", trees)
 
 

@@ -45,6 +45,13 @@ CHUNKED_MIN_ROWS = 64  # a committed chunk of at least this many rows takes the 
 
 
 @triton.jit
+def _spread(flag, like):
+    """A scalar condition as a mask of `like`'s shape: Triton's interpreter takes no scalar in a block
+    mask (compiled, the two are the same)."""
+    return (like * 0 + flag.to(tl.int32)) != 0
+
+
+@triton.jit
 def _conv_kernel(x_ptr, w_ptr, win_ptr, out_ptr, qsl_ptr, seq_ptr, S, C, stride_x, stride_out,
                  K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, WINDOW: tl.constexpr,
                  USE_PDL: tl.constexpr):
@@ -69,13 +76,13 @@ def _conv_kernel(x_ptr, w_ptr, win_ptr, out_ptr, qsl_ptr, seq_ptr, S, C, stride_
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for i in tl.static_range(K):
         idx = j - (K - 1) + i  # < 0: in the conv window before the step's rows
-        xv = tl.load(x_ptr + (t - (K - 1) + i) * stride_x + c, mask=cm & (idx >= 0), other=0.0).to(tl.float32)
-        wv = tl.load(win_ptr + (slot * C + c) * (K - 1) + (K - 1) + idx, mask=cm & (idx < 0) & from_slot,
+        xv = tl.load(x_ptr + (t - (K - 1) + i) * stride_x + c, mask=cm & _spread(idx >= 0, c), other=0.0).to(tl.float32)
+        wv = tl.load(win_ptr + (slot * C + c) * (K - 1) + (K - 1) + idx, mask=cm & _spread((idx < 0) & from_slot, c),
                      other=0.0).to(tl.float32)
         acc += tl.load(w_ptr + c * K + i, mask=cm, other=0.0).to(tl.float32) * (xv + wv)
         if WINDOW and i > 0:
             tl.store(win_ptr + (slot * C + c) * (K - 1) + i - 1, (xv + wv).to(win_ptr.dtype.element_ty),
-                     mask=cm & move)
+                     mask=cm & _spread(move, c))
     acc = acc * tl.sigmoid(acc)
     tl.store(out_ptr + t * stride_out + c, acc.to(out_ptr.dtype.element_ty), mask=cm)
 
@@ -103,8 +110,8 @@ def _window_kernel(x_ptr, win_ptr, qsl_ptr, seq_ptr, take_ptr, C, stride_x, K: t
     # never reads an entry already written (each program owns its channels)
     for i in tl.static_range(K - 1):
         pos = n - (K - 1) + i
-        xv = tl.load(x_ptr + (r0 + pos) * stride_x + c, mask=cm & (pos >= 0), other=0.0)
-        wv = tl.load(win_ptr + (slot * C + c) * (K - 1) + (K - 1) + pos, mask=cm & (pos < 0) & from_slot,
+        xv = tl.load(x_ptr + (r0 + pos) * stride_x + c, mask=cm & _spread(pos >= 0, c), other=0.0)
+        wv = tl.load(win_ptr + (slot * C + c) * (K - 1) + (K - 1) + pos, mask=cm & _spread((pos < 0) & from_slot, c),
                      other=0.0)
         tl.store(win_ptr + (slot * C + c) * (K - 1) + i, (xv.to(tl.float32) + wv.to(tl.float32))
                  .to(win_ptr.dtype.element_ty), mask=cm)
@@ -137,7 +144,8 @@ def _recur_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, out_ptr
         store = (slot >= 0) & (mode == 0)
     kk = tl.arange(0, DK)
     sp = state_ptr + ((tl.maximum(slot, 0) * HV + hv) * DK + kk[:, None]) * DV + vv[None, :]
-    st = tl.load(sp, mask=(slot >= 0) & ~fresh & (r1 > r0), other=0.0)  # [DK, BLOCK_V] float32
+    tile = kk[:, None] + vv[None, :]
+    st = tl.load(sp, mask=_spread((slot >= 0) & ~fresh & (r1 > r0), tile), other=0.0)  # [DK, BLOCK_V] float32
     hk = hv // rep
     neg_a = -tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
     dtb = tl.load(dtb_ptr + hv).to(tl.float32)
@@ -165,7 +173,7 @@ def _recur_kernel(mixed_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, state_ptr, out_ptr
             o = tl.sum(st * q[:, None], 0)
             tl.store(out_ptr + t * stride_out + hv * DV + vv, o.to(out_ptr.dtype.element_ty))
     pdl_trigger(USE_PDL)
-    tl.store(sp, st, mask=store)
+    tl.store(sp, st, mask=_spread(store, tile))
 
 
 def _pow2(n: int) -> int:

@@ -150,7 +150,7 @@ def _accept_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, mask_ptr, target_ptr, a
     tl.store(commit_ptr + s * (D + 1) + d, tl.load(tb + path, mask=d <= D, other=0), mask=d <= D)
     if MOVES:  # the row at depth d lies at slot start + path[d] and belongs at start + d
         start = tl.load(start_ptr + s)
-        move = (d >= 1) & (d <= a) & (path != d) & (start >= 0)
+        move = (d >= 1) & (d <= a) & (path != d) & (d * 0 + start >= 0)  # (a block: the interpreter's masks)
         q_src, q_dst = start + path, start + d
         p_src = tl.load(bt_ptr + s * stride_bt + q_src // PAGE, mask=move, other=0).to(tl.int64)
         p_dst = tl.load(bt_ptr + s * stride_bt + q_dst // PAGE, mask=move, other=0).to(tl.int64)
