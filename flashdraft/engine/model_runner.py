@@ -337,13 +337,25 @@ class ModelRunner:
                                  [q_len > 1] * len(seqs))
             g.fill(ids, pos, slots, seq_lens, tables,
                    recurrent=[(slot, int(f), int(k)) for slot, f, k in zip(rows.slots, rows.fresh, rows.keep)])
-            captured = g.aux.get("pending")
-            for i, state in self.states.items():
-                state.step_rows = rows  # read by the layers when they run (off CUDA, every replay)
-                if captured is not None:  # the captured step's kept inputs, now this step's
-                    captured[i].rows = rows
-                    state.pending = captured[i]
+            self._name_rows(g, rows)
         return g
+
+    def _name_rows(self, g: StepGraph, rows: RecurrentRows) -> None:
+        """Hybrid targets: `rows` are the sequences of graph g's next replay, for every GDN layer."""
+        captured = g.aux.get("pending")
+        for i, state in self.states.items():
+            state.step_rows = rows  # read by the layers when they run (off CUDA, every replay)
+            if captured is not None:  # the captured step's kept inputs, now this step's
+                captured[i].rows = rows
+                state.pending = captured[i]
+
+    def verify_rows(self, g: StepGraph, seqs: list[Sequence], bm: BlockManager) -> None:
+        """Hybrid targets: graph g's next replay verifies `seqs` (each continuing from its state slot,
+        its rows kept for the commit), the sequences past them padding; for a verify launched before
+        the last one is read, whose requests changed (speculative/overlap.py)."""
+        rows = RecurrentRows([bm.slot(s.seq_id) for s in seqs], [False] * len(seqs), [True] * len(seqs))
+        g.fill(recurrent=[(slot, 0, 1) for slot in rows.slots] + [(-1, 0, 0)] * (g.num_seqs - len(seqs)))
+        self._name_rows(g, rows)
 
     def ragged_graph(self, key: tuple, seqs: list[Sequence], tokens: list[list[int]],
                      bm: BlockManager) -> StepGraph | None:

@@ -19,7 +19,8 @@ kept while a step in flight may use them. A hybrid target's recurrent state take
 accepted rows on the device before the next verify is launched (its commit graph, fed the accepted
 counts there). Once requests have left (finished or aborted), the next verify is launched ahead for the
 others all the same: their blocks are gathered on the device into the first rows of the graph for as
-many requests (`_keep_rows`; not for hybrid targets, whose state rows would have to follow). A waiting
+many requests (`_keep_rows`; a hybrid target's recurrent-state slots follow them, ModelRunner.verify_rows,
+and the rows of those that left commit nothing into their freed slots). A waiting
 request whose whole prompt fits one step joins likewise (`_launch_joining`): admitted once the next
 verify is launched, its prefill queued behind it as a step of its own (a ragged graph, the drafter's
 context, the first token chosen on the device), and the verify after that takes its block too, written
@@ -104,7 +105,7 @@ class VerifyOverlap:
         rows = kept_rows(prev.seqs, seqs[: len(seqs) - len(joining)])
         k1, k, bm = prev.plans[0].n, self._verify_count(), eng.block_manager
         if (len(rows) < len(prev.seqs) or joining or k != k1 - 1) and \
-                (eng.runner.hybrid or self._graph_of(prev.graph, len(seqs), self._drawn(seqs), k) is None):
+                self._graph_of(prev.graph, len(seqs), self._drawn(seqs), k) is None:
             return None  # (the requests or the count changed since prev's launch: its rows move to that graph)
         step, n = self.steps + 1, len(seqs)
         if self.pause_at is not None and n >= self.pause_at:
@@ -129,8 +130,13 @@ class VerifyOverlap:
         module's docstring; the graph derives the slots), then its target tokens and acceptance;
         nothing waits for the GPU. A greedy step's post graph already moved the inputs on."""
         g, k1, S = prev.graph, plans[0].n, len(plans)
-        if self.engine.runner.hybrid:  # prev's accepted rows into the recurrent state, on the device
-            self.engine.runner.commit_states_from((prev.accepted + 1).to(torch.int32))
+        runner = self.engine.runner
+        if runner.hybrid:  # prev's accepted rows into the recurrent state, on the device
+            take = (prev.accepted + 1).to(torch.int32)
+            if S < len(prev.plans):  # requests that left since take nothing: their slots are free
+                alive = {id(p.seq) for p in plans}
+                take = take * to_device([int(id(s) in alive) for s in prev.seqs], torch.int32, take.device)
+            runner.commit_states_from(take)
         if not self._greedy_post(prev.plans, g):  # (a greedy step's post graph moved them on already)
             self._next_blocks(g, prev.accepted, prev.toks.view(len(prev.plans), -1))
         joining = prev.joining.seqs if prev.joining is not None else []
@@ -138,6 +144,8 @@ class VerifyOverlap:
             # requests left or joined, or another count: the rows to the graph of S requests and k1 - 1 drafts
             old = [p.seq for p in plans[: S - len(joining)]]
             g = self._keep_rows(g, kept_rows(prev.seqs, old), plans, prev.joining)
+            if runner.hybrid:  # the state slots of the requests kept, in their new rows
+                runner.verify_rows(g, [p.seq for p in plans], self.engine.block_manager)
         g.fill(block_tables=[self.engine.block_manager.table(p.seq.seq_id) for p in plans])
         if g.aux.get("tree"):  # token trees: the same requests again, through the same graph
             return self._tree_flight(plans, g, time.perf_counter(), True)
