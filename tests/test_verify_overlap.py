@@ -97,14 +97,16 @@ def test_no_token_past_a_stop(engines):
     assert overlap.engine.block_manager.num_used_blocks == 0
 
 
-def test_requests_ending_apart_leave_the_others_overlapped(engines, tiny_llama):
+@pytest.mark.parametrize("kind", ["engines", "tree_engines"])
+def test_requests_ending_apart_leave_the_others_overlapped(request, kind, tiny_llama):
     """A request that ends (a stop the launched step could not foresee, or max_tokens) leaves the
     others' next verify launched ahead all the same: their blocks move on the device to the first
-    rows of the same graph (4 -> 3 requests) or of the graph of fewer (3 -> 2 -> 1). Greedy through
-    the post graph, sampled through the eager acceptance; tokens as step by step and plain decoding."""
+    rows of the same graph (4 -> 3 requests) or of the graph of fewer (3 -> 2 -> 1). Chains (greedy
+    through the post graph, sampled through the eager acceptance) and token trees; tokens as step by
+    step and plain decoding."""
     from flashdraft import LLM
 
-    sync, overlap = engines
+    sync, overlap = request.getfixturevalue(kind)
     sp = overlap.engine.spec
     real, shrunk = sp._launch_next_verify, []
 
@@ -134,15 +136,16 @@ def test_requests_ending_apart_leave_the_others_overlapped(engines, tiny_llama):
     assert overlap.engine.block_manager.num_used_blocks == 0
 
 
-def test_requests_joining_behind_a_verify_in_flight(tiny_llama, drafter):
+@pytest.mark.parametrize("tree", [None, 6])
+def test_requests_joining_behind_a_verify_in_flight(tiny_llama, drafter, tree):
     """Two running at most, six requests: each waiting request is admitted while a verify is in flight,
     its whole prompt prefilled by a step of its own queued behind the next verify, and it verifies in
     the step after, launched ahead too (its block's first token the prefill's, on the device). One
-    joiner ends at its first token (max_tokens=1), one at a stop. Greedy and seeded: the tokens are the
-    step-by-step engine's and plain decoding's."""
+    joiner ends at its first token (max_tokens=1), one at a stop. Greedy and seeded, chains and token
+    trees: the tokens are the step-by-step engine's and plain decoding's."""
     from flashdraft import LLM
 
-    sync, overlap = pair(tiny_llama, drafter, max_num_seqs=2)
+    sync, overlap = pair(tiny_llama, drafter, max_num_seqs=2, speculative_tree_size=tree)
     sp = overlap.engine.spec
     real, joined = sp._launch_joining, []
 

@@ -81,6 +81,9 @@ class GraphedSteps:
             runner.capture_graphs(("decode", self.tap_layers), 1, True, runner.attn, self._decode_step, n)
             runner.capture_ragged_graphs(("decode", self.tap_layers), self._decode_step, n,
                                          self.engine.config.max_num_batched_tokens)
+            pair = runner.graphs.get((("dflash-tree", self.tap_layers), 2, self.block_size))
+            if pair is not None:  # the gather of a step launched past a request that left, once now (below)
+                self._keep_rows(pair, [1], [])
             return
         for k in self.draft_counts:  # the whole step verifying k drafts a request (DepthProfile chooses k)
             greedy = self.verify_key("dflash", k)

@@ -147,7 +147,7 @@ class VerifyOverlap:
             if runner.hybrid:  # the state slots of the requests kept, in their new rows
                 runner.verify_rows(g, [p.seq for p in plans], self.engine.block_manager)
         g.fill(block_tables=[self.engine.block_manager.table(p.seq.seq_id) for p in plans])
-        if g.aux.get("tree"):  # token trees: the same requests again, through the same graph
+        if g.aux.get("tree"):  # token trees: their acceptance and moves on the device too
             return self._tree_flight(plans, g, time.perf_counter(), True)
         if self._greedy_post(plans, g):
             g.replay()
@@ -161,10 +161,14 @@ class VerifyOverlap:
     def _graph_of(self, g: StepGraph, n: int, drawn: bool | None = None, k: int | None = None) -> StepGraph | None:
         """The captured graph of g's whole step (its kind, or the one with drafts drawn when `drawn`; its
         draft count, or k) for n requests."""
+        bucket = 1 << (n - 1).bit_length()
+        if g.aux.get("tree"):  # token trees keep g's kind: its requests' temperatures are the step's (tree_step.py)
+            kind = "dflash-tree-sampled" if "draft_temp" in g.extra else "dflash-tree"
+            return self.engine.runner.graphs.get(((kind, self.tap_layers), bucket, self.block_size))
         drawn = "draft_temp" in g.extra if drawn is None else drawn
         k = g.aux["k1"] - 1 if k is None else k
         return self.engine.runner.graphs.get((self.verify_key("dflash-sampled" if drawn else "dflash", k),
-                                              1 << (n - 1).bit_length(), self.block_size))
+                                              bucket, self.block_size))
 
     def _drawn(self, seqs: list[Sequence]) -> bool:
         """Whether a step of these requests draws its drafts (the graph kind _graphed_forward picks)."""
@@ -199,7 +203,8 @@ class VerifyOverlap:
             first[:, 0] = joining.tokens
         to.fill(query_start_loc=[i * B for i in range(S + 1)])
         if "draft_temp" in to.extra:
-            to.fill(draft_temp=[float(p.seq.params.temperature) for p in plans], draft_seed=[p.seq.seed for p in plans])
+            to.fill(draft_temp=[float(p.seq.params.temperature) if self._draws(p.seq) else 0.0 for p in plans],
+                    draft_seed=[p.seq.seed for p in plans])
         return to
 
     def _may_join(self, seq: Sequence) -> bool:
