@@ -28,8 +28,9 @@ into the graph beside the others' (its prompt's end, the prefill's token first).
 count differs from the in-flight one's (the profile chose another, gate.py) is launched ahead the same
 way: every count's graph holds whole blocks, so the blocks move to the graph of the new count. A token
 tree step (tree_step.py) stays in flight too: its acceptance and the accepted rows' K/V moves run on the
-device, and the next tree step of the same requests starts at its accepted path's end, its first token
-the target's token there (read as a chain's: the tokens along the path stand in for the verify rows').
+device, and the next tree step starts at each accepted path's end, its first token the target's token
+there (read as a chain's: the tokens along the path stand in for the verify rows'), its blocks moved to
+the tree graph of another bucket when requests left or joined.
 Steps the graphs do not cover (ragged steps, the per-request gate) run as before, one at a time, and so
 does the step after a probe of the step gate (gate.py): launching a verify behind a probe that then
 pauses drafting would cost a whole DFlash step where the probe's read costs the host's time.
