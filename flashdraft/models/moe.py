@@ -91,11 +91,12 @@ class MoE(nn.Module):
         return ("silu",) if self.act is F.silu else None
 
     def route_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """route() on the fused path: the router GEMM (few-row Triton kernels) and one top-k kernel."""
+        """route() on the fused path: the router GEMM (few-row Triton kernels; a split-K one leaves its
+        parts to the top-k kernel, which adds them) and one top-k kernel."""
         from flashdraft.models.moe_triton import route_topk
         from flashdraft.models.transformer import linear
 
-        return route_topk(linear(x, self.gate.weight), self.top_k, True, self.norm_topk_prob)
+        return route_topk(linear(x, self.gate.weight, parts=True), self.top_k, True, self.norm_topk_prob, x.dtype)
 
     def forward_fused(self, x: torch.Tensor, slots: bool = False) -> torch.Tensor:
         """The kernel path: [T, H], or with slots the k weighted expert outputs [T, k, H] for the next

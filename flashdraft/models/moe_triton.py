@@ -163,14 +163,22 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, y_ptr, rows_ptr, block_expert_ptr, weight_
 
 @triton.jit
 def _topk_kernel(logits_ptr, w_ptr, idx_ptr, E, stride, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                 SOFTMAX_ALL: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
+                 SOFTMAX_ALL: tl.constexpr, NORM: tl.constexpr, PARTS: tl.constexpr, USE_PDL: tl.constexpr):
     """One token's routing from its router logits: SOFTMAX_ALL (Qwen3-MoE) the top-k of the softmax over
     every expert, renormalised over the k when NORM; else (GPT-OSS) the softmax over the top-k logits.
-    Ties go to the lower expert index."""
+    Ties go to the lower expert index. PARTS > 0: the logits come as a split-K router GEMM's float32
+    parts [PARTS, E] a token, added here in slot order and rounded to the weights' dtype, as the GEMM's
+    own last program would have (skinny.py)."""
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     e = tl.arange(0, EP)
-    vals = tl.load(logits_ptr + t * stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
+    if PARTS > 0:
+        vals = tl.load(logits_ptr + t * stride + e, mask=e < E, other=0.0)
+        for j in tl.static_range(1, PARTS):
+            vals += tl.load(logits_ptr + t * stride + j * E + e, mask=e < E, other=0.0)
+        vals = tl.where(e < E, vals.to(w_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+    else:
+        vals = tl.load(logits_ptr + t * stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
     if SOFTMAX_ALL:
         z = tl.exp(vals - tl.max(vals, axis=0))
         vals = z / tl.sum(z, axis=0)
@@ -198,15 +206,21 @@ def _topk_kernel(logits_ptr, w_ptr, idx_ptr, E, stride, K: tl.constexpr, KP: tl.
     tl.store(idx_ptr + t * K + j, ids.to(tl.int64), mask=j < K)
 
 
-def route_topk(logits: torch.Tensor, k: int, softmax_all: bool, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(logits: torch.Tensor, k: int, softmax_all: bool, norm: bool,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k] in the logits' dtype, expert ids [T, k]), one program a
-    token (see _topk_kernel), as models/moe.py routes with torch ops."""
-    T, E = logits.shape
-    w = torch.empty(T, k, device=logits.device, dtype=logits.dtype)
+    token (see _topk_kernel), as models/moe.py routes with torch ops. Logits may also come as a split-K
+    GEMM's float32 parts [T, P, E] (skinny_linear(parts=True)): their sum, rounded to `dtype`, is used,
+    and the weights come in `dtype`."""
+    parts = logits.shape[1] if logits.dim() == 3 else 0
+    if parts and (dtype is None or logits.dtype != torch.float32 or not logits.is_contiguous()):
+        raise ValueError("router parts need float32 [T, P, E] contiguous and the dtype to round their sum to")
+    T, E = logits.shape[0], logits.shape[-1]
+    w = torch.empty(T, k, device=logits.device, dtype=dtype if parts else logits.dtype)
     idx = torch.empty(T, k, device=logits.device, dtype=torch.int64)
     _topk_kernel[(T,)](logits, w, idx, E, logits.stride(0), K=k, KP=triton.next_power_of_2(k),
-                       EP=max(16, triton.next_power_of_2(E)), SOFTMAX_ALL=softmax_all, NORM=norm, num_warps=1,
-                       **launch_kwargs(logits))
+                       EP=max(16, triton.next_power_of_2(E)), SOFTMAX_ALL=softmax_all, NORM=norm, PARTS=parts,
+                       num_warps=1, **launch_kwargs(logits))
     return w, idx
 
 

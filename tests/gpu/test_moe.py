@@ -78,6 +78,26 @@ def test_fused_routing_matches_torch(family, norm, T, E, k):
     torch.testing.assert_close(fw, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("T", [1, 5, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_router_parts_route_as_the_merged_logits(T, dtype):
+    """A router GEMM split over K (Qwen3-30B-A3B's 128 x 2,048) leaves its float32 parts to the top-k
+    kernel, which adds them in slot order and rounds them as the GEMM's own last program does: the
+    same experts and weights, bit for bit, as top-k over the GEMM's merged logits."""
+    from flashdraft.models import skinny
+    from flashdraft.models.moe_triton import route_topk
+
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 2048, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(128, 2048, generator=g) * 0.05).to(DEVICE, dtype)
+    parts = skinny.skinny_linear(x, w, parts=True)
+    assert parts.shape == (T, 2, 128) and parts.dtype == torch.float32  # the split the rule picks
+    for softmax_all, norm in ((True, True), (True, False), (False, False)):
+        want = route_topk(skinny.skinny_linear(x, w), 8, softmax_all, norm)
+        got = route_topk(parts, 8, softmax_all, norm, dtype)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
 @pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 8, 2), (16, 6, 3), (70, 8, 2), (5, 4, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
