@@ -31,6 +31,11 @@ def engines(tiny_llama, drafter):
     return pair(tiny_llama, drafter)
 
 
+@pytest.fixture(scope="module")
+def tree_engines(tiny_llama, drafter):
+    return pair(tiny_llama, drafter, speculative_tree_size=6)
+
+
 def outputs(llm, prompts, params):
     return [(o.token_ids, o.finish_reason, o.text, o.metrics.get("acceptance_histogram"))
             for o in llm.generate(prompts, params)]
@@ -56,12 +61,15 @@ def oracle(llm, futures: dict[tuple, list[int]]):
     sp._draft_tokens = drafts
 
 
-def test_overlapped_verify_equals_sync_greedy_and_sampled(engines, tiny_llama):
+@pytest.mark.parametrize("kind", ["engines", "tree_engines"])
+def test_overlapped_verify_equals_sync_greedy_and_sampled(request, kind, tiny_llama):
     """Both engines against each other (tokens, finish reasons, text, acceptance) and against plain
-    decoding (tokens: seeded requests draw the same noise at every position on either path)."""
+    decoding (tokens: seeded requests draw the same noise at every position on either path), chains
+    and token trees (the next tree step launched on the in-flight one's outcome: its accepted path's
+    last token and length, its rows' K/V already moved on the device)."""
     from flashdraft import LLM
 
-    sync, overlap = engines
+    sync, overlap = request.getfixturevalue(kind)
     plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
     greedy = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 21, 11, 1)]
     sampled = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=n, seed=7 + n, ignore_eos=True)
@@ -79,10 +87,11 @@ def test_overlapped_verify_equals_sync_greedy_and_sampled(engines, tiny_llama):
     assert overlap.engine.block_manager.num_used_blocks == 0
 
 
-def test_no_token_past_a_stop(engines):
+@pytest.mark.parametrize("kind", ["engines", "tree_engines"])
+def test_no_token_past_a_stop(request, kind):
     """A request that stops inside step N's block had a block in step N+1 (launched before N was read):
     none of it is committed, and the other requests go on exactly as without overlap."""
-    sync, overlap = engines
+    sync, overlap = request.getfixturevalue(kind)
     base = sync.generate([PROMPTS[2]], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
     for at in (5, 6, 7, 13):
         params = [SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[base[at]]),
@@ -259,42 +268,6 @@ def test_a_shorter_verify_than_the_block(tiny_llama, drafter):
         params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n) for n in (9, 23, 14, 5)]
         assert outputs(overlap, PROMPTS, params) == outputs(sync, PROMPTS, params)
     assert overlap.engine.stats["num_overlapped_steps"] > 10
-    assert overlap.engine.block_manager.num_used_blocks == 0
-
-
-@pytest.fixture(scope="module")
-def tree_engines(tiny_llama, drafter):
-    return pair(tiny_llama, drafter, speculative_tree_size=6)
-
-
-def test_overlapped_tree_steps_equal_sync(tree_engines, tiny_llama):
-    """Token trees: the next tree step launched on the in-flight one's outcome (its accepted path's
-    last token and length, its rows' K/V already moved on the device) commits what the step-by-step
-    engine commits, greedy, sampled and mixed, stops included, and plain decoding's tokens."""
-    from flashdraft import LLM
-
-    sync, overlap = tree_engines
-    plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
-    greedy = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 21, 11, 1)]
-    sampled = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=n, seed=7 + n, ignore_eos=True)
-               for n in (9, 2, 17, 25)]
-    mixed = [SamplingParams(temperature=t, max_tokens=n, seed=n, ignore_eos=True)
-             for t, n in ((0, 14), (0.8, 19), (0, 6), (1.2, 22))]
-    before = overlap.engine.stats["num_overlapped_steps"]
-    for params in (greedy, sampled, mixed):
-        got = outputs(overlap, PROMPTS, params)
-        assert got == outputs(sync, PROMPTS, params)
-        assert [g[0] for g in got] == [o.token_ids for o in plain.generate(PROMPTS, params)]
-    assert overlap.engine.stats["num_overlapped_steps"] - before > 10, "tree steps were meant to overlap"
-    assert sync.engine.stats["num_overlapped_steps"] == 0
-    assert overlap.engine.spec_totals() == sync.engine.spec_totals()
-    base = sync.generate([PROMPTS[2]], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
-    for at in (4, 9):
-        params = [SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[base[at]]),
-                  SamplingParams(max_tokens=30, ignore_eos=True)]
-        got = outputs(overlap, [PROMPTS[2], PROMPTS[0]], params)
-        assert got == outputs(sync, [PROMPTS[2], PROMPTS[0]], params)
-        assert got[0][0] == base[: base.index(base[at]) + 1] and got[0][1] == "stop"
     assert overlap.engine.block_manager.num_used_blocks == 0
 
 

@@ -87,8 +87,14 @@ def overlap_on_and_off(target, draft: str, temps: tuple, **kw) -> tuple[list, li
               for n, t, s in zip((6, 30, 25, 17), temps + (0.0,), ([], [], [stop], []))]
     outs, overlapped = [], []
     for a in (False, True):
-        llm = LLM(str(target), draft=draft, device=DEVICE, dtype="float32", kv_block_size=8, async_scheduling=a,
-                  speculative_min_acceptance_length=None, **kw)
+        cfg = dict(draft=draft, device=DEVICE, dtype="float32", kv_block_size=8, async_scheduling=a,
+                   speculative_min_acceptance_length=None, **kw)
+        if INTERPRET:  # the CPU graph harness: eager replays of the static buffers through the kernels
+            from test_graphs import _graphed_llm
+
+            llm = _graphed_llm(str(target), {"attention_backend": "torch", "max_num_seqs": 8, **cfg})[0]
+        else:
+            llm = LLM(str(target), **cfg)
         outs.append([(o.token_ids, o.finish_reason, o.metrics["acceptance_histogram"])
                      for o in llm.generate(prompts, params)])
         overlapped.append(llm.engine.stats["num_overlapped_steps"])
@@ -419,32 +425,17 @@ def test_steps_of_fewer_drafts_through_their_own_graphs(tiny_llama, tmp_path, mo
         assert llm.engine.block_manager.num_used_blocks == 0
 
 
-@pytest.mark.skipif(INTERPRET, reason="real graphs and the GDN kernels")
 @pytest.mark.parametrize("temps", [(0.0, 0.0, 0.0), (1.0, 0.0, 0.7)])
-def test_overlapped_verify_of_a_hybrid_target(tmp_path, temps):
+def test_overlapped_verify_of_a_hybrid_target(tmp_path, monkeypatch, temps):
     """A hybrid target's verify stays in flight too: the next one is launched right after the in-flight
     one's accepted rows are committed into the recurrent state from the device (its commit graph fed the
-    accepted counts on the device, ModelRunner.commit_states_from). The same tokens, finish reasons and
-    acceptance as the step-by-step engine, and plain decoding's tokens (float32), stops included."""
+    accepted counts on the device, ModelRunner.commit_states_from), also once requests have finished:
+    the kept requests' blocks move to the graph for fewer requests with their state slots
+    (ModelRunner.verify_rows), and those that left commit nothing into their freed slots. The same
+    tokens, finish reasons and acceptance as the step-by-step engine, and plain decoding's tokens
+    (float32), stops included."""
     from fixtures import build_random_drafter, build_tiny_model
 
-    folder = build_tiny_model(tmp_path / "t", "qwen3_5_text")
-    draft = str(build_random_drafter(tmp_path / "d", folder, block_size=4))
-    outs, overlapped, want = overlap_on_and_off(folder, draft, temps)
-    assert outs[0] == outs[1] and [o[0] for o in outs[1]] == want
-    assert overlapped[0] == 0 and overlapped[1] > 10, overlapped
-
-
-@pytest.mark.parametrize("temps", [(0.0, 0.0, 0.0), (1.0, 0.0, 0.7)])
-def test_hybrid_verifies_overlap_as_requests_leave(tmp_path, monkeypatch, temps):
-    """A hybrid target's next verify is launched ahead after requests finished too: the kept requests'
-    blocks move to the graph for fewer requests with their recurrent-state slots (ModelRunner.verify_rows),
-    and those that left commit nothing into their freed slots. The same tokens, finish reasons and
-    acceptance as the step-by-step engine, and plain decoding's tokens (float32), stops included."""
-    from fixtures import build_random_drafter, build_tiny_model
-    from test_graphs import _graphed_llm
-
-    from flashdraft import LLM, SamplingParams
     from flashdraft.engine.model_runner import ModelRunner
 
     folder = build_tiny_model(tmp_path / "t", "qwen3_5_text")
@@ -453,25 +444,7 @@ def test_hybrid_verifies_overlap_as_requests_leave(tmp_path, monkeypatch, temps)
     real = ModelRunner.verify_rows
     monkeypatch.setattr(ModelRunner, "verify_rows", lambda self, g, seqs, bm: moved.append(len(seqs))
                         or real(self, g, seqs, bm))
-    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12]]
-    base = LLM(str(folder), draft=None, device=DEVICE, dtype="float32", kv_block_size=8)
-    stop = base.generate([prompts[2]], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids[9]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n, stop_token_ids=s)
-              for n, t, s in zip((6, 30, 25, 13), temps + (0.0,), ([], [], [stop], []))]
-    outs, overlapped = [], []
-    for a in (False, True):
-        kw = dict(draft=draft, device=DEVICE, dtype="float32", kv_block_size=8, async_scheduling=a,
-                  speculative_min_acceptance_length=None)
-        if INTERPRET:  # the CPU graph harness: eager replays of the static buffers through the kernels
-            kw.update(attention_backend="torch", max_num_seqs=8)
-            llm = _graphed_llm(str(folder), kw)[0]
-        else:
-            llm = LLM(str(folder), **kw)
-        outs.append([(o.token_ids, o.finish_reason, o.metrics["acceptance_histogram"])
-                     for o in llm.generate(prompts, params)])
-        overlapped.append(llm.engine.stats["num_overlapped_steps"])
-        assert llm.engine.block_manager.num_used_blocks == 0
-    assert outs[0] == outs[1]
-    assert [o[0] for o in outs[1]] == [o.token_ids for o in base.generate(prompts, params)]
+    outs, overlapped, want = overlap_on_and_off(folder, draft, temps)
+    assert outs[0] == outs[1] and [o[0] for o in outs[1]] == want
     assert overlapped[0] == 0 and overlapped[1] > 10, overlapped
     assert moved and min(moved) < 4, moved  # launched ahead for fewer requests than the step before
