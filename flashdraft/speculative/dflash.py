@@ -116,7 +116,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         # in the order they ran: the cache holds then what writing each step at once would have left.
         # While the step gate pauses drafts, most of it is never needed: the rows of requests that
         # end before the next draft are dropped once no request is left (step()). On CUDA every
-        # step writes at once (in its graph, where it has one).
+        # step writes at once (in its graph, where it has one), and so does every step while graphs
+        # run off CUDA (the tests' graph harness): a graph's drafter reads the cache as it stands.
         self._defer_context = engine.device.type != "cuda"
         self._context: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # taps, positions, slots
         self._context_bytes = 0
@@ -224,8 +225,9 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
 
     # ---- the drafter's context ----------------------------------------------------------------
     def _write_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """The context K/V of a step's rows (their taps) at `slots`: now on CUDA, else when next needed."""
-        if not self._defer_context:
+        """The context K/V of a step's rows (their taps) at `slots`: now on CUDA or with graphs, else when
+        next needed."""
+        if not self._defer_context or self.engine.runner.use_graphs:
             self._store_context(taps, positions, slots)
             return
         self._context.append((taps, positions, slots))
@@ -322,8 +324,6 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         from flashdraft.engine.engine import InFlight  # the engine module imports this one
 
         eng, runner = self.engine, self.engine.runner
-        if runner.use_graphs:  # (off CUDA, tests) eager steps' context rows go in before a graph's own
-            self._flush_context()
         out = runner.graphed(("decode", self.tap_layers), seqs, tokens, eng.block_manager, True, runner.attn,
                              self._decode_step, input_ids=ids)
         if out is not None:
@@ -427,8 +427,6 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         tokens = [p.seq.token_ids[-1:] + [self.mask_token_id] * (p.n - 1) if p.verify else
                   p.seq.token_ids[p.seq.num_computed_tokens:][:p.n] for p in plans]
         if not self.poison_rejected:
-            if runner.use_graphs:  # (off CUDA, tests) eager steps' context rows go in before a graph's own
-                self._flush_context()
             out = self._graphed_forward(plans, tokens)
             if out is not None:
                 return out

@@ -88,7 +88,6 @@ class TreeSteps:
         if sampled:
             g.fill(draft_temp=[float(s.params.temperature) if self._draws(s) else 0.0 for s in seqs],
                    draft_seed=[s.seed for s in seqs])
-        self._flush_context()  # (off CUDA) eager steps' context rows go in before the graph's own
         self._verify_graph = g
         return self._tree_flight(plans, g, self._step_start, self._step_whole)
 
