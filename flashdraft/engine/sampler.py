@@ -163,6 +163,16 @@ def _perturbed(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Ten
     return vals / temperature.clamp_min(1e-6)[:, None] + noise, cand
 
 
+def _top_log_probs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.log_softmax(-1).topk(k) of a [N, V] float32 x: on the fused GPU path the two Triton kernels of
+    fused_tokens.topk_log_softmax (ties to the lower column; torch leaves their order open)."""
+    if x.numel() and fused_enabled(x):
+        from flashdraft.models import fused_tokens
+
+        return fused_tokens.topk_log_softmax(x, k)
+    return x.log_softmax(-1).topk(k, dim=-1)
+
+
 def draw_candidates(logits: torch.Tensor, k: int, temperature: torch.Tensor | None = None,
                     seeds: torch.Tensor | None = None,
                     positions: torch.Tensor | None = None,
@@ -172,10 +182,10 @@ def draw_candidates(logits: torch.Tensor, k: int, temperature: torch.Tensor | No
     temperature, or T = 0) rank by the drafter's distribution; sampled rows by the draw draw_drafts makes
     (logits / T plus the noise the target will draw that position's token with), scored by the softmax
     of those perturbed values, so the first candidate is the drawn draft."""
-    logp, cand = logits.log_softmax(-1).topk(min(k, logits.shape[-1]), dim=-1)
+    logp, cand = _top_log_probs(logits, min(k, logits.shape[-1]))
     if temperature is None:
         return logp, cand
     perturbed, cols = _perturbed(logits, temperature, seeds, positions, token_ids)
-    p_logp, p_idx = perturbed.log_softmax(-1).topk(min(k, cols.shape[1]), dim=-1)
+    p_logp, p_idx = _top_log_probs(perturbed, min(k, cols.shape[1]))
     hot = (temperature > 0)[:, None]
     return torch.where(hot, p_logp, logp), torch.where(hot, cols.gather(1, p_idx), cand)

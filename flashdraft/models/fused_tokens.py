@@ -4,6 +4,9 @@ embedding lookup, the greedy argmax over the vocabulary and the DFlash acceptanc
     embedding           weight[ids] (few rows: torch's index_select     (token, 1024 columns)
                         takes ~14 us for 16 rows on an H100, this ~2)
     argmax              greedy token of each logits row                 (row, part), then per row
+    topk_log_softmax    a token tree's candidates: the k best entries    (row, part), then per row
+                        of each row and their log-probabilities (torch:
+                        a softmax and a radix select, ~17 kernels)
     accepted_lengths    DFlash acceptance: leading drafts equal to the    one program per request
                         target's tokens (torch: eq, cast, cumprod, sum)
 
@@ -22,6 +25,8 @@ EMBED_BLOCK = 1024  # columns per embedding program
 ARGMAX_BLOCK = 1024  # entries per argmax step (lanes x values per lane)
 ARGMAX_MAX_PARTS = 64
 ACCEPT_BLOCK = 16  # draft slots per program at least: one compiled variant for blocks up to 17
+TOPK_CHUNK = 2048  # entries of a row per top-k program (held in registers)
+TOPK_MAX_PARTS = 128  # a row's parts merged by one program: rows of up to 262,144 entries
 
 
 @triton.jit
@@ -81,6 +86,73 @@ def _accept_kernel(d_ptr, t_ptr, out_ptr, k, stride_d, stride_t, BLOCK: tl.const
     tl.store(out_ptr + s, tl.min(tl.where((j < k) & (d != t), j, k), 0).to(tl.int64))  # first mismatch, or k
 
 
+@triton.jit
+def _order_key(v, col):
+    """float32 v and its column -> int64 keys whose order is (v, then the lower column) descending:
+    v's bits made monotonic as a signed int32 (negative floats flip their magnitude bits), the column
+    stored inverted below them. Distinct columns give distinct keys."""
+    bits = v.to(tl.int32, bitcast=True)
+    mono = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return (mono.to(tl.int64) << 32) | (0x7FFFFFFF - col).to(tl.int64)
+
+
+@triton.jit
+def _key_value(key):
+    mono = (key >> 32).to(tl.int32)
+    return tl.where(mono >= 0, mono, mono ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["n", "stride_x"])
+def _topk_part_kernel(x_ptr, key_ptr, stat_ptr, n, stride_x, K: tl.constexpr, KP: tl.constexpr,
+                      CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (row, part): the K best entries of x[row, part * CHUNK : (part + 1) * CHUNK] as
+    order keys, and the chunk's max and sum of exp(x - max)."""
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    col = part * CHUNK + tl.arange(0, CHUNK)
+    v = tl.load(x_ptr + row * stride_x + col, mask=col < n, other=float("-inf")).to(tl.float32)
+    top = tl.max(v, 0)
+    total = tl.sum(tl.where(col < n, tl.exp(v - top), 0.0), 0)
+    key = tl.where(col < n, _order_key(v, col), -9223372036854775807 - 1)
+    j = tl.arange(0, KP)
+    best = tl.full([KP], -9223372036854775807 - 1, tl.int64)
+    for i in range(K):
+        m = tl.max(key, 0)
+        best = tl.where(j == i, m, best)
+        key = tl.where(key == m, -9223372036854775807 - 1, key)
+    pdl_trigger(USE_PDL)
+    at = row * tl.num_programs(1) + part
+    tl.store(key_ptr + at * K + j, best, mask=j < K)
+    tl.store(stat_ptr + at * 2, top)
+    tl.store(stat_ptr + at * 2 + 1, total)
+
+
+@triton.jit(do_not_specialize=["parts"])
+def _topk_final_kernel(key_ptr, stat_ptr, logp_ptr, idx_ptr, parts, K: tl.constexpr, KP: tl.constexpr,
+                       BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr):
+    """One row: the K best of its parts' keys, best first, as log-probabilities (x - logsumexp) and
+    columns; the logsumexp from the parts' maxima and sums."""
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK)
+    key = tl.load(key_ptr + row * parts * K + e, mask=e < parts * K, other=-9223372036854775807 - 1)
+    p = tl.arange(0, BLOCK_P)
+    m = tl.load(stat_ptr + (row * parts + p) * 2, mask=p < parts, other=float("-inf"))
+    t = tl.load(stat_ptr + (row * parts + p) * 2 + 1, mask=p < parts, other=0.0)
+    top = tl.max(m, 0)
+    lse = top + tl.log(tl.sum(tl.where(p < parts, t * tl.exp(m - top), 0.0), 0))
+    j = tl.arange(0, KP)
+    best = tl.full([KP], 0, tl.int64)
+    for i in range(K):
+        b = tl.max(key, 0)
+        best = tl.where(j == i, b, best)
+        key = tl.where(key == b, -9223372036854775807 - 1, key)
+    pdl_trigger(USE_PDL)
+    tl.store(logp_ptr + row * K + j, _key_value(best) - lse, mask=j < K)
+    tl.store(idx_ptr + row * K + j, 0x7FFFFFFF - (best & 0xFFFFFFFF), mask=j < K)
+
+
 # ---- wrappers -------------------------------------------------------------------------------------
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """weight[ids]: ids [...] of in-range token ids (the engine validates prompts; sampled and
@@ -135,3 +207,31 @@ def accepted_lengths(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor
         _accept_kernel[(S,)](drafts, target, out, k, drafts.stride(0), target.stride(0),
                              BLOCK=max(ACCEPT_BLOCK, triton.next_power_of_2(k)), num_warps=1)
     return out
+
+
+def topk_log_softmax(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.float().log_softmax(-1).topk(k) for a 2-D x [rows, n] of finite values, n <= 262,144:
+    ([rows, k] float32 best first, [rows, k] int64 columns), ties to the lower column (torch.topk
+    leaves their order open). Each row is cut into parts of TOPK_CHUNK entries (the part's k best
+    and its softmax sums), then one program per row merges them: two kernels where torch launches a
+    softmax and a radix select of ~16."""
+    if x.dim() != 2 or not 1 <= k <= x.shape[1]:
+        raise ValueError(f"topk_log_softmax takes [rows, n] and 1 <= k <= n, got {tuple(x.shape)} and k={k}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, n = x.shape
+    parts = -(-n // TOPK_CHUNK)
+    if parts > TOPK_MAX_PARTS:
+        raise ValueError(f"topk_log_softmax takes rows of at most {TOPK_MAX_PARTS * TOPK_CHUNK} entries, got {n}")
+    logp = torch.empty(rows, k, device=x.device, dtype=torch.float32)
+    idx = torch.empty(rows, k, device=x.device, dtype=torch.int64)
+    if rows:
+        keys = torch.empty(rows, parts, k, device=x.device, dtype=torch.int64)
+        stats = torch.empty(rows, parts, 2, device=x.device, dtype=torch.float32)
+        kw, kp = launch_kwargs(x), triton.next_power_of_2(k)
+        _topk_part_kernel[(rows, parts)](x, keys, stats, n, x.stride(0), K=k, KP=kp, CHUNK=TOPK_CHUNK,
+                                         num_warps=8, **kw)
+        _topk_final_kernel[(rows,)](keys, stats, logp, idx, parts, K=k, KP=kp,
+                                    BLOCK=triton.next_power_of_2(parts * k), BLOCK_P=triton.next_power_of_2(parts),
+                                    num_warps=4, **kw)
+    return logp, idx

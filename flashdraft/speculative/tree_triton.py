@@ -110,11 +110,11 @@ def build_trees(logp: torch.Tensor, tokens: torch.Tensor, size: int) -> Trees:
         raise ValueError(f"a tree of {size} nodes needs more than 64 mask bits")
     logp, tokens = logp.contiguous(), tokens.contiguous()
     dev = logp.device
-    tok = torch.zeros(S, size, dtype=tokens.dtype, device=dev)
-    par = torch.zeros(S, size, dtype=torch.long, device=dev)
-    dep = torch.zeros(S, size, dtype=torch.long, device=dev)
-    valid = torch.zeros(S, size, dtype=torch.bool, device=dev)
-    masks = torch.zeros(S, size + 1, dtype=torch.long, device=dev)
+    tok = torch.empty(S, size, dtype=tokens.dtype, device=dev)  # the kernel writes every entry
+    par = torch.empty(S, size, dtype=torch.long, device=dev)
+    dep = torch.empty(S, size, dtype=torch.long, device=dev)
+    valid = torch.empty(S, size, dtype=torch.bool, device=dev)
+    masks = torch.empty(S, size + 1, dtype=torch.long, device=dev)
     if S:
         _build_kernel[(S,)](logp, tokens, tok, par, dep, valid.view(torch.int8), masks, D=D, K=K, N=size,
                             NP=triton.next_power_of_2(size), FP=triton.next_power_of_2(2 * size + 1), num_warps=1)
@@ -166,12 +166,12 @@ def accept_paths(trees: Trees, target: torch.Tensor, start: torch.Tensor | None 
     [S, D] each, -1 where nothing moves."""
     S, N = trees.tokens.shape
     D, dev = trees.max_depth, target.device
-    a = torch.zeros(S, dtype=torch.long, device=dev)
-    path = torch.zeros(S, D + 1, dtype=torch.long, device=dev)
-    commit = torch.zeros(S, D + 1, dtype=target.dtype, device=dev)
+    a = torch.empty(S, dtype=torch.long, device=dev)  # the kernel writes every entry
+    path = torch.empty(S, D + 1, dtype=torch.long, device=dev)
+    commit = torch.empty(S, D + 1, dtype=target.dtype, device=dev)
     moves = start is not None
-    src = torch.full((S, D), -1, dtype=torch.long, device=dev) if moves else a
-    dst = torch.full((S, D), -1, dtype=torch.long, device=dev) if moves else a
+    src = torch.empty(S, D, dtype=torch.long, device=dev) if moves else a
+    dst = torch.empty(S, D, dtype=torch.long, device=dev) if moves else a
     if S:
         bt = block_tables if moves else a
         _accept_kernel[(S,)](trees.tokens, trees.parents, trees.depths, trees.valid.view(torch.int8), trees.masks(),

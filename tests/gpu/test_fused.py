@@ -450,6 +450,34 @@ def test_argmax(rows, n, dtype):
         fused_tokens.argmax(x.view(-1))
 
 
+@pytest.mark.parametrize("rows,n,k", [(7, 49152, 15), (3, 2049, 7), (2, 300, 15), (1, 5, 5), (4, 151936, 3)])
+def test_topk_log_softmax(rows, n, k):
+    """fused_tokens.topk_log_softmax against torch's log_softmax + topk in float64: the same
+    log-probabilities, the same columns where values differ, ties to the lower column (the largest
+    value twice in row 0, once at a part's edge), values spanning a part boundary; the tree
+    sampler's candidates through it."""
+    from flashdraft.engine.sampler import draw_candidates
+
+    g = torch.Generator().manual_seed(rows * n + k)
+    x = torch.randn(rows, n, generator=g, dtype=torch.float64) * 4
+    top = float(x.max()) + 1
+    x[0, min(n - 1, 2047)] = top
+    x[0, min(n - 1, 2047) - 1] = top  # a tie: the lower column first
+    x32 = x.float().to(DEVICE)
+    want_lp, want_ix = x.float().double().log_softmax(-1).topk(k)
+    lp, ix = fused_tokens.topk_log_softmax(x32, k)
+    assert lp.dtype == torch.float32 and ix.dtype == torch.int64 and lp.shape == ix.shape == (rows, k)
+    torch.testing.assert_close(lp.double().cpu(), want_lp, atol=2e-5, rtol=0)
+    assert torch.equal(x32.cpu().gather(1, ix.cpu()), x.float().gather(1, want_ix))  # the same values, in order
+    assert ix[0, :2].tolist() == [min(n - 1, 2047) - 1, min(n - 1, 2047)]
+    assert (ix.cpu() == want_ix)[:, 2:].all() or n == 5  # distinct values: the same columns
+    with fused_mode("on"), torch.no_grad():
+        c_lp, c_ix = draw_candidates(x32, k)
+    assert torch.equal(c_ix, ix) and torch.equal(c_lp, lp)
+    with pytest.raises(ValueError, match="topk_log_softmax takes"):
+        fused_tokens.topk_log_softmax(x32, n + 1)
+
+
 @pytest.mark.parametrize("S,k", [(1, 15), (5, 3), (32, 15), (3, 1), (2, 20)])
 def test_accepted_lengths(S, k):
     """The acceptance kernel against the torch rule on [S, k] drafts whose first mismatch sits
