@@ -50,6 +50,9 @@ MODEL_SHAPES = {
     # the MoE targets' dense GEMMs (attention and router; their experts: the moe section)
     "qwen3-30b-a3b": {"qkv": (5120, 2048), "o": (2048, 4096), "router": (128, 2048)},
     "gpt-oss-20b": {"qkv": (5120, 2880), "o": (2880, 4096), "router": (32, 2880)},
+    # the shipped pair's target (SmolLM2-135M) and drafter: verify and draft blocks of 8 rows a request
+    "smollm2-135m": {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+                     "fc": (576, 2880)},
 }
 TINY_SHAPES = {"qkv": (192, 128), "gate_up": (256, 128), "down": (128, 256)}
 # the moe section: (experts, routed per token, hidden, expert width, biases) of fused_moe
@@ -84,13 +87,26 @@ def dot_configs(tiny: bool, quick: bool = False):
     return out
 
 
-def glu_configs(tiny: bool, M: int):
+def glu_configs(tiny: bool, M: int, mid: bool = False):
     """{} = the tile rules; then explicit (block_n, block_k, warps, stages) per strip."""
     if tiny or M == 1:
         return [{}]
+    mpad = max(16, triton.next_power_of_2(M))
+    bks, stages = ((64, 128), (3, 4)) if mid else ((128, 256), (3, 4, 5))
     return [{}] + [dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st)
-                   for bn, bk, st in itertools.product((16, 32), (128, 256), (3, 4, 5))
-                   if st * (2 * bn + (16 if M <= 16 else 32)) * bk * 2 <= 220 * 1024]
+                   for bn, bk, st in itertools.product((16, 32), bks, stages)
+                   if st * (2 * bn + mpad) * bk * 2 <= 220 * 1024]
+
+
+def mid_configs(N: int, K: int, M: int):
+    """--mid: (block_n, block_k, warps, stages, split) for verify blocks of 33-256 rows, where the
+    x^T tile is as wide as the weight strip: narrower strips and split-K for more programs."""
+    mpad = max(16, triton.next_power_of_2(M))
+    out = []
+    for bn, bk, st, sp in itertools.product((16, 32, 64), (64, 128), (3, 4), (1, 2, 3)):
+        if K % (sp * bk) == 0 and N % bn == 0 and st * (bn + mpad) * bk * 2 <= 220 * 1024:
+            out.append(dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st, split=sp))
+    return out
 
 
 class Sweep:
@@ -130,24 +146,32 @@ class Sweep:
                 if M == 1 and not self.args.quick:
                     cands += [("gemv", c, lambda i, c=c, x=x, w=ws: skinny.gemv(x, w[i % len(w)], **c))
                               for c in gemv_configs(self.args.tiny)]
-                cands += [("dot", c, lambda i, c=c, x=x, w=ws: skinny.dot(x, w[i % len(w)], **c))
-                          for c in dot_configs(self.args.tiny, self.args.quick)]
+                if self.args.mid:
+                    cands += [("dot", c, lambda i, c=c, x=x, w=ws: skinny.dot(x, w[i % len(w)], **c))
+                              for c in mid_configs(N, K, M)]
+                else:
+                    cands += [("dot", c, lambda i, c=c, x=x, w=ws: skinny.dot(x, w[i % len(w)], **c))
+                              for c in dot_configs(self.args.tiny, self.args.quick)]
                 # what the model runs: the tile rules of skinny._dot_tiles (and _dot_split), and those
                 # tiles with K split over 1-4 programs a strip
                 cands += [("rules", {}, lambda i, x=x, w=ws: skinny.skinny_linear(x, w[i % len(w)]))]
                 cands += [("parts", {}, lambda i, x=x, w=ws: skinny.skinny_linear(x, w[i % len(w)], parts=True))]
                 cands += [("split", {"split": sp}, lambda i, sp=sp, x=x, w=ws: skinny.skinny_linear(
                     x, w[i % len(w)], split=sp)) for sp in (1, 2, 3, 4)]
-                if self.args.split_tiles:  # split-K with explicit tiles and pipeline depths
+                if self.args.split_tiles and not self.args.mid:  # split-K with explicit tiles and pipeline depths
                     cands += [("dot", dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st, split=sp),
                                lambda i, c=(bn, bk, 4, st, sp), x=x, w=ws: skinny.dot(x, w[i % len(w)], *c))
                               for bn, bk, st, sp in itertools.product((16, 32, 64), (128, 256), (2, 3, 4, 5),
                                                                       (1, 2, 3, 4))
                               if K % (sp * bk) == 0 and N % bn == 0 and (sp == 1 or bn <= 64)]
                 if name == "gate_up":  # the same bytes with the silu * up epilogue: [M, N/2] out
+                    from flashdraft.models import fused
+
                     cands += [("glu", c, lambda i, c=c, x=x, w=ws: skinny.skinny_linear(
                         x, w[i % len(w)], glu=True, tiles=tuple(c.values()) if c else None))
-                        for c in glu_configs(self.args.tiny, M)]
+                        for c in glu_configs(self.args.tiny, M, self.args.mid)]
+                    if self.cuda:  # what rows past the Triton limit run: cuBLAS, then the silu * up kernel
+                        cands += [("cublas+silu", {}, lambda i, x=x, w=ws: fused.silu_mul(F.linear(x, w[i % len(w)])))]
                 best = None
                 for kind, cfg, fn in cands:
                     if time.perf_counter() > deadline:
@@ -157,7 +181,9 @@ class Sweep:
                     try:
                         y = fn(0).float()
                         y = y.sum(1) if y.dim() == 3 else y  # split-K parts
-                        want = ref if kind != "glu" else torch.nn.functional.silu(ref[:, : N // 2]) * ref[:, N // 2:]
+                        want = ref
+                        if kind in ("glu", "cublas+silu"):
+                            want = F.silu(ref[:, : N // 2]) * ref[:, N // 2:]
                         err = float((y - want).abs().max() / want.abs().max())
                         us = self.graph_time(fn, max(8, calls))
                         gbps = (wbytes + M * K * el + M * N * el) / (us * 1e-6) / 1e9
@@ -432,8 +458,10 @@ class Sweep:
                     cfg = (f"{glu[0]['block_n']}x{glu[0]['block_k']} s{glu[0]['num_stages']}" if "block_n" in glu[0]
                            else "tile rules")
                     rules = [r for r in glu if "block_n" not in r]
-                    lines.append(f"| {name} + silu*up | {M} | | | {glu[0]['us']:.1f} | {glu[0]['gbps']:.0f} | "
-                                 f"{glu[0]['of_copy_bw']:.2f} | glu {cfg}; tile rules {rules[0]['us']:.1f} us |")
+                    cs = [r for r in grp if r["kind"] == "cublas+silu"]
+                    lines.append(f"| {name} + silu*up | {M} | {cs[0]['us'] if cs else float('nan'):.1f} | | "
+                                 f"{glu[0]['us']:.1f} | {glu[0]['gbps']:.0f} | {glu[0]['of_copy_bw']:.2f} | "
+                                 f"glu {cfg}; tile rules {rules[0]['us']:.1f} us |")
         (out / "gemm_sweep.md").write_text("\n".join(lines) + "\n")
 
 
@@ -470,6 +498,9 @@ def main() -> None:
                     help="any of gemm, profile, attention_splits, moe, floors")
     ap.add_argument("--rows", default="1,8,16,32", help="GEMM rows (M) to sweep")
     ap.add_argument("--quick", action="store_true", help="GEMM sweep: 8 dot tile configs, no gemv")
+    ap.add_argument("--mid", action="store_true",
+                    help="GEMM sweep: the tiles of mid_configs (33-256 rows; run with FLASHDRAFT_SKINNY_ROWS "
+                    "at least --rows) instead of the few-row ones, and cuBLAS + the silu * up kernel")
     ap.add_argument("--split-tiles", action="store_true",
                     help="GEMM sweep: also split-K 1-4 over strips of 16-64 rows and 2-5 pipeline stages")
     args = ap.parse_args()

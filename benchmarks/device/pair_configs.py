@@ -7,7 +7,9 @@ concurrency, outputs equal to each other's; the step gate's costs and state afte
         "overlap:1:off:bfloat16:1,8,32;sync:0:off:bfloat16:1,8,32;overlap32:1:off:float32:8;sync32:0:off:float32:8"
 
 A configuration is name:async_scheduling (1/0):speculative_min_acceptance_length (auto/off/TAU):dtype:concurrencies
-and optionally :num_speculative_tokens (fixed; without it the engine chooses per step where it can).
+and optionally :num_speculative_tokens (fixed; empty or without it the engine chooses per step where it can)
+and :speculative_tree_size (a token tree of that many drafts; 0 or without it the chain). An optional
+fourth argument sets the number of prompts (default 32).
 Prints one JSON line per (configuration, concurrency), then the cross-configuration output matches."""
 import gc
 import json
@@ -26,13 +28,21 @@ from flashdraft.bench.datasets import load_prompts  # noqa: E402
 from flashdraft.bench.runner import EngineBackend, Workload  # noqa: E402
 
 gguf, ds, spec_s = sys.argv[1], sys.argv[2], sys.argv[3]
-prompts = load_prompts(ds, 32)
+
+
+def _rounded(d: dict) -> dict:
+    return {k: round(v, 3) for k, v in d.items()}
+
+
+prompts = load_prompts(ds, int(sys.argv[4]) if len(sys.argv) > 4 else 32)
 outs = {}
 for cfg in spec_s.split(";"):
-    name, a, g, dt, concs, *k = cfg.split(":")
+    name, a, g, dt, concs, *rest = cfg.split(":")
+    k, tree = (rest + ["", ""])[:2]
     gate = None if g == "off" else g if g == "auto" else float(g)
     llm = LLM(gguf, draft=SHIPPED, device="cuda", dtype=dt, async_scheduling=a == "1",
-              speculative_min_acceptance_length=gate, num_speculative_tokens=int(k[0]) if k else None)
+              speculative_min_acceptance_length=gate, num_speculative_tokens=int(k) if k else None,
+              speculative_tree_size=int(tree) if tree and int(tree) else None)
     eng = llm.engine
     _, ids, _ = tokenize(eng, prompts, True, 256)
     be = EngineBackend(eng, ids, Workload(256, 0.0, 0, False))
@@ -51,13 +61,14 @@ for cfg in spec_s.split(";"):
                               speedup=round(res[True][0] / res[False][0], 3), same=same,
                               tau=st.get("acceptance_length", st.get("tau")), gated=st.get("gated_steps"),
                               overlapped=eng.stats["num_overlapped_steps"] - ov0,
-                              seen_spec={k: round(v, 3) for k, v in sp.seen.spec.items()},
-                              seen_plain={k: round(v, 3) for k, v in sp.seen.plain.items()},
-                              costs=sp.costs.as_dict() if sp.costs else None,
-                              gate=dict(vars(sp.step_gate)) if sp.step_gate else None,
+                              seen_spec=_rounded(getattr(getattr(sp, "seen", None), "spec", {})),
+                              seen_plain=_rounded(getattr(getattr(sp, "seen", None), "plain", {})),
+                              costs=sp.costs.as_dict() if getattr(sp, "costs", None) else None,
+                              gate=dict(vars(sp.step_gate)) if getattr(sp, "step_gate", None) else None,
                               drafts_per_verify=round(st["num_draft_tokens"] / st["num_drafts"], 2)
                               if st.get("num_drafts") else None,
-                              profile=dict(vars(sp.profile)) if sp.profile else None)), flush=True)
+                              profile=dict(vars(sp.profile)) if getattr(sp, "profile", None) else None),
+                         default=str), flush=True)
     del llm, eng, be
     gc.collect()
     torch.cuda.empty_cache()

@@ -3,8 +3,12 @@ graph) of each concurrency's bucket, replayed over a real step's inputs, timed w
 by kernel with the torch profiler (duration, and what each kernel adds to the stream's span: with PDL a
 kernel starts before its predecessor ends, so its duration overstates it).
 
-    python benchmarks/device/pair_kernels.py smollm2.gguf humaneval.jsonl 1,8,32
+    python benchmarks/device/pair_kernels.py smollm2.gguf humaneval.jsonl 1,8,32 [TREE_SIZES]
+
+TREE_SIZES (e.g. 0,15): the whole step of each size's engine, 0 the drafter's chain (the default); a
+token tree's step graph holds its acceptance and the accepted rows' moves, so it has no post graph.
 """
+import os
 import sys
 from pathlib import Path
 
@@ -22,7 +26,7 @@ from flashdraft.bench.datasets import load_prompts  # noqa: E402
 SHIPPED = str(ROOT / "flashdraft" / "drafters" / "smollm2-135m-dflash")
 
 
-def split(replay, label: str, replays: int = 20, top: int = 12) -> None:
+def split(replay, label: str, replays: int = 20, top: int = int(os.environ.get("PAIR_KERNELS_TOP", "12"))) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     replay()
@@ -47,17 +51,25 @@ def split(replay, label: str, replays: int = 20, top: int = 12) -> None:
 
 def main() -> None:
     gguf, ds, concs = sys.argv[1], sys.argv[2], [int(c) for c in sys.argv[3].split(",")]
-    llm = LLM(gguf, draft=SHIPPED, device="cuda", dtype="bfloat16", speculative_min_acceptance_length=None)
-    eng, sp = llm.engine, llm.engine.spec
-    _, ids, _ = tokenize(eng, load_prompts(ds, max(concs)), True, 256)
-    for c in concs:
-        fill_graph(llm, ids[:c])
-        bucket = 1 << (c - 1).bit_length()
-        step = eng.runner.graphs[(sp.verify_key("dflash", sp.num_draft), bucket, sp.block_size)]
-        split(eng.runner.graphs[(("decode", sp.tap_layers), bucket, 1)].replay, f"decode, c={c}")
-        split(step.replay, f"DFlash step, c={c}")
-        if step.aux.get("post") is not None:
-            split(step.aux["post"].replay, f"its post graph, c={c}")
+    trees = [int(t) for t in sys.argv[4].split(",")] if len(sys.argv) > 4 else [0]
+    for tree in trees:
+        llm = LLM(gguf, draft=SHIPPED, device="cuda", dtype="bfloat16", speculative_min_acceptance_length=None,
+                  speculative_tree_size=tree or None)
+        eng, sp = llm.engine, llm.engine.spec
+        _, ids, _ = tokenize(eng, load_prompts(ds, max(concs)), True, 256)
+        name = f"tree of {tree}" if tree else "DFlash"
+        for c in concs:
+            fill_graph(llm, ids[:c])
+            bucket = 1 << (c - 1).bit_length()
+            key = (("dflash-tree", sp.tap_layers) if tree else sp.verify_key("dflash", sp.num_draft))
+            step = eng.runner.graphs[(key, bucket, sp.block_size)]
+            if tree == trees[0]:
+                split(eng.runner.graphs[(("decode", sp.tap_layers), bucket, 1)].replay, f"decode, c={c}")
+            split(step.replay, f"{name} step, c={c}")
+            if step.aux.get("post") is not None:
+                split(step.aux["post"].replay, f"its post graph, c={c}")
+        del llm, eng, sp
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -102,8 +102,8 @@ GEMM = os.environ.get("FLASHDRAFT_GEMM", "auto")
 # activation fused, where cuBLAS now runs them with the activation as a kernel of its own (their
 # wider x tiles may shorten the K tile: such rows round as cuBLAS's do now, not as rows <= 32)
 SKINNY_ROWS = int(os.environ.get("FLASHDRAFT_SKINNY_ROWS", "32"))
-if SKINNY_ROWS not in (32, 64, 128):
-    raise ValueError(f"FLASHDRAFT_SKINNY_ROWS must be 32, 64 or 128, got {SKINNY_ROWS}")
+if SKINNY_ROWS not in (32, 64, 128, 256):
+    raise ValueError(f"FLASHDRAFT_SKINNY_ROWS must be 32, 64, 128 or 256, got {SKINNY_ROWS}")
 
 
 def skinny_enabled(x: torch.Tensor) -> bool:
