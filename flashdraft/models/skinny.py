@@ -15,6 +15,12 @@ us at one row (H200), more than the add costs the norm.
             16 / 32 (64 / 128 with transformer.SKINNY_ROWS raised)
     gemv    M == 1: acc[BLOCK_N, BLOCK_K] += w * x in float32, one reduction at the end
 
+Blocks of MAX_ROWS + 1 to MID_ROWS rows (64: a small target's verify and draft blocks at concurrency
+5-8) take `dot` with x^T tiles of 64 where `mid_tiles` has tiles for the weight's shape (widths up to
+1,024), cuBLAS elsewhere: on SmolLM2 the glu then saves the silu * up kernel, and every GEMM launched
+here keeps the step's PDL chain (launch.py), which a cuBLAS kernel breaks. The shipped pair's DFlash
+step at concurrency 8 went from 1.068 to 0.989 ms in its graph (H200, benchmarks/device/pair_kernels.py).
+
 The model path uses `dot` for every M, one row included: a row's result then does not depend on how
 many rows share the call (the tiles are the same for 1-16 rows), so a plain decode step at batch 1
 and the verify block that checks the same position round alike in bf16. With `gemv` for one row
@@ -40,9 +46,13 @@ import triton
 import triton.language as tl
 
 from flashdraft.models.launch import arrival_counts, launch_kwargs, pdl_enter, pdl_trigger
-from flashdraft.models.transformer import SKINNY_ROWS
+from flashdraft.models.transformer import MID_ROWS, SKINNY_ROWS
 
 MAX_ROWS = SKINNY_ROWS  # 32 unless raised for an A/B run (transformer.SKINNY_ROWS)
+# mid_tiles: the widest input (FLASHDRAFT_MID_MAX_K=2048 also takes inputs of 1,025-2,048 in halves of K, for
+# A/B runs) and the most weight rows they take
+MID_MAX_K = int(os.environ.get("FLASHDRAFT_MID_MAX_K", "1024"))
+MID_MAX_N = 4096
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allow 227 KB)
 # split-K (_dot_split): GEMMs of fewer output rows than this split K over 2 programs a strip, each
 # streaming at least SPLIT_MIN_K of it
@@ -231,6 +241,23 @@ def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tupl
     return bn, bk, 4, stages
 
 
+def mid_tiles(N: int, K: int, glu: bool = False) -> tuple[int, int, int, int, int] | None:
+    """(BLOCK_N, BLOCK_K, warps, stages, split) for MAX_ROWS + 1 to MID_ROWS rows (x^T tiles of 64) of a
+    weight [N, K] ([gate; up] for glu), or None where cuBLAS is as fast: the glu as strips of 16 x 64,
+    the rest 64 x 64, for inputs up to MID_MAX_K wide and weights of up to MID_MAX_N rows. Swept on an
+    H200 at 64 rows against cuBLAS (benchmarks/device/gemm_sweep.py --model smollm2-135m --mid): SmolLM2's
+    gate_up with its silu * up 4.8 against 6.1 us (cuBLAS and the silu * up kernel), qkv 2.9 against
+    3.2, o 2.9 against 3.1; its down (K = 1,536) 4.9 against 4.6 and the drafter's fc (K = 2,880) 11.1
+    against 7.5 stay on cuBLAS, as does every GEMM of wider models (not swept)."""
+    if K > MID_MAX_K or N > MID_MAX_N:
+        return None
+    if glu:
+        return 16, 64, 4, 4, 1
+    if K > 1024:  # SmolLM2's down: 16 x 64 strips, K in halves (4.9 us at 64 rows, the best Triton config)
+        return (16, 64, 4, 4, 2) if K % 128 == 0 and N % 16 == 0 else None
+    return 64, 64, 4, 4, 1
+
+
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
                   tiles: tuple[int, int, int, int] | None = None, kernel: str = "dot",
                   split: int | None = None, parts: bool = False) -> torch.Tensor:
@@ -251,8 +278,11 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
             raise ValueError(f"glu needs an even number of weight rows and no bias, got {tuple(w.shape)}")
         N //= 2
     M = x.shape[0]
-    if x.dim() != 2 or x.shape[1] != K or not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"x {tuple(x.shape)} does not fit w {tuple(w.shape)} (at most {MAX_ROWS} rows)")
+    mid = mid_tiles(*w.shape, glu) if tiles is None and MID_ROWS > MAX_ROWS else None
+    most = MID_ROWS if mid is not None else MAX_ROWS
+    mid = mid if M > MAX_ROWS else None
+    if x.dim() != 2 or x.shape[1] != K or not 1 <= M <= most:
+        raise ValueError(f"x {tuple(x.shape)} does not fit w {tuple(w.shape)} (at most {most} rows)")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if w.stride(-1) != 1:
@@ -266,6 +296,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
                                             EVEN=N % bn == 0 and K % bk == 0, **flags, num_warps=warps,
                                             num_stages=stages, **launch_kwargs(x))
         return y
+    if mid is not None:  # blocks of 33-64 rows (mid_tiles)
+        tiles, split = mid[:4], mid[4] if split is None else split
     bn, bk, warps, stages = tiles or _dot_tiles(M, N, K, x.element_size(), glu)
     if split is None:
         split = 1 if tiles is not None or glu else _dot_split(N, K, bn, bk)

@@ -106,17 +106,33 @@ if SKINNY_ROWS not in (32, 64, 128, 256):
     raise ValueError(f"FLASHDRAFT_SKINNY_ROWS must be 32, 64, 128 or 256, got {SKINNY_ROWS}")
 
 
-def skinny_enabled(x: torch.Tensor) -> bool:
-    """Whether a 2-D activation `x` takes the few-row Triton GEMM (see GEMM)."""
+# Blocks of SKINNY_ROWS + 1 to MID_ROWS rows (a small target's verify and draft blocks at concurrency 5-8:
+# SmolLM2's 64 rows of 8) take the Triton GEMMs too where skinny.mid_tiles has tiles for the weight's shape
+# (widths up to 1,024), cuBLAS elsewhere. FLASHDRAFT_MID_ROWS=32: never (A/B runs).
+MID_ROWS = int(os.environ.get("FLASHDRAFT_MID_ROWS", "64"))
+if MID_ROWS not in (32, 64):
+    raise ValueError(f"FLASHDRAFT_MID_ROWS must be 32 or 64, got {MID_ROWS}")
+
+
+def skinny_enabled(x: torch.Tensor, weight: torch.Tensor | None = None, glu: bool = False) -> bool:
+    """Whether a 2-D activation `x` takes the few-row Triton GEMM (see GEMM); past SKINNY_ROWS rows
+    only with the weight given (its [gate; up] matrix for glu) and a shape skinny.mid_tiles takes."""
     if GEMM not in ("auto", "triton", "cublas"):
         raise ValueError(f"FLASHDRAFT_GEMM must be auto, triton or cublas, got {GEMM!r}")
-    if GEMM == "cublas" or torch.is_grad_enabled() or x.dim() != 2 or not 1 <= x.shape[0] <= SKINNY_ROWS:
+    if GEMM == "cublas" or torch.is_grad_enabled() or x.dim() != 2 or not 1 <= x.shape[0] <= max(SKINNY_ROWS,
+                                                                                                 MID_ROWS):
         return False
     if GEMM == "auto" and (x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16)):
         return False
     if GEMM == "triton" and x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
-    return fused_enabled(x) or GEMM == "triton"
+    if not (fused_enabled(x) or GEMM == "triton"):
+        return False
+    if x.shape[0] <= SKINNY_ROWS:
+        return True
+    from flashdraft.models.skinny import mid_tiles
+
+    return weight is not None and mid_tiles(*weight.shape, glu) is not None
 
 
 def gemm_mode(mode: str):
@@ -132,7 +148,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     0.88 ms, the 49k-row lm_head 10.8 against 21.3 ms); one row and long prefills gain nothing there.
     parts: the result may come as a split-K GEMM's float32 parts [rows, P, out] (skinny_linear), for
     a caller whose result goes straight into fused.add_rmsnorm (which adds them)."""
-    if skinny_enabled(x):
+    if skinny_enabled(x, weight):
         from flashdraft.models.skinny import skinny_linear
 
         return skinny_linear(x, weight, bias, parts=parts)
@@ -218,7 +234,7 @@ class MLP(nn.Module):
 
         if self.act_name != "silu":  # the fused kernels compute silu
             return self.forward(x)
-        if skinny_enabled(x) and self.gate_up_proj.bias is None:  # silu * up in the gate_up GEMM
+        if skinny_enabled(x, self.gate_up_proj.weight, glu=True) and self.gate_up_proj.bias is None:  # silu * up
             from flashdraft.models.skinny import skinny_linear
 
             h = skinny_linear(x, self.gate_up_proj.weight, glu=True)

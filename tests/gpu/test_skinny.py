@@ -78,6 +78,32 @@ def test_more_rows_when_raised(monkeypatch, M, N, K, variant):
     assert skinny._mpad(M) == (64 if M <= 64 else 128)
 
 
+@pytest.mark.parametrize("M", [33, 40, 64])
+@pytest.mark.parametrize("N,K,glu", [(960, 576, False), (576, 576, False), (3072, 576, True), (96, 64, True)])
+def test_mid_rows(M, N, K, glu):
+    """Blocks of 33-64 rows on the mid-row tiles (skinny.mid_tiles: SmolLM2's qkv, o and gate_up
+    shapes) match float64; shapes the rule leaves to cuBLAS (wider inputs, taller weights) are
+    refused past 32 rows, and skinny_enabled sends them to cuBLAS."""
+    g = torch.Generator().manual_seed(M + N + K)
+    x = torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(DEVICE, torch.bfloat16)
+    assert skinny.mid_tiles(N, K, glu) is not None
+    got = skinny.skinny_linear(x, w, glu=glu)
+    want = reference(x, w, glu=glu)
+    assert got.shape == (M, N // 2 if glu else N)
+    err = (got.double() - want).abs().max().item()
+    assert err <= TOL[torch.bfloat16] * max(1.0, want.abs().max().item()), f"max abs diff {err:.3g}"
+    with gemm_mode("triton"), transformer.fused_mode("on"), torch.inference_mode():
+        assert transformer.skinny_enabled(x, w, glu)
+        assert not transformer.skinny_enabled(x)  # no weight: no shape to decide by
+        wide = torch.zeros(N, 1536, device=DEVICE, dtype=torch.bfloat16)
+        assert skinny.mid_tiles(N, 1536, glu) is None
+        assert not transformer.skinny_enabled(torch.zeros(M, 1536, device=DEVICE, dtype=torch.bfloat16), wide, glu)
+        assert not transformer.skinny_enabled(torch.zeros(65, K, device=DEVICE, dtype=torch.bfloat16), w, glu)
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        skinny.skinny_linear(torch.zeros(M, 1536, device=DEVICE, dtype=torch.bfloat16), wide, glu=glu)
+
+
 @pytest.mark.parametrize("variant", ["plain", "bias", "glu"])
 def test_one_row_gemv_kernel(variant):
     g = torch.Generator().manual_seed(7)
@@ -220,8 +246,10 @@ def test_parts_add_up_to_the_split_result(dtype, M, bias):
 
 def test_bad_input_is_named():
     w = torch.zeros(8, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="at most 32 rows"):
-        skinny.skinny_linear(torch.zeros(33, 16, device=DEVICE), w)
+    with pytest.raises(ValueError, match="at most 64 rows"):  # past 32 rows: the mid-row tiles' 64
+        skinny.skinny_linear(torch.zeros(65, 16, device=DEVICE), w)
+    with pytest.raises(ValueError, match="at most 32 rows"):  # a shape the mid-row tiles leave to cuBLAS
+        skinny.skinny_linear(torch.zeros(33, 2048, device=DEVICE), torch.zeros(8, 2048, device=DEVICE))
     with pytest.raises(ValueError, match="does not fit"):
         skinny.skinny_linear(torch.zeros(2, 15, device=DEVICE), w)
     with pytest.raises(ValueError, match="glu needs"):
@@ -257,19 +285,24 @@ def test_mlp_fused_down_projection():
         assert (got - want).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("rows", [32, 64])
+@pytest.mark.parametrize("rows", [32, 64, "mid"])
 def test_engine_tokens_match_cublas_path(tiny_qwen3, tmp_path, monkeypatch, rows):
     """Greedy DFlash generation with every few-row GEMM on the Triton kernels gives the tokens of
     the path without them (float32: no near-ties); also with the row cap raised to 64 (prefill
-    chunks of up to 48 rows then take them too)."""
+    chunks of up to 48 rows then take them too), and with 10 requests' verify and draft blocks of 40
+    rows on the mid-row tiles (skinny.mid_tiles)."""
     from fixtures import build_random_drafter
 
     from flashdraft import LLM, SamplingParams
 
+    mid = rows == "mid"
+    rows = 32 if mid else rows
     monkeypatch.setattr(transformer, "SKINNY_ROWS", rows)
     monkeypatch.setattr(skinny, "MAX_ROWS", rows)
     draft = str(build_random_drafter(tmp_path / "d", tiny_qwen3, block_size=4))
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 60))]
+    if mid:
+        prompts += [[i + 3, 2 * i + 1, 90 - i] for i in range(7)]
     params = SamplingParams(max_tokens=7, ignore_eos=True)
     kw = dict(draft=draft, device=str(DEVICE), dtype="float32", max_num_batched_tokens=24 if rows == 32 else 48,
               kv_block_size=8)
@@ -292,7 +325,8 @@ def test_engine_tokens_match_cublas_path(tiny_qwen3, tmp_path, monkeypatch, rows
         if mode == "cublas":
             assert not calls
     assert out["triton"] == out["cublas"]
-    assert calls and max(calls) <= rows and (rows == 32 or max(calls) > 32)
+    most = max(rows, skinny.MID_ROWS)  # past 32 rows: the mid-row tiles (graph captures of 16 blocks too)
+    assert calls and max(calls) <= most and (rows == 32 and not mid or max(calls) > 32)
 
 
 def test_pdl_switch():
