@@ -108,10 +108,10 @@ if SKINNY_ROWS not in (32, 64, 128, 256):
 
 # Blocks of SKINNY_ROWS + 1 to MID_ROWS rows (a small target's verify and draft blocks at concurrency 5-8:
 # SmolLM2's 64 rows of 8) take the Triton GEMMs too where skinny.mid_tiles has tiles for the weight's shape
-# (widths up to 1,024), cuBLAS elsewhere. FLASHDRAFT_MID_ROWS=32: never (A/B runs).
+# (widths up to 1,024), cuBLAS elsewhere. FLASHDRAFT_MID_ROWS=32: never; 128: up to 128 rows (A/B runs).
 MID_ROWS = int(os.environ.get("FLASHDRAFT_MID_ROWS", "64"))
-if MID_ROWS not in (32, 64):
-    raise ValueError(f"FLASHDRAFT_MID_ROWS must be 32 or 64, got {MID_ROWS}")
+if MID_ROWS not in (32, 64, 128):
+    raise ValueError(f"FLASHDRAFT_MID_ROWS must be 32, 64 or 128, got {MID_ROWS}")
 
 
 def skinny_enabled(x: torch.Tensor, weight: torch.Tensor | None = None, glu: bool = False) -> bool:
