@@ -15,11 +15,12 @@ us at one row (H200), more than the add costs the norm.
             16 / 32 (64 / 128 with transformer.SKINNY_ROWS raised)
     gemv    M == 1: acc[BLOCK_N, BLOCK_K] += w * x in float32, one reduction at the end
 
-Blocks of MAX_ROWS + 1 to MID_ROWS rows (64: a small target's verify and draft blocks at concurrency
-5-8) take `dot` with x^T tiles of 64 where `mid_tiles` has tiles for the weight's shape (widths up to
-1,024), cuBLAS elsewhere: on SmolLM2 the glu then saves the silu * up kernel, and every GEMM launched
-here keeps the step's PDL chain (launch.py), which a cuBLAS kernel breaks. The shipped pair's DFlash
-step at concurrency 8 went from 1.068 to 0.989 ms in its graph (H200, benchmarks/device/pair_kernels.py).
+Blocks of MAX_ROWS + 1 to MID_ROWS rows (128: a small target's verify and draft blocks at concurrency
+5-16) take `dot` with x^T tiles of 64 or 128 where `mid_tiles` has tiles for the weight's shape (widths
+up to 1,024), cuBLAS elsewhere: on SmolLM2 the glu then saves the silu * up kernel, and every GEMM
+launched here keeps the step's PDL chain (launch.py), which a cuBLAS kernel breaks. The shipped pair's
+DFlash step graph went from 1.068 to 0.989 ms at concurrency 8 (64 rows) and from 1.310 to 1.255 ms at
+16 (128 rows; H200, benchmarks/device/pair_kernels.py under knob_ab.py).
 
 The model path uses `dot` for every M, one row included: a row's result then does not depend on how
 many rows share the call (the tiles are the same for 1-16 rows), so a plain decode step at batch 1
@@ -242,7 +243,7 @@ def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tupl
 
 
 def mid_tiles(N: int, K: int, glu: bool = False) -> tuple[int, int, int, int, int] | None:
-    """(BLOCK_N, BLOCK_K, warps, stages, split) for MAX_ROWS + 1 to MID_ROWS rows (x^T tiles of 64) of a
+    """(BLOCK_N, BLOCK_K, warps, stages, split) for MAX_ROWS + 1 to MID_ROWS rows (x^T tiles of 64, 128) of a
     weight [N, K] ([gate; up] for glu), or None where cuBLAS is as fast: the glu as strips of 16 x 64,
     the rest 64 x 64, for inputs up to MID_MAX_K wide and weights of up to MID_MAX_N rows. Swept on an
     H200 at 64 rows against cuBLAS (benchmarks/device/gemm_sweep.py --model smollm2-135m --mid): SmolLM2's
@@ -296,7 +297,7 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
                                             EVEN=N % bn == 0 and K % bk == 0, **flags, num_warps=warps,
                                             num_stages=stages, **launch_kwargs(x))
         return y
-    if mid is not None:  # blocks of 33-64 rows (mid_tiles)
+    if mid is not None:  # blocks of 33-128 rows (mid_tiles)
         tiles, split = mid[:4], mid[4] if split is None else split
     bn, bk, warps, stages = tiles or _dot_tiles(M, N, K, x.element_size(), glu)
     if split is None:

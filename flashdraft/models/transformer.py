@@ -106,10 +106,10 @@ if SKINNY_ROWS not in (32, 64, 128, 256):
     raise ValueError(f"FLASHDRAFT_SKINNY_ROWS must be 32, 64, 128 or 256, got {SKINNY_ROWS}")
 
 
-# Blocks of SKINNY_ROWS + 1 to MID_ROWS rows (a small target's verify and draft blocks at concurrency 5-8:
-# SmolLM2's 64 rows of 8) take the Triton GEMMs too where skinny.mid_tiles has tiles for the weight's shape
-# (widths up to 1,024), cuBLAS elsewhere. FLASHDRAFT_MID_ROWS=32: never; 128: up to 128 rows (A/B runs).
-MID_ROWS = int(os.environ.get("FLASHDRAFT_MID_ROWS", "64"))
+# Blocks of SKINNY_ROWS + 1 to MID_ROWS rows (a small target's verify and draft blocks at concurrency 5-16:
+# SmolLM2's 64 or 128 rows of 8) take the Triton GEMMs too where skinny.mid_tiles has tiles for the weight's
+# shape (widths up to 1,024), cuBLAS elsewhere. FLASHDRAFT_MID_ROWS=32: never; 64: up to 64 (A/B runs).
+MID_ROWS = int(os.environ.get("FLASHDRAFT_MID_ROWS", "128"))
 if MID_ROWS not in (32, 64, 128):
     raise ValueError(f"FLASHDRAFT_MID_ROWS must be 32, 64 or 128, got {MID_ROWS}")
 

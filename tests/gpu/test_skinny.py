@@ -78,10 +78,10 @@ def test_more_rows_when_raised(monkeypatch, M, N, K, variant):
     assert skinny._mpad(M) == (64 if M <= 64 else 128)
 
 
-@pytest.mark.parametrize("M", [33, 40, 64])
+@pytest.mark.parametrize("M", [33, 64, 100, 128])
 @pytest.mark.parametrize("N,K,glu", [(960, 576, False), (576, 576, False), (3072, 576, True), (96, 64, True)])
 def test_mid_rows(M, N, K, glu):
-    """Blocks of 33-64 rows on the mid-row tiles (skinny.mid_tiles: SmolLM2's qkv, o and gate_up
+    """Blocks of 33-128 rows on the mid-row tiles (skinny.mid_tiles: SmolLM2's qkv, o and gate_up
     shapes) match float64; shapes the rule leaves to cuBLAS (wider inputs, taller weights) are
     refused past 32 rows, and skinny_enabled sends them to cuBLAS."""
     g = torch.Generator().manual_seed(M + N + K)
@@ -99,7 +99,7 @@ def test_mid_rows(M, N, K, glu):
         wide = torch.zeros(N, 1536, device=DEVICE, dtype=torch.bfloat16)
         assert skinny.mid_tiles(N, 1536, glu) is None
         assert not transformer.skinny_enabled(torch.zeros(M, 1536, device=DEVICE, dtype=torch.bfloat16), wide, glu)
-        assert not transformer.skinny_enabled(torch.zeros(65, K, device=DEVICE, dtype=torch.bfloat16), w, glu)
+        assert not transformer.skinny_enabled(torch.zeros(129, K, device=DEVICE, dtype=torch.bfloat16), w, glu)
     with pytest.raises(ValueError, match="at most 32 rows"):
         skinny.skinny_linear(torch.zeros(M, 1536, device=DEVICE, dtype=torch.bfloat16), wide, glu=glu)
 
@@ -246,8 +246,8 @@ def test_parts_add_up_to_the_split_result(dtype, M, bias):
 
 def test_bad_input_is_named():
     w = torch.zeros(8, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="at most 64 rows"):  # past 32 rows: the mid-row tiles' 64
-        skinny.skinny_linear(torch.zeros(65, 16, device=DEVICE), w)
+    with pytest.raises(ValueError, match="at most 128 rows"):  # past 32 rows: the mid-row tiles' 128
+        skinny.skinny_linear(torch.zeros(129, 16, device=DEVICE), w)
     with pytest.raises(ValueError, match="at most 32 rows"):  # a shape the mid-row tiles leave to cuBLAS
         skinny.skinny_linear(torch.zeros(33, 2048, device=DEVICE), torch.zeros(8, 2048, device=DEVICE))
     with pytest.raises(ValueError, match="does not fit"):
