@@ -42,11 +42,30 @@ def split(replay, label: str, replays: int = 20, top: int = int(os.environ.get("
             replay()
         torch.cuda.synchronize()
     added = critical_path(p.events())
+    if os.environ.get("PAIR_KERNELS_TRACE"):  # one replay's kernels in order: start, duration, gap after the last end
+        _write_sequence(p.events(), Path(os.environ["PAIR_KERNELS_TRACE"]) / (label.replace(" ", "_") + ".tsv"))
     rows = sorted(((e.device_time_total / replays, added.get(e.key, 0.0) / replays, e.count / replays, e.key[:80])
                    for e in p.key_averages() if e.device_time_total > 0), key=lambda r: -r[1])
     print(f"== {label}: {start.elapsed_time(end) / replays:.3f} ms a replay, {sum(r[2] for r in rows):.0f} kernels")
     for us, add, n, name in rows[:top]:
         print(f"  {us:8.1f} us ({add:7.1f} added) x{n:4.0f}  {name}")
+
+
+def _write_sequence(events, path: Path) -> None:
+    from torch.autograd import DeviceType
+
+    ks = sorted(((e.time_range.start, e.time_range.end, e.key) for e in events
+                 if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start), key=lambda k: k[0])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines, prev_end, t0 = ["start_us\tdur_us\tgap_us\tkernel"], None, None
+    for start, end, key in ks:
+        if prev_end is not None and start - prev_end > 10.0 and t0 is not None:
+            break  # the next replay: one is enough
+        t0 = start if t0 is None else t0
+        gap = 0.0 if prev_end is None else start - prev_end
+        lines.append(f"{start - t0:.2f}\t{end - start:.2f}\t{gap:.2f}\t{key[:70]}")
+        prev_end = end if prev_end is None else max(prev_end, end)
+    path.write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
