@@ -9,6 +9,9 @@ embedding lookup, the greedy argmax over the vocabulary and the DFlash acceptanc
                         a softmax and a radix select, ~17 kernels)
     accepted_lengths    DFlash acceptance: leading drafts equal to the    one program per request
                         target's tokens (torch: eq, cast, cumprod, sum)
+    block_slots         a graphed step's draft-block rows' cache slots    one program per request
+                        from their positions and block tables (torch:
+                        ~10 small ops)
 
 Grids depend on shapes only, never on values (CUDA-graph safe). Importing this module needs triton."""
 
@@ -153,6 +156,19 @@ def _topk_final_kernel(key_ptr, stat_ptr, logp_ptr, idx_ptr, parts, K: tl.conste
     tl.store(idx_ptr + row * K + j, 0x7FFFFFFF - (best & 0xFFFFFFFF), mask=j < K)
 
 
+@triton.jit
+def _block_slots_kernel(pos_ptr, lens_ptr, bt_ptr, slot_ptr, stride_bt, PAGE, B: tl.constexpr, BP: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BP)
+    pdl_enter(USE_PDL)
+    rows = (j < B) & (j * 0 + tl.load(lens_ptr + s) > 0)  # (a block: the interpreter's masks)
+    pos = tl.load(pos_ptr + s * B + j, mask=j < B, other=0)
+    page = tl.load(bt_ptr + s * stride_bt + pos // PAGE, mask=rows, other=0).to(tl.int64)
+    pdl_trigger(USE_PDL)
+    tl.store(slot_ptr + s * B + j, tl.where(rows, page * PAGE + pos % PAGE, -1), mask=j < B)
+
+
 # ---- wrappers -------------------------------------------------------------------------------------
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """weight[ids]: ids [...] of in-range token ids (the engine validates prompts; sampled and
@@ -235,3 +251,14 @@ def topk_log_softmax(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
                                     BLOCK=triton.next_power_of_2(parts * k), BLOCK_P=triton.next_power_of_2(parts),
                                     num_warps=4, **kw)
     return logp, idx
+
+
+def block_slots(positions: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, page: int,
+                out: torch.Tensor) -> None:
+    """The cache slot of each draft-block row (positions [S * B], B rows a request) from its request's
+    block table into out [S * B]; -1 for the rows of requests without rows (seq_len 0)."""
+    S = seq_lens.shape[0]
+    if S:
+        B = positions.shape[0] // S
+        _block_slots_kernel[(S,)](positions, seq_lens, block_tables, out, block_tables.stride(0), page, B=B,
+                                  BP=triton.next_power_of_2(B), num_warps=1, **launch_kwargs(positions))

@@ -199,6 +199,11 @@ class GraphedSteps:
         sequences without rows: -1, not stored): what the host fills, derived in the graph, so that
         an overlapped step needs only its positions and tables (overlap.py)."""
         m, bs, seq = g.meta, g.meta.block_size, g.aux["row_seq"]
+        if fused_enabled(g.positions):  # one kernel for the ~10 ops below
+            from flashdraft.models.fused_tokens import block_slots
+
+            block_slots(g.positions, m.seq_lens, m.block_tables, bs, m.slot_mapping)
+            return
         page = m.block_tables[seq, g.positions // bs].long()
         m.slot_mapping.copy_(torch.where(m.seq_lens[seq] > 0, page * bs + g.positions % bs, -1))
 

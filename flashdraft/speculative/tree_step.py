@@ -237,23 +237,33 @@ class TreeSteps:
         m, vm = g.meta, g.aux["verify_meta"]
         S, B, N1 = g.num_seqs, self.block_size, self.num_draft + 1
         self._derive_slots(g)  # the draft block's slots (a step launched ahead fills only its tables)
-        real = m.seq_lens > 0
-        start = (m.seq_lens.long() - B).clamp_min(0)
-        q = start[:, None] + torch.arange(N1, device=g.device)
-        tables = m.block_tables.long()
-        page = tables.gather(1, (q // m.block_size).clamp(max=tables.shape[1] - 1))
-        vm.slot_mapping.copy_(torch.where(real[:, None], page * m.block_size + q % m.block_size, -1).flatten())
-        vm.seq_lens.copy_(torch.where(real, start + N1, 0))
-        vm.query_start_loc[1:].copy_(torch.cumsum(real * N1, 0))
+        kernels = use_kernels(g.positions)
+        if kernels:  # one kernel for the verify's metadata, one for its rows (below), instead of ~30 ops
+            from flashdraft.speculative import tree_triton
+
+            first = tree_triton.verify_meta(m.seq_lens, m.block_tables, m.block_size, B, N1, vm.slot_mapping,
+                                            vm.seq_lens, vm.query_start_loc)  # -1: a padding request
+        else:
+            real = m.seq_lens > 0
+            start = (m.seq_lens.long() - B).clamp_min(0)
+            q = start[:, None] + torch.arange(N1, device=g.device)
+            tables = m.block_tables.long()
+            page = tables.gather(1, (q // m.block_size).clamp(max=tables.shape[1] - 1))
+            vm.slot_mapping.copy_(torch.where(real[:, None], page * m.block_size + q % m.block_size, -1).flatten())
+            vm.seq_lens.copy_(torch.where(real, start + N1, 0))
+            vm.query_start_loc[1:].copy_(torch.cumsum(real * N1, 0))
         hidden = self.drafter(self.embed(g.input_ids), g.positions, self.kv, self.attn, m)
         draw = (g.extra["draft_temp"], g.extra["draft_seed"], g.positions) if "draft_temp" in g.extra else None
         trees = self._trees(hidden, S, draw)
         ids, pos = g.extra["verify_ids"].view(S, N1), g.extra["verify_positions"].view(S, N1)
-        ids[:, 0] = g.input_ids.view(S, B)[:, 0]
-        ids[:, 1:] = trees.tokens
-        pos[:, 0] = start
-        pos[:, 1:] = start[:, None] + trees.depths
-        vm.tree_mask.copy_(trees.masks().flatten())
+        if kernels:
+            tree_triton.verify_rows(g.input_ids, B, first, trees, ids, pos, vm.tree_mask)
+        else:
+            ids[:, 0] = g.input_ids.view(S, B)[:, 0]
+            ids[:, 1:] = trees.tokens
+            pos[:, 0] = start
+            pos[:, 1:] = start[:, None] + trees.depths
+            vm.tree_mask.copy_(trees.masks().flatten())
         runner = self.engine.runner
         out, taps = runner.model(ids.flatten(), pos.flatten(), runner.kv, runner.attn, vm, self.tap_layers)
         self.drafter.write_context(taps, pos.flatten(), self.kv, self.attn, vm)
@@ -261,14 +271,13 @@ class TreeSteps:
         if draw is not None:  # sampled steps choose the target's tokens after the replay
             return result
         target = greedy_tokens(runner.model.compute_logits(out, float32=False)).view(S, N1)
-        if not use_kernels(out):
+        if not kernels:
             a, path = accept(trees, target)
             return result + (a, path, target.gather(1, path))
         # the acceptance and the accepted rows' K/V moves in the graph too (padding requests move nothing)
         from flashdraft.speculative.tree_triton import accept_paths, move_slots
 
-        a, path, committed, src, dst = accept_paths(trees, target, torch.where(real, start, -1), m.block_tables,
-                                                    m.block_size)
+        a, path, committed, src, dst = accept_paths(trees, target, first, m.block_tables, m.block_size)
         move_slots(runner.k_cache, runner.v_cache, src, dst)
         move_slots(self.k_cache, self.v_cache, src, dst)
         g.aux["moves_kv"] = True

@@ -13,6 +13,10 @@ tree step ~0.8 ms slower than a chain's (H100, docs/performance.md section 4, ke
                     tokens to commit, and the K/V moves of the accepted rows to their positions
     move_slots      copies the moved rows' K/V of every layer (all reads, a barrier, all writes:  (request,
                     a row's source can be another row's destination)                              layer)
+    verify_meta     a graphed tree step's verify metadata from its draft blocks': each request's  (request)
+                    start, its rows' slots, lengths and row offsets (torch: ~22 small ops)
+    verify_rows     the verify's input ids, positions and ancestor masks from the trees (torch:    (request)
+                    6 ops, copy-engine copies among them)
 
 Nodes equal build_trees' up to exact ties of scores. Grids depend on shapes only: CUDA-graph safe.
 On an H100 they took a tree-of-15 step from 2.2-2.3 ms to 1.6-1.7 ms (docs/performance.md section 4);
@@ -209,3 +213,68 @@ def move_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, 
     if S and L:
         _move_kernel[(S, L)](k_cache, v_cache, src, dst, k_cache.stride(0), D=D, DP=triton.next_power_of_2(D),
                              ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4)
+
+
+@triton.jit
+def _verify_meta_kernel(lens_ptr, bt_ptr, start_ptr, slot_ptr, vlens_ptr, qsl_ptr, S, stride_bt, PAGE,
+                        B: tl.constexpr, N1: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr):
+    s = tl.program_id(0)
+    seq_len = tl.load(lens_ptr + s)
+    real = seq_len > 0
+    start = tl.maximum(seq_len - B, 0).to(tl.int64)
+    j = tl.arange(0, NP)
+    q = start + j
+    rows = (j < N1) & (j * 0 + seq_len > 0)  # (the condition as a block: the interpreter's masks)
+    page = tl.load(bt_ptr + s * stride_bt + q // PAGE, mask=rows, other=0).to(tl.int64)
+    tl.store(slot_ptr + s * N1 + j, tl.where(rows, page * PAGE + q % PAGE, -1), mask=j < N1)
+    tl.store(vlens_ptr + s, tl.where(real, start + N1, 0).to(tl.int32))
+    tl.store(start_ptr + s, tl.where(real, start, -1))
+    # row offsets: N1 rows for every request with rows up to this one (padding requests have none)
+    t = tl.arange(0, SP)
+    live = tl.load(lens_ptr + t, mask=(t < S) & (t <= s), other=0) > 0
+    tl.store(qsl_ptr + s + 1, (tl.sum(live.to(tl.int32), 0) * N1).to(tl.int32))
+    if s == 0:
+        tl.store(qsl_ptr, 0)
+
+
+def verify_meta(seq_lens: torch.Tensor, block_tables: torch.Tensor, page: int, block: int, rows: int,
+                slot_mapping: torch.Tensor, verify_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+    """A graphed tree step's verify metadata from its draft blocks' (seq_lens [S]: the block's end, 0 for
+    a padding request): each request's verify starts at its block's start (seq_len - block), `rows`
+    rows long; writes their slots [S * rows] (-1 for padding), lengths [S] and row offsets [S + 1].
+    Returns the starts [S] int64, -1 for padding requests (tree_step.py's torch ops compute the same)."""
+    S = seq_lens.shape[0]
+    start = torch.empty(S, dtype=torch.long, device=seq_lens.device)
+    if S:
+        _verify_meta_kernel[(S,)](seq_lens, block_tables, start, slot_mapping, verify_lens, query_start_loc, S,
+                                  block_tables.stride(0), page, B=block, N1=rows, NP=triton.next_power_of_2(rows),
+                                  SP=triton.next_power_of_2(S), num_warps=1)
+    return start
+
+
+@triton.jit
+def _verify_rows_kernel(blk_ptr, start_ptr, tok_ptr, dep_ptr, mask_ptr, ids_ptr, pos_ptr, tree_ptr,
+                        B: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, NP)  # verify rows: 0 the root, 1..N the nodes
+    node = (r >= 1) & (r <= N)
+    start = tl.maximum(tl.load(start_ptr + s), 0)
+    root = tl.load(blk_ptr + s * B)
+    tok = tl.load(tok_ptr + s * N + r - 1, mask=node, other=0)
+    dep = tl.load(dep_ptr + s * N + r - 1, mask=node, other=0)
+    out = s * (N + 1) + r
+    tl.store(ids_ptr + out, tl.where(node, tok, root), mask=r <= N)
+    tl.store(pos_ptr + out, start + dep, mask=r <= N)
+    tl.store(tree_ptr + out, tl.load(mask_ptr + out, mask=r <= N), mask=r <= N)
+
+
+def verify_rows(blocks: torch.Tensor, block: int, start: torch.Tensor, trees: Trees, ids: torch.Tensor,
+                positions: torch.Tensor, tree_mask: torch.Tensor) -> None:
+    """A tree verify's rows from the draft blocks [S * block] (row 0 of each: the root's token) and the
+    trees (built by build_trees here, masks included): ids and positions [S * (N + 1)] (the root at the
+    start, node i at start + depth), tree_mask [S * (N + 1)] the ancestor masks; start < 0 (padding
+    requests) counts as 0."""
+    S, N = trees.tokens.shape
+    if S:
+        _verify_rows_kernel[(S,)](blocks, start, trees.tokens, trees.depths, trees.masks(), ids, positions, tree_mask,
+                                  B=block, N=N, NP=triton.next_power_of_2(N + 1), num_warps=1)

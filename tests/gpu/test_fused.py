@@ -478,6 +478,23 @@ def test_topk_log_softmax(rows, n, k):
         fused_tokens.topk_log_softmax(x32, n + 1)
 
 
+@pytest.mark.parametrize("lens", [[13, 40, 9], [21, 0, 0, 0], [8]])
+def test_block_slots(lens):
+    """fused_tokens.block_slots against graphed.py's torch ops: each draft-block row's slot from its
+    position and its request's block table, -1 for the rows of requests without rows."""
+    B, page, S = 8, 4, len(lens)
+    g = torch.Generator().manual_seed(sum(lens))
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    tables = torch.randperm(64, generator=g)[: S * 12].view(S, 12).to(DEVICE, torch.int32)
+    positions = (torch.clamp(seq_lens.long() - B, min=0)[:, None] + torch.arange(B, device=DEVICE)).flatten()
+    seq = torch.arange(S * B, device=DEVICE) // B
+    page_of = tables[seq, positions // page].long()
+    want = torch.where(seq_lens[seq] > 0, page_of * page + positions % page, -1)
+    out = torch.full((S * B,), 99, dtype=torch.long, device=DEVICE)
+    fused_tokens.block_slots(positions, seq_lens, tables, page, out)
+    assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("S,k", [(1, 15), (5, 3), (32, 15), (3, 1), (2, 20)])
 def test_accepted_lengths(S, k):
     """The acceptance kernel against the torch rule on [S, k] drafts whose first mismatch sits

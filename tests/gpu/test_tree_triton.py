@@ -78,6 +78,44 @@ def test_accept_paths_equals_the_torch_walk(follow):
         assert a.tolist() == dep.max(1).values.tolist()
 
 
+@pytest.mark.parametrize("lens", [[13, 40, 9], [21, 0, 0, 0], [8], [30, 17, 0]])
+@pytest.mark.parametrize("N", [7, 15])
+def test_verify_meta_and_rows_equal_the_torch_ops(lens, N):
+    """verify_meta and verify_rows (a graphed tree step's verify inputs, tree_step.py) against the torch
+    ops they replace: slots, lengths, row offsets and starts from the draft blocks' lengths and block
+    tables (padding requests, seq_len 0, included), then ids, positions and ancestor masks from the trees."""
+    from flashdraft.engine.sampler import draw_candidates
+
+    B, page, S, N1 = 8, 4, len(lens), N + 1
+    g = torch.Generator().manual_seed(sum(lens) + N)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    tables = torch.randperm(64, generator=g)[: S * 12].view(S, 12).to(DEVICE, torch.int32)
+    # the torch ops of tree_step._tree_graph_step
+    real = seq_lens > 0
+    start = (seq_lens.long() - B).clamp_min(0)
+    q = start[:, None] + torch.arange(N1, device=DEVICE)
+    pages = tables.long().gather(1, (q // page).clamp(max=tables.shape[1] - 1))
+    want_slots = torch.where(real[:, None], pages * page + q % page, -1).flatten()
+    want_lens = torch.where(real, start + N1, 0).int()
+    want_qsl = torch.cat([torch.zeros(1, dtype=torch.long, device=DEVICE), torch.cumsum(real * N1, 0)]).int()
+    slots = torch.full((S * N1,), 99, dtype=torch.long, device=DEVICE)
+    vlens = torch.full((S,), 99, dtype=torch.int32, device=DEVICE)
+    qsl = torch.full((S + 1,), 99, dtype=torch.int32, device=DEVICE)
+    first = tree_triton.verify_meta(seq_lens, tables, page, B, N1, slots, vlens, qsl)
+    assert torch.equal(slots, want_slots) and torch.equal(vlens, want_lens) and torch.equal(qsl, want_qsl)
+    assert torch.equal(first, torch.where(real, start, -1))
+    # the rows
+    logp, cand = draw_candidates(torch.randn(S * (B - 1), 50, generator=g).to(DEVICE), N)
+    trees = tree_triton.build_trees(logp.view(S, B - 1, -1), cand.view(S, B - 1, -1), N)
+    blocks = torch.randint(0, 50, (S * B,), generator=g).to(DEVICE)
+    ids = torch.zeros(S * N1, dtype=torch.long, device=DEVICE)
+    pos, mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    tree_triton.verify_rows(blocks, B, first, trees, ids, pos, mask)
+    want_ids = torch.cat([blocks.view(S, B)[:, :1], trees.tokens], 1).flatten()
+    want_pos = torch.cat([start[:, None], start[:, None] + trees.depths], 1).flatten()
+    assert torch.equal(ids, want_ids) and torch.equal(pos, want_pos) and torch.equal(mask, trees.masks().flatten())
+
+
 def test_moves_equal_the_host_moves():
     """The accepted rows' (from slot, to slot) pairs of accept_paths are those the host computes from the
     path and the block table; move_slots copies them with every read before any write (a row's source
