@@ -194,12 +194,13 @@ class GraphedSteps:
         self.drafter.write_context(taps, pos, self.kv, self.attn, vm)
         return hidden
 
-    def _derive_slots(self, g: StepGraph) -> None:
+    def _derive_slots(self, g: StepGraph, kernel: bool = False) -> None:
         """Every block row's cache slot from its position and its sequence's block table (rows of
         sequences without rows: -1, not stored): what the host fills, derived in the graph, so that
-        an overlapped step needs only its positions and tables (overlap.py)."""
+        an overlapped step needs only its positions and tables (overlap.py). kernel: in one kernel
+        (fused_tokens.block_slots) on the fused path; tree steps only until it has run on a GPU."""
         m, bs, seq = g.meta, g.meta.block_size, g.aux["row_seq"]
-        if fused_enabled(g.positions):  # one kernel for the ~10 ops below
+        if kernel and fused_enabled(g.positions):  # one kernel for the ~10 ops below
             from flashdraft.models.fused_tokens import block_slots
 
             block_slots(g.positions, m.seq_lens, m.block_tables, bs, m.slot_mapping)

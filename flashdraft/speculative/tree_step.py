@@ -236,8 +236,8 @@ class TreeSteps:
         path [S, D + 1] and the target's tokens along the path [S, D + 1]."""
         m, vm = g.meta, g.aux["verify_meta"]
         S, B, N1 = g.num_seqs, self.block_size, self.num_draft + 1
-        self._derive_slots(g)  # the draft block's slots (a step launched ahead fills only its tables)
         kernels = use_kernels(g.positions)
+        self._derive_slots(g, kernels)  # the draft block's slots (a step launched ahead fills only its tables)
         if kernels:  # one kernel for the verify's metadata, one for its rows (below), instead of ~30 ops
             from flashdraft.speculative import tree_triton
 
