@@ -97,10 +97,9 @@ class RMSNorm(nn.Module):
 # does at these shapes: "auto" for CUDA activations in bf16/fp16 when triton imports, "triton" also
 # for CPU tensors under TRITON_INTERPRET=1 (tests), "cublas" never. No backward: never with grad.
 GEMM = os.environ.get("FLASHDRAFT_GEMM", "auto")
-# the most rows the Triton GEMMs take: 32; 64 or 128 (FLASHDRAFT_SKINNY_ROWS, for A/B runs; not timed
-# on a GPU yet) would take a small target's verify blocks at concurrency 4-8 (16) too, the gate-up
-# activation fused, where cuBLAS now runs them with the activation as a kernel of its own (their
-# wider x tiles may shorten the K tile: such rows round as cuBLAS's do now, not as rows <= 32)
+# the most rows the few-row tiles take: 32; 64-256 (FLASHDRAFT_SKINNY_ROWS) only for sweeps and A/B runs:
+# with those tiles the shipped pair's 64-row verify blocks ran 9% slower than on cuBLAS (H200), which the
+# mid-row tiles below beat instead
 SKINNY_ROWS = int(os.environ.get("FLASHDRAFT_SKINNY_ROWS", "32"))
 if SKINNY_ROWS not in (32, 64, 128, 256):
     raise ValueError(f"FLASHDRAFT_SKINNY_ROWS must be 32, 64, 128 or 256, got {SKINNY_ROWS}")
@@ -119,8 +118,8 @@ def skinny_enabled(x: torch.Tensor, weight: torch.Tensor | None = None, glu: boo
     only with the weight given (its [gate; up] matrix for glu) and a shape skinny.mid_tiles takes."""
     if GEMM not in ("auto", "triton", "cublas"):
         raise ValueError(f"FLASHDRAFT_GEMM must be auto, triton or cublas, got {GEMM!r}")
-    if GEMM == "cublas" or torch.is_grad_enabled() or x.dim() != 2 or not 1 <= x.shape[0] <= max(SKINNY_ROWS,
-                                                                                                 MID_ROWS):
+    most = max(SKINNY_ROWS, MID_ROWS)
+    if GEMM == "cublas" or torch.is_grad_enabled() or x.dim() != 2 or not 1 <= x.shape[0] <= most:
         return False
     if GEMM == "auto" and (x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16)):
         return False
