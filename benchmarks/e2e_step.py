@@ -294,18 +294,22 @@ def kernel_split(llm: LLM, arm: str, batch: int, top: int, replays: int = 10) ->
     return rows[:top]
 
 
+def kernel_spans(events) -> list[tuple[float, float, str]]:
+    """(start, end, name) of the profiler's GPU kernels, in start order."""
+    from torch.autograd import DeviceType
+
+    return sorted(((e.time_range.start, e.time_range.end, e.key) for e in events
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start), key=lambda k: k[0])
+
+
 def critical_path(events, gap_us: float = 10.0) -> dict[str, float]:
     """Microseconds each kernel adds to the stream's span, summed by kernel name: its end minus the
     previous kernel's end (kernels of a stream end in order; with PDL a kernel starts before its
     predecessor ends, so its duration overstates what it adds). A kernel starting more than gap_us
     after the previous one ended (the next replay) adds its own duration."""
-    from torch.autograd import DeviceType
-
-    ks = sorted(((e.time_range.start, e.time_range.end, e.key) for e in events
-                 if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start), key=lambda k: k[0])
     out: dict[str, float] = {}
     prev_end = None
-    for start, end, key in ks:
+    for start, end, key in kernel_spans(events):
         if prev_end is None or start - prev_end > gap_us:
             add = end - start
         else:

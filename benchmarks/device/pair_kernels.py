@@ -17,7 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from e2e_step import critical_path, fill_graph  # noqa: E402
+from e2e_step import critical_path, fill_graph, kernel_spans  # noqa: E402
 
 from flashdraft import LLM  # noqa: E402
 from flashdraft.bench.command import tokenize  # noqa: E402
@@ -52,13 +52,9 @@ def split(replay, label: str, replays: int = 20, top: int = int(os.environ.get("
 
 
 def _write_sequence(events, path: Path) -> None:
-    from torch.autograd import DeviceType
-
-    ks = sorted(((e.time_range.start, e.time_range.end, e.key) for e in events
-                 if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start), key=lambda k: k[0])
     path.parent.mkdir(parents=True, exist_ok=True)
     lines, prev_end, t0 = ["start_us\tdur_us\tgap_us\tkernel"], None, None
-    for start, end, key in ks:
+    for start, end, key in kernel_spans(events):
         if prev_end is not None and start - prev_end > 10.0 and t0 is not None:
             break  # the next replay: one is enough
         t0 = start if t0 is None else t0
