@@ -164,24 +164,26 @@ def _perturbed(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Ten
 
 
 def _top_log_probs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x.log_softmax(-1).topk(k) of a [N, V] float32 x: on the fused GPU path the two Triton kernels of
-    fused_tokens.topk_log_softmax (ties to the lower column; torch leaves their order open)."""
+    """x.float().log_softmax(-1).topk(k) of a [N, V] x: on the fused GPU path the two Triton kernels of
+    fused_tokens.topk_log_softmax, which read x in its own dtype (ties to the lower column; torch
+    leaves their order open)."""
     if x.numel() and fused_enabled(x):
         from flashdraft.models import fused_tokens
 
         return fused_tokens.topk_log_softmax(x, k)
-    return x.log_softmax(-1).topk(k, dim=-1)
+    return x.float().log_softmax(-1).topk(k, dim=-1)
 
 
 def draw_candidates(logits: torch.Tensor, k: int, temperature: torch.Tensor | None = None,
                     seeds: torch.Tensor | None = None,
                     positions: torch.Tensor | None = None,
                     token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A token tree's candidates for each draft slot (speculative/tree.py): the k best columns of logits [N, V]
-    float32 with their log-probabilities, best first, ([N, k] float32, [N, k] int64). Greedy rows (no
-    temperature, or T = 0) rank by the drafter's distribution; sampled rows by the draw draw_drafts makes
-    (logits / T plus the noise the target will draw that position's token with), scored by the softmax
-    of those perturbed values, so the first candidate is the drawn draft."""
+    """A token tree's candidates for each draft slot (speculative/tree.py): the k best columns of
+    logits [N, V] (float32 where drawn; greedy rows may come in the model dtype) with their
+    log-probabilities, best first, ([N, k] float32, [N, k] int64). Greedy rows (no temperature, or
+    T = 0) rank by the drafter's distribution; sampled rows by the draw draw_drafts makes (logits / T
+    plus the noise the target will draw that position's token with), scored by the softmax of those
+    perturbed values, so the first candidate is the drawn draft."""
     logp, cand = _top_log_probs(logits, min(k, logits.shape[-1]))
     if temperature is None:
         return logp, cand

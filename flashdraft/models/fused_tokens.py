@@ -81,11 +81,13 @@ def _argmax_final_kernel(val_ptr, idx_ptr, out_ptr, parts, BLOCK_P: tl.constexpr
 
 
 @triton.jit(do_not_specialize=["d_ptr", "t_ptr", "k", "stride_d", "stride_t"])  # one variant: views at any offset
-def _accept_kernel(d_ptr, t_ptr, out_ptr, k, stride_d, stride_t, BLOCK: tl.constexpr):
+def _accept_kernel(d_ptr, t_ptr, out_ptr, k, stride_d, stride_t, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     s = tl.program_id(0)
     j = tl.arange(0, BLOCK)
+    pdl_enter(USE_PDL)
     d = tl.load(d_ptr + s * stride_d + j, mask=j < k, other=-1)
     t = tl.load(t_ptr + s * stride_t + j, mask=j < k, other=-2)
+    pdl_trigger(USE_PDL)
     tl.store(out_ptr + s, tl.min(tl.where((j < k) & (d != t), j, k), 0).to(tl.int64))  # first mismatch, or k
 
 
@@ -221,7 +223,8 @@ def accepted_lengths(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     out = torch.empty(S, device=drafts.device, dtype=torch.int64)
     if S:
         _accept_kernel[(S,)](drafts, target, out, k, drafts.stride(0), target.stride(0),
-                             BLOCK=max(ACCEPT_BLOCK, triton.next_power_of_2(k)), num_warps=1)
+                             BLOCK=max(ACCEPT_BLOCK, triton.next_power_of_2(k)), num_warps=1,
+                             **launch_kwargs(drafts))
     return out
 
 

@@ -194,7 +194,8 @@ class TreeSteps:
         Nothing here reads a value back to the host (graph-safe)."""
         n, B, k = num_seqs, self.block_size, self.block_size - 1
         rows = hidden.view(n, B, -1)[:, 1:].reshape(n * k, -1)
-        logits, token_ids = self._slot_logits(rows, float32=True)
+        # greedy ranks by the drafter's own logits (the top-k kernel reads them in the model dtype)
+        logits, token_ids = self._slot_logits(rows, float32=draw is not None)
         kw = {}
         if draw is not None:
             temp, seeds, positions = draw

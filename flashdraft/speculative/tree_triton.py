@@ -18,7 +18,9 @@ tree step ~0.8 ms slower than a chain's (H100, docs/performance.md section 4, ke
     verify_rows     the verify's input ids, positions and ancestor masks from the trees (torch:    (request)
                     6 ops, copy-engine copies among them)
 
-Nodes equal build_trees' up to exact ties of scores. Grids depend on shapes only: CUDA-graph safe.
+Nodes equal build_trees' up to exact ties of scores. Grids depend on shapes only: CUDA-graph safe. Each
+kernel launches with PDL like the step's other kernels (models/launch.py): it waits first, and lets its
+successor be scheduled before its stores.
 On an H100 they took a tree-of-15 step from 2.2-2.3 ms to 1.6-1.7 ms (docs/performance.md section 4);
 FLASHDRAFT_TREE_KERNELS=off runs the torch ops instead."""
 
@@ -28,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 from flashdraft.speculative.tree import Trees
 
 NEG = tl.constexpr(-3.0e38)  # below any log-probability sum; a frontier entry at NEG is empty
@@ -35,9 +38,10 @@ NEG = tl.constexpr(-3.0e38)  # below any log-probability sum; a frontier entry a
 
 @triton.jit
 def _build_kernel(logp_ptr, cand_ptr, tok_ptr, par_ptr, dep_ptr, valid_ptr, mask_ptr, D: tl.constexpr,
-                  K: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, FP: tl.constexpr):
+                  K: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, FP: tl.constexpr, USE_PDL: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     base = s * D * K
+    pdl_enter(USE_PDL)
     f = tl.arange(0, FP)
     # the frontier: candidate nodes (depth, rank of their slot's candidate, parent's pick, score)
     f_score = tl.where(f == 0, tl.load(logp_ptr + base), NEG)
@@ -98,6 +102,7 @@ def _build_kernel(logp_ptr, cand_ptr, tok_ptr, par_ptr, dep_ptr, valid_ptr, mask
         up = tl.sum(tl.where(n_par[:, None] == n[None, :], mask[None, :], 0), 1)
         mask = own | tl.where(n_par < 0, 1, up)
     out = s * N + row - 1
+    pdl_trigger(USE_PDL)
     tl.store(tok_ptr + out, n_tok, mask=real)
     tl.store(par_ptr + out, par_row.to(tl.int64), mask=real)
     tl.store(dep_ptr + out, tl.minimum(n_depth, D).to(tl.int64), mask=real)
@@ -121,18 +126,20 @@ def build_trees(logp: torch.Tensor, tokens: torch.Tensor, size: int) -> Trees:
     masks = torch.empty(S, size + 1, dtype=torch.long, device=dev)
     if S:
         _build_kernel[(S,)](logp, tokens, tok, par, dep, valid.view(torch.int8), masks, D=D, K=K, N=size,
-                            NP=triton.next_power_of_2(size), FP=triton.next_power_of_2(2 * size + 1), num_warps=1)
+                            NP=triton.next_power_of_2(size), FP=triton.next_power_of_2(2 * size + 1), num_warps=1,
+                            **launch_kwargs(logp))
     return Trees(tok, par, dep, valid, D, masks)
 
 
 @triton.jit
 def _accept_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, mask_ptr, target_ptr, a_ptr, path_ptr, commit_ptr,
                    start_ptr, bt_ptr, src_ptr, dst_ptr, stride_bt, PAGE, N: tl.constexpr, D: tl.constexpr,
-                   RP: tl.constexpr, DP: tl.constexpr, MOVES: tl.constexpr):
+                   RP: tl.constexpr, DP: tl.constexpr, MOVES: tl.constexpr, USE_PDL: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, RP)  # verify rows: 0 the root, 1..N the nodes
     node = (r >= 1) & (r <= N)
     nb = s * N + r - 1
+    pdl_enter(USE_PDL)
     tok = tl.load(tok_ptr + nb, mask=node, other=-1)
     par = tl.load(par_ptr + nb, mask=node, other=0)
     dep = tl.load(dep_ptr + nb, mask=node, other=0)
@@ -149,6 +156,7 @@ def _accept_kernel(tok_ptr, par_ptr, dep_ptr, valid_ptr, mask_ptr, target_ptr, a
     d = tl.arange(0, DP)
     on = (((best_mask >> r.to(tl.int64)) & 1) != 0) & (r <= N)
     path = tl.sum(tl.where(on[None, :] & (dep[None, :] == d[:, None]), r[None, :], 0), 1)  # 0 past a
+    pdl_trigger(USE_PDL)
     tl.store(a_ptr + s, a.to(tl.int64))
     tl.store(path_ptr + s * (D + 1) + d, path.to(tl.int64), mask=d <= D)
     tl.store(commit_ptr + s * (D + 1) + d, tl.load(tb + path, mask=d <= D, other=0), mask=d <= D)
@@ -181,17 +189,18 @@ def accept_paths(trees: Trees, target: torch.Tensor, start: torch.Tensor | None 
         _accept_kernel[(S,)](trees.tokens, trees.parents, trees.depths, trees.valid.view(torch.int8), trees.masks(),
                              target.contiguous(), a, path, commit, start if moves else a, bt, src, dst,
                              bt.stride(0) if moves else 0, page, N=N, D=D, RP=triton.next_power_of_2(N + 1),
-                             DP=triton.next_power_of_2(D + 1), MOVES=moves, num_warps=1)
+                             DP=triton.next_power_of_2(D + 1), MOVES=moves, num_warps=1, **launch_kwargs(target))
     return (a, path, commit, src, dst) if moves else (a, path, commit)
 
 
 @triton.jit
 def _move_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, stride_layer, D: tl.constexpr, DP: tl.constexpr,
-                 ROW: tl.constexpr, BLOCK: tl.constexpr):
+                 ROW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1).to(tl.int64)
     d = tl.arange(0, DP)
     e = tl.arange(0, BLOCK)
+    pdl_enter(USE_PDL)
     src = tl.load(src_ptr + s * D + d, mask=d < D, other=-1)
     dst = tl.load(dst_ptr + s * D + d, mask=d < D, other=-1)
     on = (src >= 0)[:, None] & (e < ROW)[None, :]
@@ -200,6 +209,7 @@ def _move_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, stride_layer, D: tl.constexpr, 
     k = tl.load(k_ptr + src_off, mask=on)
     v = tl.load(v_ptr + src_off, mask=on)
     tl.debug_barrier()  # every read before any write
+    pdl_trigger(USE_PDL)
     tl.store(k_ptr + dst_off, k, mask=on)
     tl.store(v_ptr + dst_off, v, mask=on)
 
@@ -212,13 +222,16 @@ def move_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, 
     row = k_cache[0, 0, 0].numel()
     if S and L:
         _move_kernel[(S, L)](k_cache, v_cache, src, dst, k_cache.stride(0), D=D, DP=triton.next_power_of_2(D),
-                             ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4)
+                             ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4,
+                             **launch_kwargs(src))
 
 
 @triton.jit
 def _verify_meta_kernel(lens_ptr, bt_ptr, start_ptr, slot_ptr, vlens_ptr, qsl_ptr, S, stride_bt, PAGE,
-                        B: tl.constexpr, N1: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr):
+                        B: tl.constexpr, N1: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
+                        USE_PDL: tl.constexpr):
     s = tl.program_id(0)
+    pdl_enter(USE_PDL)
     seq_len = tl.load(lens_ptr + s)
     real = seq_len > 0
     start = tl.maximum(seq_len - B, 0).to(tl.int64)
@@ -226,6 +239,7 @@ def _verify_meta_kernel(lens_ptr, bt_ptr, start_ptr, slot_ptr, vlens_ptr, qsl_pt
     q = start + j
     rows = (j < N1) & (j * 0 + seq_len > 0)  # (the condition as a block: the interpreter's masks)
     page = tl.load(bt_ptr + s * stride_bt + q // PAGE, mask=rows, other=0).to(tl.int64)
+    pdl_trigger(USE_PDL)
     tl.store(slot_ptr + s * N1 + j, tl.where(rows, page * PAGE + q % PAGE, -1), mask=j < N1)
     tl.store(vlens_ptr + s, tl.where(real, start + N1, 0).to(tl.int32))
     tl.store(start_ptr + s, tl.where(real, start, -1))
@@ -248,24 +262,27 @@ def verify_meta(seq_lens: torch.Tensor, block_tables: torch.Tensor, page: int, b
     if S:
         _verify_meta_kernel[(S,)](seq_lens, block_tables, start, slot_mapping, verify_lens, query_start_loc, S,
                                   block_tables.stride(0), page, B=block, N1=rows, NP=triton.next_power_of_2(rows),
-                                  SP=triton.next_power_of_2(S), num_warps=1)
+                                  SP=triton.next_power_of_2(S), num_warps=1, **launch_kwargs(seq_lens))
     return start
 
 
 @triton.jit
 def _verify_rows_kernel(blk_ptr, start_ptr, tok_ptr, dep_ptr, mask_ptr, ids_ptr, pos_ptr, tree_ptr,
-                        B: tl.constexpr, N: tl.constexpr, NP: tl.constexpr):
+                        B: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, USE_PDL: tl.constexpr):
     s = tl.program_id(0).to(tl.int64)
     r = tl.arange(0, NP)  # verify rows: 0 the root, 1..N the nodes
     node = (r >= 1) & (r <= N)
+    pdl_enter(USE_PDL)
     start = tl.maximum(tl.load(start_ptr + s), 0)
     root = tl.load(blk_ptr + s * B)
     tok = tl.load(tok_ptr + s * N + r - 1, mask=node, other=0)
     dep = tl.load(dep_ptr + s * N + r - 1, mask=node, other=0)
     out = s * (N + 1) + r
+    tree = tl.load(mask_ptr + out, mask=r <= N)
+    pdl_trigger(USE_PDL)
     tl.store(ids_ptr + out, tl.where(node, tok, root), mask=r <= N)
     tl.store(pos_ptr + out, start + dep, mask=r <= N)
-    tl.store(tree_ptr + out, tl.load(mask_ptr + out, mask=r <= N), mask=r <= N)
+    tl.store(tree_ptr + out, tree, mask=r <= N)
 
 
 def verify_rows(blocks: torch.Tensor, block: int, start: torch.Tensor, trees: Trees, ids: torch.Tensor,
@@ -277,4 +294,5 @@ def verify_rows(blocks: torch.Tensor, block: int, start: torch.Tensor, trees: Tr
     S, N = trees.tokens.shape
     if S:
         _verify_rows_kernel[(S,)](blocks, start, trees.tokens, trees.depths, trees.masks(), ids, positions, tree_mask,
-                                  B=block, N=N, NP=triton.next_power_of_2(N + 1), num_warps=1)
+                                  B=block, N=N, NP=triton.next_power_of_2(N + 1), num_warps=1,
+                                  **launch_kwargs(ids))
