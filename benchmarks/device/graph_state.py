@@ -15,7 +15,8 @@ all, in this order): idle3 (3 s idle), tree-attn (the target's attention variant
 compiled and run, as a tree engine does at start), topk (the tree's top-k kernels over a drafter
 head's logits), build (the tree build kernel), accept (the tree acceptance and K/V move kernels),
 replay-all (every captured graph of the engine replayed once, as a chain engine's cost measurement
-does), matmul (200 bf16 4,096 x 4,096 matmuls), idle8."""
+does), fill (40 normal fills of 1 GiB, as dummy weights are written: memory-bound load), idle8, matmul
+(200 bf16 4,096 x 4,096 matmuls: compute-bound load), idle8."""
 import subprocess
 import sys
 import time
@@ -33,7 +34,7 @@ from flashdraft.bench.command import tokenize  # noqa: E402
 from flashdraft.bench.datasets import load_prompts  # noqa: E402
 
 SHIPPED = str(ROOT / "flashdraft" / "drafters" / "smollm2-135m-dflash")
-PROBES = "idle3,tree-attn,topk,build,accept,replay-all,matmul,idle8"
+PROBES = "idle3,tree-attn,topk,build,accept,replay-all,fill,idle8,matmul,idle8"
 
 
 def replay_us(fn, n: int = 200) -> float:
@@ -88,6 +89,10 @@ def probe(name: str, llm: LLM) -> None:
         for g in list(eng.runner.graphs.values()):
             if getattr(g, "captured", False):
                 g.replay()
+    elif name == "fill":
+        x = torch.empty(1 << 29, device=dev, dtype=torch.bfloat16)
+        for _ in range(40):
+            x.normal_()
     elif name == "matmul":
         x = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
         for _ in range(200):
