@@ -99,6 +99,10 @@ class TreeSteps:
         and the target's tokens along each accepted path [S, D + 1], read as a chain's (overlap.py)."""
         out = g.replay()  # read before any other replay: graphs share one memory pool
         n, N1 = len(plans), self.num_draft + 1
+        owner = [i for i in range(n) for _ in range(self.block_size)]  # D + 1 tokens a request
+        if g.aux.get("moves_kv", False) and "draft_temp" not in g.extra:  # greedy on the fused path:
+            # the graph did it all and packed its outcome ([S] accepted, then [S, D + 1] tokens)
+            return VerifyInFlight(plans, g, out[9], g.num_seqs, owner, started, whole)
         trees = Trees(*(t[:n] for t in out[2:6]), self.block_size - 1)
         m = g.meta
         start = m.seq_lens[:n].long() - self.block_size  # each root's position
@@ -115,10 +119,8 @@ class TreeSteps:
                 committed = target.gather(1, path)
                 self._move_path(path, a, start, m)
         else:
-            a, path, committed = (t[:n] for t in out[6:])
-            if not g.aux.get("moves_kv", False):
-                self._move_path(path, a, start, m)
-        owner = [i for i in range(n) for _ in range(committed.shape[1])]
+            a, path, committed = (t[:n] for t in out[6:9])
+            self._move_path(path, a, start, m)
         return VerifyInFlight(plans, g, torch.cat([a, committed.flatten()]), n, owner, started, whole)
 
     def _move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -234,7 +236,9 @@ class TreeSteps:
         block's (start = seq_len - B; padding sequences, seq_len 0, get no rows and store nothing).
         Returns the verify's final hidden states and positions [S * (N + 1)] and the trees' tokens,
         parents, depths and valid flags [S, N]; greedy graphs also the acceptance (tree.accept): a [S],
-        path [S, D + 1] and the target's tokens along the path [S, D + 1]."""
+        path [S, D + 1] and the target's tokens along the path [S, D + 1], and with the tree kernels
+        those two packed as the outcome the host reads ([S], then [S * (D + 1)]; no op after the
+        replay)."""
         m, vm = g.meta, g.aux["verify_meta"]
         S, B, N1 = g.num_seqs, self.block_size, self.num_draft + 1
         kernels = use_kernels(g.positions)
@@ -282,7 +286,7 @@ class TreeSteps:
         move_slots(runner.k_cache, runner.v_cache, src, dst)
         move_slots(self.k_cache, self.v_cache, src, dst)
         g.aux["moves_kv"] = True
-        return result + (a, path, committed)
+        return result + (a, path, committed, torch.cat([a, committed.flatten()]))  # the host's one read
 
     def _path_moves(self, seq: Sequence, start: int, path: list[int]) -> list[tuple[int, int]]:
         """(from slot, to slot) of each accepted tree row whose K/V must move to its position's slot:

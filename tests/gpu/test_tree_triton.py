@@ -158,12 +158,13 @@ def test_moves_equal_the_host_moves():
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU graph harness; on CUDA test_engine_graphs runs these kernels")
-@pytest.mark.parametrize("oracle", [False, True])
-def test_graphed_tree_steps_through_the_kernels(tiny_llama, tmp_path, monkeypatch, oracle):
+@pytest.mark.parametrize("oracle,overlap", [(False, False), (True, False), (False, True)])
+def test_graphed_tree_steps_through_the_kernels(tiny_llama, tmp_path, monkeypatch, oracle, overlap):
     """The engine's graphed tree step (CPU harness: eager replays of the static buffers) with the trees
     built, accepted and their rows' K/V moved by these kernels: plain decoding's tokens and the eager
     torch engine's counts; with oracle trees (the right path behind a wrong sibling) every verify
-    accepts to the full depth, so rows move and the next steps read them."""
+    accepts to the full depth, so rows move and the next steps read them; overlapped, each next step
+    launched on the outcome the graph packed before it is read."""
     from fixtures import build_random_drafter
     from test_graphs import _graphed_llm
     from test_tree import use_oracle_graph_trees
@@ -182,7 +183,7 @@ def test_graphed_tree_steps_through_the_kernels(tiny_llama, tmp_path, monkeypatc
     eager = LLM(str(tiny_llama), **kw)
     want = [o.token_ids for o in eager.generate(prompts, params)]
     assert want == [o.token_ids[:24] for o in ref]
-    graphed, replays = _graphed_llm(str(tiny_llama), kw)
+    graphed, replays = _graphed_llm(str(tiny_llama), {**kw, "async_scheduling": overlap})
     moved = []
     real_move = tree_triton.move_slots
     monkeypatch.setattr(tree_triton, "move_slots", lambda k, v, src, dst: moved.append(int((src >= 0).sum()))
@@ -193,6 +194,8 @@ def test_graphed_tree_steps_through_the_kernels(tiny_llama, tmp_path, monkeypatc
     assert [o.token_ids for o in outs] == want
     assert graphed.engine.spec_totals() == eager.engine.spec_totals()
     assert replays["dflash-tree"] > 0 and moved, replays
+    if overlap:
+        assert graphed.engine.stats["num_overlapped_steps"] > 0
     if oracle:
         assert sum(moved) > 0  # the right path sat behind a wrong sibling: its rows moved
         depth = graphed.engine.spec.depth
