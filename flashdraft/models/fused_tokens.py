@@ -12,6 +12,10 @@ embedding lookup, the greedy argmax over the vocabulary and the DFlash acceptanc
     block_slots         a graphed step's draft-block rows' cache slots    one program per request
                         from their positions and block tables (torch:
                         ~10 small ops)
+    advance_blocks      a graphed step's draft blocks moved on past a     one program per request
+                        verify's accepted drafts (its acceptance count
+                        and packed outcome too, when given the drafts;
+                        torch: ~14 small ops)
 
 Grids depend on shapes only, never on values (CUDA-graph safe). Importing this module needs triton."""
 
@@ -171,6 +175,34 @@ def _block_slots_kernel(pos_ptr, lens_ptr, bt_ptr, slot_ptr, stride_bt, PAGE, B:
     tl.store(slot_ptr + s * B + j, tl.where(rows, page * PAGE + pos % PAGE, -1), mask=j < B)
 
 
+@triton.jit
+def _advance_kernel(pos_ptr, ids_ptr, lens_ptr, toks_ptr, acc_ptr, drafts_ptr, out_ptr, S, stride_t, stride_d,
+                    K1: tl.constexpr, KP: tl.constexpr, B: tl.constexpr, BP: tl.constexpr, ACCEPT: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    s = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, KP)
+    b = tl.arange(0, BP)
+    pdl_enter(USE_PDL)
+    t = tl.load(toks_ptr + s * stride_t + j, mask=j < K1, other=0)
+    if ACCEPT:  # leading drafts equal to the target's token at their row: the first mismatch, or K1 - 1
+        d = tl.load(drafts_ptr + s * stride_d + j, mask=j < K1 - 1, other=-1)
+        a = tl.min(tl.where((j < K1 - 1) & (d != t), j, K1 - 1), 0).to(tl.int64)
+    else:
+        a = tl.load(acc_ptr + s)
+    seq_len = tl.load(lens_ptr + s)
+    live = seq_len > 0
+    start = tl.load(pos_ptr + s * B) + a + 1
+    first = tl.sum(tl.where(j == a, t, 0), 0)
+    pdl_trigger(USE_PDL)
+    if ACCEPT:  # the host's one read: accepted drafts [S], then the target's tokens [S * K1]
+        tl.store(out_ptr + s, a)
+        tl.store(out_ptr + S + s * K1 + j, t, mask=j < K1)
+    rows = (b < B) & (b * 0 + seq_len > 0)  # (a block: the interpreter's masks)
+    tl.store(pos_ptr + s * B + b, start + b, mask=rows)
+    tl.store(lens_ptr + s, tl.where(live, start + B, seq_len).to(tl.int32))
+    tl.store(ids_ptr + s * B + b, first + b * 0, mask=rows & (b == 0))
+
+
 # ---- wrappers -------------------------------------------------------------------------------------
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """weight[ids]: ids [...] of in-range token ids (the engine validates prompts; sampled and
@@ -265,3 +297,30 @@ def block_slots(positions: torch.Tensor, seq_lens: torch.Tensor, block_tables: t
         B = positions.shape[0] // S
         _block_slots_kernel[(S,)](positions, seq_lens, block_tables, out, block_tables.stride(0), page, B=B,
                                   BP=triton.next_power_of_2(B), num_warps=1, **launch_kwargs(positions))
+
+
+def advance_blocks(positions: torch.Tensor, input_ids: torch.Tensor, seq_lens: torch.Tensor, toks: torch.Tensor,
+                   acc: torch.Tensor | None = None, drafts: torch.Tensor | None = None,
+                   outcome: torch.Tensor | None = None) -> None:
+    """Move the first n = len(toks) requests' draft blocks on after a verify (positions and input_ids
+    [>= n * B], B rows a request; seq_lens [>= n] int32; toks [n, k1] the target's token at each verify
+    row): each block starts one past the accepted drafts, its first token the target's token there;
+    requests without rows (seq_len 0) keep theirs. The accepted counts come as acc [n], or are counted
+    from drafts [n, k1 - 1] (the verified drafts), then written with toks into outcome
+    ([n] counts, then [n * k1] tokens)."""
+    n, k1 = toks.shape
+    if not n:
+        return
+    B = positions.shape[0] // seq_lens.shape[0]
+    accept = drafts is not None
+    if accept and (outcome is None or outcome.numel() < n * (k1 + 1)):
+        raise ValueError("advance_blocks counts the accepted drafts only with an outcome buffer of n * (k1 + 1)")
+    if not accept and acc is None:
+        raise ValueError("advance_blocks needs the accepted counts (acc) or the drafts to count them")
+    if toks.stride(-1) != 1 or (accept and drafts.stride(-1) != 1):
+        raise ValueError("advance_blocks takes rows of unit stride")
+    any_ = toks  # a placeholder for the pointers a variant does not read
+    _advance_kernel[(n,)](positions, input_ids, seq_lens, toks, any_ if accept else acc, drafts if accept else any_,
+                          outcome if accept else any_, n, toks.stride(0), drafts.stride(0) if accept else 0, K1=k1,
+                          KP=triton.next_power_of_2(k1), B=B, BP=triton.next_power_of_2(B), ACCEPT=accept,
+                          num_warps=1, **launch_kwargs(toks))

@@ -495,6 +495,74 @@ def test_block_slots(lens):
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("k1", [8, 4])
+@pytest.mark.parametrize("count", [True, False])
+def test_advance_blocks(k1, count):
+    """fused_tokens.advance_blocks against the rule written out per request: a live request's block
+    starts one past its accepted drafts (its positions, its length = start + B), its first id the
+    target's token at that row, the other ids untouched; a request without rows (length 0) keeps
+    everything; counting from the drafts, the outcome holds the counts, then every target token."""
+    B, lens = 8, [40, 0, 17, 9, 0, 25]
+    S = len(lens)
+    g = torch.Generator().manual_seed(k1 * 10 + count)
+    toks = torch.randint(0, 50, (S, k1), generator=g)
+    want_acc = [s % k1 for s in range(S)]  # 0 .. k1 - 1 accepted (k1 - 1: every draft)
+    drafts = torch.randint(50, 99, (S, k1 - 1), generator=g)  # never the target's token ...
+    for s, a in enumerate(want_acc):
+        drafts[s, :a] = toks[s, :a]  # ... but for the accepted ones
+    positions = torch.cat([torch.arange(max(n - B, 0), max(n - B, 0) + B) for n in lens])
+    ids = torch.randint(0, 50, (S * B,), generator=g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    want_pos, want_ids, want_lens = positions.clone(), ids.clone(), seq_lens.clone()
+    for s, (n, a) in enumerate(zip(lens, want_acc)):
+        if n:
+            start = int(positions[s * B]) + a + 1
+            want_pos[s * B: (s + 1) * B] = torch.arange(start, start + B)
+            want_lens[s] = start + B
+            want_ids[s * B] = toks[s, a]
+    pos_d, ids_d, lens_d = positions.to(DEVICE), ids.to(DEVICE), seq_lens.to(DEVICE)
+    if count:
+        rows = torch.cat([ids.view(S, B)[:, :1], drafts], 1).to(DEVICE)  # a verify's input: the drafts a view
+        outcome = torch.full((S + S * k1,), -7, dtype=torch.long, device=DEVICE)
+        fused_tokens.advance_blocks(pos_d, ids_d, lens_d, toks.to(DEVICE), drafts=rows[:, 1:], outcome=outcome)
+        assert outcome[:S].tolist() == want_acc
+        assert torch.equal(outcome[S:].cpu(), toks.flatten())
+    else:
+        acc = torch.tensor(want_acc, device=DEVICE)
+        fused_tokens.advance_blocks(pos_d, ids_d, lens_d, toks.to(DEVICE), acc=acc)
+    assert torch.equal(pos_d.cpu(), want_pos) and torch.equal(ids_d.cpu(), want_ids)
+    assert torch.equal(lens_d.cpu(), want_lens)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU graph harness; on CUDA test_engine_graphs runs this kernel")
+@pytest.mark.parametrize("overlap", [False, True])
+def test_graphed_chain_steps_advance_blocks_in_the_kernel(tiny_llama, tmp_path, monkeypatch, overlap):
+    """The engine's graphed chain steps (CPU harness: eager replays of the static buffers) with each
+    greedy step's acceptance, outcome and next blocks from advance_blocks: plain decoding's tokens,
+    step by step and overlapped (each next step launched on the blocks the kernel moved on)."""
+    from fixtures import build_random_drafter
+    from test_graphs import _graphed_llm
+
+    import flashdraft.speculative.graphed as graphed_mod
+    from flashdraft import LLM, SamplingParams
+
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8)
+    ref = [o.token_ids for o in LLM(str(tiny_llama), draft=None, **kw).generate(prompts, params)]
+    kw.update(draft=str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)), async_scheduling=overlap)
+    counted, real = [], fused_tokens.advance_blocks
+    monkeypatch.setattr(fused_tokens, "advance_blocks",
+                        lambda *a, **k: counted.append(k.get("drafts") is not None) or real(*a, **k))
+    monkeypatch.setattr(graphed_mod, "fused_enabled", lambda x: True)  # the models stay on the torch path
+    monkeypatch.setattr(graphed_mod, "ADVANCE_BLOCKS", "all")
+    graphed, replays = _graphed_llm(str(tiny_llama), kw)
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
+    assert replays["dflash"] > 0 and any(counted), (replays, counted)
+    if overlap:
+        assert graphed.engine.stats["num_overlapped_steps"] > 0
+
+
 @pytest.mark.parametrize("S,k", [(1, 15), (5, 3), (32, 15), (3, 1), (2, 20)])
 def test_accepted_lengths(S, k):
     """The acceptance kernel against the torch rule on [S, k] drafts whose first mismatch sits
