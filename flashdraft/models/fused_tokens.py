@@ -319,8 +319,9 @@ def advance_blocks(positions: torch.Tensor, input_ids: torch.Tensor, seq_lens: t
         raise ValueError("advance_blocks needs the accepted counts (acc) or the drafts to count them")
     if toks.stride(-1) != 1 or (accept and drafts.stride(-1) != 1):
         raise ValueError("advance_blocks takes rows of unit stride")
-    any_ = toks  # a placeholder for the pointers a variant does not read
-    _advance_kernel[(n,)](positions, input_ids, seq_lens, toks, any_ if accept else acc, drafts if accept else any_,
-                          outcome if accept else any_, n, toks.stride(0), drafts.stride(0) if accept else 0, K1=k1,
+    unused = toks  # for the pointers the variant does not read
+    _advance_kernel[(n,)](positions, input_ids, seq_lens, toks, unused if accept else acc,
+                          drafts if accept else unused, outcome if accept else unused, n, toks.stride(0),
+                          drafts.stride(0) if accept else 0, K1=k1,
                           KP=triton.next_power_of_2(k1), B=B, BP=triton.next_power_of_2(B), ACCEPT=accept,
                           num_warps=1, **launch_kwargs(toks))
