@@ -10,7 +10,8 @@ A configuration is name:async_scheduling (1/0):speculative_min_acceptance_length
 and optionally :num_speculative_tokens (fixed; empty or without it the engine chooses per step where it can)
 and :speculative_tree_size (a token tree of that many drafts; 0 or without it the chain). An optional
 fourth argument sets the number of prompts (default 32).
-Prints one JSON line per (configuration, concurrency), then the cross-configuration output matches."""
+Prints one JSON line per (configuration, concurrency), with each arm's request end and first-token times
+(median, 90th percentile, last), then the cross-configuration output matches."""
 import gc
 import json
 import sys
@@ -32,6 +33,16 @@ gguf, ds, spec_s = sys.argv[1], sys.argv[2], sys.argv[3]
 
 def _rounded(d: dict) -> dict:
     return {k: round(v, 3) for k, v in d.items()}
+
+
+def _spread_ms(run) -> dict:
+    """When the arm's requests finished and got their first token, ms after each was sent: the
+    median, the 90th percentile and the last (with every request sent at once, the last ones are
+    the run's tail, where the batch has shrunk)."""
+    def q(xs):
+        xs = sorted(xs)
+        return [round(1000 * xs[len(xs) // 2], 1), round(1000 * xs[(9 * len(xs)) // 10], 1), round(1000 * xs[-1], 1)]
+    return dict(end=q([x.e2e_s for x in run.results]), first=q([x.ttft_s or 0.0 for x in run.results]))
 
 
 prompts = load_prompts(ds, int(sys.argv[4]) if len(sys.argv) > 4 else 32)
@@ -67,7 +78,8 @@ for cfg in spec_s.split(";"):
                               gate=dict(vars(sp.step_gate)) if getattr(sp, "step_gate", None) else None,
                               drafts_per_verify=round(st["num_draft_tokens"] / st["num_drafts"], 2)
                               if st.get("num_drafts") else None,
-                              profile=dict(vars(sp.profile)) if getattr(sp, "profile", None) else None),
+                              profile=dict(vars(sp.profile)) if getattr(sp, "profile", None) else None,
+                              ms_plain=_spread_ms(res[False][2]), ms_dflash=_spread_ms(res[True][2])),
                          default=str), flush=True)
     del llm, eng, be
     gc.collect()
