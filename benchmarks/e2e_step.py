@@ -376,6 +376,10 @@ def main() -> None:
                          "then decodes its own tokens (greedy ones coincide, and so would their experts)")
     ap.add_argument("--router-std", type=float, default=1.0,
                     help="mixtures of experts: router weights redrawn N(0, std) (spread_routers); 0 keeps them")
+    ap.add_argument("--settle-s", type=float, default=0.0, metavar="S",
+                    help="seconds idle after an engine is built (its dummy weights written), before any timing: "
+                         "a GPU's graph replays have run ~10%% slower for seconds after heavy work "
+                         "(docs/performance.md section 4)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -404,6 +408,10 @@ def main() -> None:
                       async_scheduling=False if arm.endswith("-sync") else None, **gate)
             if args.router_std > 0:
                 spread_routers(llm, args.router_std)
+            if args.settle_s > 0:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                time.sleep(args.settle_s)
             gc.collect()
             gc.freeze()  # as the server does: no collection pass over start-up's objects stalls a timed run
             gen = torch.Generator().manual_seed(0)
