@@ -279,9 +279,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
             raise ValueError(f"glu needs an even number of weight rows and no bias, got {tuple(w.shape)}")
         N //= 2
     M = x.shape[0]
-    mid = mid_tiles(*w.shape, glu) if tiles is None and MID_ROWS > MAX_ROWS else None
+    mid = mid_tiles(*w.shape, glu) if tiles is None and M > MAX_ROWS and MID_ROWS > MAX_ROWS else None
     most = MID_ROWS if mid is not None else MAX_ROWS
-    mid = mid if M > MAX_ROWS else None
     if x.dim() != 2 or x.shape[1] != K or not 1 <= M <= most:
         raise ValueError(f"x {tuple(x.shape)} does not fit w {tuple(w.shape)} (at most {most} rows)")
     if x.stride(-1) != 1:
