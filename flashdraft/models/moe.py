@@ -131,7 +131,8 @@ class GptOssMoE(MoE):
         from flashdraft.models.moe_triton import route_topk
         from flashdraft.models.transformer import linear
 
-        return route_topk(linear(x, self.router.weight, self.router.bias), self.top_k, False, False)
+        return route_topk(linear(x, self.router.weight, self.router.bias, parts=True), self.top_k, False, False,
+                          x.dtype)
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=self.limit)

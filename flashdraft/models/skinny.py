@@ -61,6 +61,11 @@ SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allo
 SPLIT_BELOW = int(os.environ.get("FLASHDRAFT_SPLIT_BELOW", "3200"))
 NARROW_BELOW = 3200  # outputs of 2,048 rows up to this many stream as 64-row strips (_dot_tiles)
 SPLIT_MIN_K = 1024
+# routers (at most ROUTER_MAX_N outputs) whose parts go to the top-k kernel (parts=True): K cut into parts
+# of about ROUTER_PART_K, each a program a 16-row strip (_router_tiles); FLASHDRAFT_ROUTER_PART_K=0: the
+# general rules instead (A/B runs)
+ROUTER_MAX_N = 256
+ROUTER_PART_K = int(os.environ.get("FLASHDRAFT_ROUTER_PART_K", "256"))
 
 
 @triton.jit
@@ -298,6 +303,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
         return y
     if mid is not None:  # blocks of 33-128 rows (mid_tiles)
         tiles, split = mid[:4], mid[4] if split is None else split
+    elif parts and tiles is None and split is None and (router := _router_tiles(N, K)) is not None:
+        tiles, split = router[:4], router[4]
     bn, bk, warps, stages = tiles or _dot_tiles(M, N, K, x.element_size(), glu)
     if split is None:
         split = 1 if tiles is not None or glu else _dot_split(N, K, bn, bk)
@@ -339,6 +346,24 @@ def _dot_split(N: int, K: int, bn: int, bk: int) -> int:
     if N >= SPLIT_BELOW or N % bn or K % (2 * bk) or K // 2 < SPLIT_MIN_K:
         return 1
     return 2
+
+
+def _router_tiles(N: int, K: int) -> tuple[int, int, int, int, int] | None:
+    """(BLOCK_N, BLOCK_K, warps, stages, split) of a router whose split-K parts a top-k kernel adds
+    (moe_triton.route_topk): 16-row strips with K cut into the most parts of at least ROUTER_PART_K,
+    each a whole number of 128- (else 64-) wide tiles. A router reads almost nothing (GPT-OSS-20B's
+    32 x 2,880: 184 KB) and its few long strips are pure latency: 2 programs of 23 tiles took 6.2 us
+    (H200). Qwen3-30B-A3B's 128 x 2,048: 8 strips x 8 parts of 256; GPT-OSS-20B's 32 x 2,880: 2
+    strips x 9 parts of 320. None (the general rules) past ROUTER_MAX_N outputs or when no tile
+    divides K."""
+    if not ROUTER_PART_K or N > ROUTER_MAX_N or N % 16:
+        return None
+    bk = _largest_dividing(K, (128, 64))
+    if bk is None:
+        return None
+    tiles = K // bk
+    split = max((s for s in range(1, tiles + 1) if tiles % s == 0 and K // s >= ROUTER_PART_K), default=1)
+    return 16, bk, 4, 3, split
 
 
 def _quarters(N: int, K: int) -> bool:

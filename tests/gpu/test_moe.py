@@ -80,22 +80,43 @@ def test_fused_routing_matches_torch(family, norm, T, E, k):
 
 @pytest.mark.parametrize("T", [1, 5, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_router_parts_route_as_the_merged_logits(T, dtype):
-    """A router GEMM split over K (Qwen3-30B-A3B's 128 x 2,048) leaves its float32 parts to the top-k
-    kernel, which adds them in slot order and rounds them as the GEMM's own last program does: the
-    same experts and weights, bit for bit, as top-k over the GEMM's merged logits."""
+@pytest.mark.parametrize("E,K,bias,parts", [(128, 2048, False, 8), (32, 2880, True, 9)])
+def test_split_router_parts_route_as_the_merged_logits(T, dtype, E, K, bias, parts):
+    """A router GEMM split over K (Qwen3-30B-A3B's 128 x 2,048; GPT-OSS-20B's 32 x 2,880 with its bias)
+    leaves its float32 parts to the top-k kernel, which adds them in slot order and rounds them as the
+    GEMM's own last program does: the same experts and weights, bit for bit, as top-k over the GEMM's
+    merged logits with the same tiles."""
     from flashdraft.models import skinny
     from flashdraft.models.moe_triton import route_topk
 
     g = torch.Generator().manual_seed(T)
-    x = torch.randn(T, 2048, generator=g).to(DEVICE, dtype)
-    w = (torch.randn(128, 2048, generator=g) * 0.05).to(DEVICE, dtype)
-    parts = skinny.skinny_linear(x, w, parts=True)
-    assert parts.shape == (T, 2, 128) and parts.dtype == torch.float32  # the split the rule picks
+    x = torch.randn(T, K, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(E, K, generator=g) * 0.05).to(DEVICE, dtype)
+    b = (torch.randn(E, generator=g) * 0.5).to(DEVICE, dtype) if bias else None
+    got_parts = skinny.skinny_linear(x, w, b, parts=True)
+    assert got_parts.shape == (T, parts, E) and got_parts.dtype == torch.float32  # the split the rule picks
+    tiles = skinny._router_tiles(E, K)
+    merged = skinny.skinny_linear(x, w, b, tiles=tiles[:4], split=tiles[4])
+    torch.testing.assert_close(merged.float(), x.float() @ w.float().T + (0 if b is None else b.float()),
+                               rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=2e-2 if dtype == torch.bfloat16 else 1e-4)
     for softmax_all, norm in ((True, True), (True, False), (False, False)):
-        want = route_topk(skinny.skinny_linear(x, w), 8, softmax_all, norm)
-        got = route_topk(parts, 8, softmax_all, norm, dtype)
+        want = route_topk(merged, 8, softmax_all, norm)
+        got = route_topk(got_parts, 8, softmax_all, norm, dtype)
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def test_router_tiles_rule(monkeypatch):
+    """Routers whose parts go to the top-k kernel cut K into the most parts of at least ROUTER_PART_K, in
+    whole tiles; wide outputs, ragged strips or a K no tile divides keep the general rules."""
+    from flashdraft.models import skinny
+
+    assert skinny._router_tiles(128, 2048) == (16, 128, 4, 3, 8)  # Qwen3-30B-A3B: 8 parts of 256
+    assert skinny._router_tiles(32, 2880) == (16, 64, 4, 3, 9)  # GPT-OSS-20B: 9 parts of 5 x 64
+    assert skinny._router_tiles(512, 2048) is None and skinny._router_tiles(24, 2048) is None
+    assert skinny._router_tiles(32, 96) is None  # no 64-wide tile divides K
+    assert skinny._router_tiles(64, 200 * 64)[4] == 50  # 50 parts of 4 tiles
+    monkeypatch.setattr(skinny, "ROUTER_PART_K", 0)
+    assert skinny._router_tiles(128, 2048) is None
 
 
 @pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 8, 2), (16, 6, 3), (70, 8, 2), (5, 4, 4)])

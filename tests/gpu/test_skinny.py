@@ -199,7 +199,7 @@ def test_split_rule():
     assert skinny._dot_split(1024, 2048, 32, 128) == 4  # Qwen3.5-0.8B: 32 strips, quarters of 512
     assert skinny._dot_split(1024, 3584, 32, 128) == 4  # its down projection: quarters of 896
     assert skinny._dot_split(576, 1536, 32, 256) == 1  # SmolLM2's down: quarters would be too short
-    assert skinny._dot_split(128, 2048, 16, 128) == 2  # Qwen3-30B-A3B's router: halves, as before
+    assert skinny._dot_split(128, 2048, 16, 128) == 2  # a 128 x 2,048 GEMM (a router's parts: _router_tiles)
     assert skinny._dot_split(2560, 512, 32, 256) == 1  # too short a K to share
     assert skinny._dot_split(2561, 4096, 32, 256) == 1  # ragged strips stay whole
     assert skinny._dot_split(5120, 6144, 64, 256) == 1  # Qwen3.5-27B: 80 strips of 64 rows stream well
