@@ -21,11 +21,16 @@ shapes fixed by the row count, so decode, verify and draft blocks replay inside 
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# the post-attention add_rmsnorm and the router GEMM as one kernel, the top-k in the gate_up kernel
+# (MoE.norm_forward_fused); FLASHDRAFT_ROUTE_IN_NORM=0: the separate kernels (A/B runs)
+ROUTE_IN_NORM = os.environ.get("FLASHDRAFT_ROUTE_IN_NORM", "1") != "0"
 
 
 def is_moe_layer(cfg, i: int) -> bool:
@@ -98,6 +103,30 @@ class MoE(nn.Module):
 
         return route_topk(linear(x, self.gate.weight, parts=True), self.top_k, True, self.norm_topk_prob, x.dtype)
 
+    def routing(self) -> tuple[torch.Tensor, torch.Tensor | None, bool, bool]:
+        """The router's (weight, bias, softmax over all experts, renormalise the k): how route() routes."""
+        return self.gate.weight, None, True, self.norm_topk_prob
+
+    def norm_forward_fused(self, a: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after attention on the fused path: (the k weighted expert outputs [T, k, H] for the next
+        add_rmsnorm to sum, the new residual) from the attention output `a` (or its split-K parts), the
+        residual and the post-attention RMSNorm `norm`. Up to moe_triton.NORM_ROUTER_ROWS rows the add,
+        norm and router GEMM are one kernel (norm_router) and, on the direct path, the top-k runs in the
+        gate_up kernel: three launches where add_rmsnorm, router, top-k, gate_up and down were five."""
+        from flashdraft.models import fused, moe_triton
+
+        act = self.kernel_act()
+        weight, bias, softmax_all, renorm = self.routing()
+        if act is None or residual.shape[0] > moe_triton.NORM_ROUTER_ROWS or weight.shape[0] > 256 \
+                or moe_triton.router_parts(residual.shape[-1]) is None or not ROUTE_IN_NORM:
+            x, residual = fused.add_rmsnorm(a, residual, norm.weight, norm.eps)
+            return self.forward_fused(x, slots=True), residual
+        x, residual, logits = moe_triton.norm_router(a, residual, norm.weight, norm.eps, weight, bias)
+        ex = self.experts
+        return moe_triton.fused_moe(x, ex.gate_up_proj, ex.down_proj, None, None, act, ex.gate_up_proj_bias,
+                                    ex.down_proj_bias, slots=True,
+                                    route=(logits, self.top_k, softmax_all, renorm)), residual
+
     def forward_fused(self, x: torch.Tensor, slots: bool = False) -> torch.Tensor:
         """The kernel path: [T, H], or with slots the k weighted expert outputs [T, k, H] for the next
         fused.add_rmsnorm to sum (the torch fallback then still returns [T, H])."""
@@ -133,6 +162,9 @@ class GptOssMoE(MoE):
 
         return route_topk(linear(x, self.router.weight, self.router.bias, parts=True), self.top_k, False, False,
                           x.dtype)
+
+    def routing(self) -> tuple[torch.Tensor, torch.Tensor | None, bool, bool]:
+        return self.router.weight, self.router.bias, False, False
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=self.limit)

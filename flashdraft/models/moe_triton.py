@@ -76,15 +76,32 @@ def _block_rows(b, rows_ptr, block_expert_ptr, BLOCK_M: tl.constexpr, DIRECT: tl
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, b_ptr, h_ptr, rows_ptr, block_expert_ptr, K, INTER, k_slots, stride_x,
-                    stride_we, stride_wn, stride_be, stride_h, alpha, limit, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, BIAS: tl.constexpr,
-                    OAI: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr):
+                    stride_we, stride_wn, stride_be, stride_h, alpha, limit, logits_ptr, route_w_ptr, E, stride_l,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
+                    BIAS: tl.constexpr, OAI: tl.constexpr, DIRECT: tl.constexpr, ROUTE: tl.constexpr,
+                    TOP_K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, SOFTMAX_ALL: tl.constexpr,
+                    NORM: tl.constexpr, PARTS: tl.constexpr, USE_PDL: tl.constexpr):
+    """ROUTE (DIRECT only): routed row b (token b // k, slot b % k) takes its expert from the token's
+    router logits (parts), as _topk_kernel picks it; the strip-0 program stores that expert and its
+    weight (block_expert_ptr, route_w_ptr) for the down kernel."""
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
-    e, m, slot = _block_rows(b, rows_ptr, block_expert_ptr, BLOCK_M, DIRECT)
-    if e < 0:
-        return
+    if ROUTE:
+        i = tl.arange(0, BLOCK_M)
+        j = tl.arange(0, KP)
+        wts, ids = _route_row(logits_ptr + (b // k_slots) * stride_l, E, route_w_ptr.dtype.element_ty, TOP_K, KP,
+                              EP, SOFTMAX_ALL, NORM, PARTS)
+        mine = j == b % k_slots
+        e = tl.sum(tl.where(mine, ids, 0), axis=0)
+        if tl.program_id(1) == 0:
+            tl.store(block_expert_ptr + b, e.to(tl.int64))
+            tl.store(route_w_ptr + b, tl.sum(tl.where(mine, wts, 0.0), axis=0).to(route_w_ptr.dtype.element_ty))
+        m, slot = b + i, tl.where(i == 0, b, -1).to(tl.int64)
+    else:
+        e, m, slot = _block_rows(b, rows_ptr, block_expert_ptr, BLOCK_M, DIRECT)
+        if e < 0:
+            return
     valid = slot >= 0
     token = tl.where(valid, slot // k_slots, 0)
     n = n0 + tl.arange(0, BLOCK_N)
@@ -162,23 +179,21 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, y_ptr, rows_ptr, block_expert_ptr, weight_
 
 
 @triton.jit
-def _topk_kernel(logits_ptr, w_ptr, idx_ptr, E, stride, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                 SOFTMAX_ALL: tl.constexpr, NORM: tl.constexpr, PARTS: tl.constexpr, USE_PDL: tl.constexpr):
-    """One token's routing from its router logits: SOFTMAX_ALL (Qwen3-MoE) the top-k of the softmax over
-    every expert, renormalised over the k when NORM; else (GPT-OSS) the softmax over the top-k logits.
-    Ties go to the lower expert index. PARTS > 0: the logits come as a split-K router GEMM's float32
-    parts [PARTS, E] a token, added here in slot order and rounded to the weights' dtype, as the GEMM's
-    own last program would have (skinny.py)."""
-    pdl_enter(USE_PDL)
-    t = tl.program_id(0)
+def _route_row(lp, E, wdt: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+               SOFTMAX_ALL: tl.constexpr, NORM: tl.constexpr, PARTS: tl.constexpr):
+    """One token's routing from its router logits at lp: (weights [KP] in float32, expert ids [KP]; past
+    K: 0). SOFTMAX_ALL (Qwen3-MoE) the top-k of the softmax over every expert, renormalised over the k
+    when NORM; else (GPT-OSS) the softmax over the top-k logits. Ties go to the lower expert index.
+    PARTS > 0: the logits come as a split-K router GEMM's float32 parts [PARTS, E], added here in slot
+    order and rounded to wdt, as the GEMM's own last program would have (skinny.py)."""
     e = tl.arange(0, EP)
     if PARTS > 0:
-        vals = tl.load(logits_ptr + t * stride + e, mask=e < E, other=0.0)
-        for j in tl.static_range(1, PARTS):
-            vals += tl.load(logits_ptr + t * stride + j * E + e, mask=e < E, other=0.0)
-        vals = tl.where(e < E, vals.to(w_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+        vals = tl.load(lp + e, mask=e < E, other=0.0)
+        for p in tl.static_range(1, PARTS):
+            vals += tl.load(lp + p * E + e, mask=e < E, other=0.0)
+        vals = tl.where(e < E, vals.to(wdt).to(tl.float32), float("-inf"))
     else:
-        vals = tl.load(logits_ptr + t * stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
+        vals = tl.load(lp + e, mask=e < E, other=float("-inf")).to(tl.float32)
     if SOFTMAX_ALL:
         z = tl.exp(vals - tl.max(vals, axis=0))
         vals = z / tl.sum(z, axis=0)
@@ -201,6 +216,17 @@ def _topk_kernel(logits_ptr, w_ptr, idx_ptr, E, stride, K: tl.constexpr, KP: tl.
     else:
         z = tl.where(j < K, tl.exp(top - tl.max(top, axis=0)), 0.0)
         w = z / tl.sum(z, axis=0)
+    return w, ids
+
+
+@triton.jit
+def _topk_kernel(logits_ptr, w_ptr, idx_ptr, E, stride, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+                 SOFTMAX_ALL: tl.constexpr, NORM: tl.constexpr, PARTS: tl.constexpr, USE_PDL: tl.constexpr):
+    """One token's routing a program (_route_row)."""
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0)
+    w, ids = _route_row(logits_ptr + t * stride, E, w_ptr.dtype.element_ty, K, KP, EP, SOFTMAX_ALL, NORM, PARTS)
+    j = tl.arange(0, KP)
     pdl_trigger(USE_PDL)
     tl.store(w_ptr + t * K + j, w.to(w_ptr.dtype.element_ty), mask=j < K)
     tl.store(idx_ptr + t * K + j, ids.to(tl.int64), mask=j < K)
@@ -297,13 +323,15 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M,
     return rows, block_expert
 
 
-def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, act: tuple = ("silu",), b_gate_up: torch.Tensor | None = None,
-              b_down: torch.Tensor | None = None, slots: bool = False) -> torch.Tensor:
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor | None,
+              ids: torch.Tensor | None, act: tuple = ("silu",), b_gate_up: torch.Tensor | None = None,
+              b_down: torch.Tensor | None = None, slots: bool = False, route: tuple | None = None) -> torch.Tensor:
     """x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], routing weights and expert ids [T, k], biases
     [E, 2I] and [E, H] or None -> [T, H]; slots: the k weighted expert outputs [T, k, H] unsummed
     (fused.add_rmsnorm sums them in slot order, saving a launch). act: ("silu",) or
-    ("swiglu_oai", alpha, limit)."""
+    ("swiglu_oai", alpha, limit). route (logits, k, softmax_all, norm) instead of weights and ids: the
+    router's logits (or its float32 parts [T, P, E], norm_router's) routed as route_topk routes them;
+    on the direct path inside the gate_up kernel (no top-k launch)."""
     if act[0] not in ("silu", "swiglu_oai"):
         raise NotImplementedError(f"the Triton expert kernels have no activation {act[0]!r}")
     oai = act[0] == "swiglu_oai"
@@ -311,9 +339,23 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
     bias = b_gate_up is not None
     T, H = x.shape
     E, two_i, _ = w_gate_up.shape
-    inter, k = two_i // 2, ids.shape[1]
+    inter = two_i // 2
+    k = route[1] if route is not None else ids.shape[1]
     x = x.contiguous()
     direct = T * k <= E // 2 if DIRECT_TOKENS is None else T <= DIRECT_TOKENS
+    in_kernel = route is not None and direct
+    if route is not None and not direct:
+        logits, _, softmax_all, norm = route
+        weights, ids = route_topk(logits, k, softmax_all, norm, x.dtype if logits.dim() == 3 else None)
+    if in_kernel:
+        logits, _, softmax_all, norm = route
+        if logits.shape[0] != T or logits.shape[-1] != E or logits.stride(-1) != 1:
+            raise ValueError(f"router logits {tuple(logits.shape)} do not fit {T} tokens and {E} experts")
+        lparts = logits.shape[1] if logits.dim() == 3 else 0
+        if lparts and (logits.dtype != torch.float32 or not logits.is_contiguous()):
+            raise ValueError("router parts need float32 [T, P, E] contiguous")
+        ids = torch.empty(T, k, device=x.device, dtype=torch.int64)  # written by the gate_up kernel
+        weights = torch.empty(T, k, device=x.device, dtype=x.dtype)
     if direct:  # program row b = routed row b, its expert from ids
         rows = block_expert = ids.contiguous().view(-1)
         nb = T * k
@@ -327,12 +369,117 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
     f32 = INTERPRET or x.dtype == torch.float32  # the interpreter's bf16 dot is not to be trusted
     bg = b_gate_up if bias else w_gate_up  # a placeholder pointer when there is no bias
     bd = b_down if bias else w_down
+    weights = weights.contiguous().view(-1)
+    route_args = (logits, weights, E, logits.stride(0)) if in_kernel else (x, weights, E, 0)
+    route_flags = dict(ROUTE=in_kernel, TOP_K=k, KP=triton.next_power_of_2(k), EP=max(16, triton.next_power_of_2(E)),
+                       SOFTMAX_ALL=bool(route[2]) if in_kernel else False, NORM=bool(route[3]) if in_kernel else False,
+                       PARTS=lparts if in_kernel else 0)
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
         x, w_gate_up, bg, h, rows, block_expert, H, inter, k, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        bg.stride(0), h.stride(0), alpha, limit, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=f32,
-        BIAS=bias, OAI=oai, DIRECT=direct, num_warps=4, num_stages=stages, **launch_kwargs(x))
+        bg.stride(0), h.stride(0), alpha, limit, *route_args, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=f32,
+        BIAS=bias, OAI=oai, DIRECT=direct, **route_flags, num_warps=4, num_stages=stages, **launch_kwargs(x))
     _down_kernel[(nb, triton.cdiv(H, bn_d))](
-        h, w_down, bd, y, rows, block_expert, weights.contiguous().view(-1), inter, H, h.stride(0), w_down.stride(0),
+        h, w_down, bd, y, rows, block_expert, weights, inter, H, h.stride(0), w_down.stride(0),
         w_down.stride(1), bd.stride(0), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=bn_d, BLOCK_K=bk_d,
         F32_DOT=f32, BIAS=bias, DIRECT=direct, num_warps=4, num_stages=stages_d, **launch_kwargs(x))
     return y.view(T, k, H) if slots else y.view(T, k, H).sum(1)
+
+
+# norm_router takes up to this many rows (decode batches, a batch-1 verify block); more go through
+# add_rmsnorm, the router GEMM and the top-k kernel
+NORM_ROUTER_ROWS = 32
+
+
+@triton.jit
+def _residual_sum(x_ptr, res_ptr, row, d, ok, stride_x, stride_r, N, PARTS: tl.constexpr, dt: tl.constexpr):
+    """x + residual at columns d of a row, rounded to dt, in float32 (x: PARTS float32 parts of N,
+    summed in order and rounded to dt first), as fused._add_rmsnorm_kernel forms it."""
+    x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
+    if PARTS > 1:
+        xs = x.to(tl.float32)
+        for p in tl.static_range(1, PARTS):
+            xs += tl.load(x_ptr + row * stride_x + p * N + d, mask=ok, other=0.0).to(tl.float32)
+        x = xs.to(dt)
+    r = tl.load(res_ptr + row * stride_r + d, mask=ok, other=0.0)
+    return (x.to(tl.float32) + r.to(tl.float32)).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _norm_router_kernel(x_ptr, res_ptr, nw_ptr, out_ptr, res_out_ptr, rw_ptr, rb_ptr, logits_ptr, eps, E,
+                        stride_x, stride_r, stride_o, stride_ro, stride_rw, N: tl.constexpr, BLOCK: tl.constexpr,
+                        PARTS: tl.constexpr, PART_K: tl.constexpr, BK: tl.constexpr, EB: tl.constexpr,
+                        BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+    """Program (row, s): the row's residual add and RMSNorm (fused._add_rmsnorm_kernel's; program s = 0
+    stores them), then the router's float32 partial logits over the normed row's columns
+    [s * PART_K, (s + 1) * PART_K) (the bias in part 0), for the top-k to add in part order."""
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    dt = res_out_ptr.dtype.element_ty
+    odt = out_ptr.dtype.element_ty
+    d = tl.arange(0, BLOCK)
+    h = _residual_sum(x_ptr, res_ptr, row, d, d < N, stride_x, stride_r, N, PARTS, dt)
+    inv = tl.rsqrt(tl.sum(h * h, 0) / N + eps)
+    e = tl.arange(0, EB)
+    acc = tl.zeros([EB, BK], tl.float32)
+    for k0 in tl.static_range(0, PART_K, BK):
+        kk = s * PART_K + k0 + tl.arange(0, BK)
+        hk = _residual_sum(x_ptr, res_ptr, row, kk, kk < N, stride_x, stride_r, N, PARTS, dt)
+        yk = (tl.load(nw_ptr + kk).to(tl.float32) * (hk * inv).to(dt).to(tl.float32)).to(odt).to(tl.float32)
+        wt = tl.load(rw_ptr + e[:, None] * stride_rw + kk[None, :], mask=(e < E)[:, None], other=0.0)
+        acc += wt.to(tl.float32) * yk[None, :]
+    logit = tl.sum(acc, 1)
+    if BIAS:
+        if s == 0:
+            logit += tl.load(rb_ptr + e, mask=e < E, other=0.0).to(tl.float32)
+    pdl_trigger(USE_PDL)
+    tl.store(logits_ptr + (row * tl.num_programs(1) + s) * E + e, logit, mask=e < E)
+    if s == 0:
+        y = tl.load(nw_ptr + d, mask=d < N, other=0.0).to(tl.float32) * (h * inv).to(dt).to(tl.float32)
+        tl.store(res_out_ptr + row * stride_ro + d, h.to(dt), mask=d < N)
+        tl.store(out_ptr + row * stride_o + d, y.to(odt), mask=d < N)
+
+
+def router_parts(hidden: int) -> tuple[int, int] | None:
+    """(parts, BK) of norm_router over a row of `hidden`: the most parts, at most 16, each a whole
+    number of 64-wide tiles (Qwen3-30B-A3B's 2,048: 16 of 128; GPT-OSS-20B's 2,880: 15 of 192); None
+    when 64 does not divide it."""
+    if hidden % 64:
+        return None
+    tiles = hidden // 64
+    return max(s for s in range(1, 17) if tiles % s == 0), 64
+
+
+def norm_router(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                router_w: torch.Tensor, router_b: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fused.add_rmsnorm(x, residual, norm_w, eps) and the router's logits over its output, in one kernel:
+    (normed [T, H], new residual [T, H], float32 logit parts [T, P, E]; their sum in order, rounded
+    to the residual's dtype, is the router GEMM's result). x may be split-K parts [T, P', H] as
+    add_rmsnorm takes them. For up to NORM_ROUTER_ROWS rows and hidden sizes router_parts cuts."""
+    T, H = residual.shape
+    E = router_w.shape[0]
+    cut = router_parts(H)
+    if cut is None or T > NORM_ROUTER_ROWS or E > 256:
+        raise ValueError(f"norm_router takes up to {NORM_ROUTER_ROWS} rows, a hidden size of whole 64s and "
+                         f"at most 256 experts; got {T} x {H}, {E} experts")
+    parts_in = x.shape[1] if x.dim() == 3 else 1
+    if x.shape[0] != T or x.shape[-1] != H:
+        raise ValueError(f"x {tuple(x.shape)} does not fit the residual {tuple(residual.shape)}")
+    x2 = x.reshape(T, parts_in * H)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+    dtype = residual.dtype
+    out = torch.empty(T, H, device=x.device, dtype=torch.promote_types(norm_w.dtype, dtype))
+    new_res = torch.empty(T, H, device=x.device, dtype=dtype)
+    parts, bk = cut
+    logits = torch.empty(T, parts, E, device=x.device, dtype=torch.float32)
+    if router_w.stride(-1) != 1:
+        raise ValueError("the router weight needs a unit last stride")
+    rb = router_b if router_b is not None else router_w
+    _norm_router_kernel[(T, parts)](x2, residual, norm_w, out, new_res, router_w, rb, logits, eps, E, x2.stride(0),
+                                    residual.stride(0), out.stride(0), new_res.stride(0), router_w.stride(0), N=H,
+                                    BLOCK=triton.next_power_of_2(H), PARTS=parts_in, PART_K=H // parts, BK=bk,
+                                    EB=max(16, triton.next_power_of_2(E)), BIAS=router_b is not None,
+                                    num_warps=4, **launch_kwargs(x2))
+    return out, new_res, logits

@@ -270,9 +270,9 @@ class DecoderLayer(nn.Module):
 
         a = self.self_attn.forward_fused(x, positions, rope, k_cache, v_cache, attn, batch, parts=True)
         norm = self.post_attention_layernorm
-        x, residual = fused.add_rmsnorm(a, residual, norm.weight, norm.eps)
         if isinstance(self.mlp, MoE):  # its k expert outputs, summed by the next add_rmsnorm
-            return self.mlp.forward_fused(x, slots=True), residual
+            return self.mlp.norm_forward_fused(a, residual, norm)
+        x, residual = fused.add_rmsnorm(a, residual, norm.weight, norm.eps)
         return self.mlp.forward_fused(x, parts=True), residual
 
 
