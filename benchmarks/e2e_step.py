@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from flashdraft import LLM, SamplingParams  # noqa: E402
 from flashdraft.engine.model_runner import kv_bytes_per_token, state_bytes_per_seq  # noqa: E402
+from flashdraft.models import moe as moe_mod  # noqa: E402
 from flashdraft.models.moe import MoE  # noqa: E402
 from flashdraft.speculative.formats import default_target_layer_ids  # noqa: E402
 
@@ -182,10 +183,11 @@ def experts_read(llm: LLM, prompts: list[list[int]], temperature: float) -> list
         for name in ("route", "route_fused"):
             m.__dict__[name] = _keeping(getattr(m, name), rows, lambda idx, m=m: seen.__setitem__(id(m), idx))
     graphs, runner.use_graphs = runner.use_graphs, False
+    in_norm, moe_mod.ROUTE_IN_NORM = moe_mod.ROUTE_IN_NORM, False  # route through route_fused, to be seen
     try:
         fill_graph(llm, prompts, temperature)
     finally:
-        runner.use_graphs = graphs
+        runner.use_graphs, moe_mod.ROUTE_IN_NORM = graphs, in_norm
         for m in moes:
             m.__dict__.pop("route", None)
             m.__dict__.pop("route_fused", None)
