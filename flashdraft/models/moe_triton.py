@@ -17,7 +17,12 @@ each routed row is a block of its own, its expert taken from the routing (DIRECT
 reads its k experts once, the memory floor, with no sort and no padding blocks. Rounding
 follows the torch path (models/moe.py): gate and up (bias added) rounded to the activation dtype, the
 activation's steps in float32, each rounded as torch rounds it; the routing weight is applied to the
-down projection's rounded output (bias added)."""
+down projection's rounded output (bias added).
+
+After attention, a layer of up to NORM_ROUTER_ROWS rows takes three kernels (MoE.norm_forward_fused):
+norm_router (the residual add, the RMSNorm and the router's split-K logits), gate_up (on the direct
+path each routed row's program routes itself from those logits: _route_row, the top-k kernel's code)
+and down; five before (add_rmsnorm, router GEMM, top-k, gate_up, down)."""
 
 from __future__ import annotations
 
