@@ -264,6 +264,140 @@ def test_qwen3_moe_gguf(tmp_path, monkeypatch, renorm):
     assert [o.token_ids for o in outs] == [hf_greedy(ref, p) for p in PROMPTS]
 
 
+def write_gpt_oss_gguf(folder, path, mxfp4: bool, fused: bool, extra: dict | None = None) -> None:
+    """A GGUF file of the tiny GPT-OSS folder, laid out as llama.cpp's converter writes one: attention
+    biases and sinks (`attn_sinks.weight`), the router with its bias, the interleaved gate_up experts
+    split into `ffn_gate_exps` / `ffn_up_exps` [E, I, H] with their biases (or, fused, one
+    `ffn_gate_up_exps` of gate rows then up rows), down [E, H, I]; yarn rope and the window as GGUF
+    fields. mxfp4: the expert weights in GGML's MXFP4 (gguf's own quantizer), and the folder's experts
+    replaced by what those blocks decode to, so that the folder stays the reference. extra: more float
+    fields."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((folder / "config.json").read_text())
+    rope = cfg["rope_parameters"]
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    for key, value in (extra or {}).items():
+        w.add_float32(key, value)
+    tok = AutoTokenizer.from_pretrained(folder)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in tok.all_special_tokens else 1 for t, _ in vocab])
+    merges = json.loads((folder / "tokenizer.json").read_text())["model"]["merges"]
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
+
+    def experts(name, t):  # float32 [E, rows, in] as GGUF stores it (MXFP4 over `in`); the decoded values
+        if not mxfp4:
+            w.add_tensor(name, t)
+            return t
+        q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.MXFP4)
+        w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        return gguf.quants.dequantize(q, gguf.GGMLQuantizationType.MXFP4).reshape(t.shape)
+
+    weights = load_file(str(folder / "model.safetensors"))
+    for name, t in list(weights.items()):
+        a = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", a)
+        elif name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", a)
+        elif name == "lm_head.weight":
+            w.add_tensor("output.weight", a)
+        elif name.endswith("self_attn.sinks"):
+            w.add_tensor(f"blk.{name.split('.')[2]}.attn_sinks.weight", a)
+        elif name.endswith("experts.gate_up_proj"):  # [E, H, 2I], gate at even columns
+            blk = f"blk.{name.split('.')[2]}"
+            gate, up = a.transpose(0, 2, 1)[:, 0::2], a.transpose(0, 2, 1)[:, 1::2]
+            if fused:
+                both = experts(f"{blk}.ffn_gate_up_exps.weight", np.ascontiguousarray(np.concatenate([gate, up], 1)))
+                gate, up = both[:, :gate.shape[1]], both[:, gate.shape[1]:]
+            else:
+                gate = experts(f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+                up = experts(f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            inter = np.empty_like(a.transpose(0, 2, 1))
+            inter[:, 0::2], inter[:, 1::2] = gate, up
+            weights[name] = torch.from_numpy(inter.transpose(0, 2, 1).copy()).to(t.dtype)
+        elif name.endswith("experts.gate_up_proj_bias"):
+            blk = f"blk.{name.split('.')[2]}"
+            if fused:
+                w.add_tensor(f"{blk}.ffn_gate_up_exps.bias", np.concatenate([a[:, 0::2], a[:, 1::2]], 1))
+            else:
+                w.add_tensor(f"{blk}.ffn_gate_exps.bias", np.ascontiguousarray(a[:, 0::2]))
+                w.add_tensor(f"{blk}.ffn_up_exps.bias", np.ascontiguousarray(a[:, 1::2]))
+        elif name.endswith("experts.down_proj"):  # [E, I, H]
+            down = experts(f"blk.{name.split('.')[2]}.ffn_down_exps.weight", np.ascontiguousarray(a.transpose(0, 2, 1)))
+            weights[name] = torch.from_numpy(down.transpose(0, 2, 1).copy()).to(t.dtype)
+        elif name.endswith("experts.down_proj_bias"):
+            w.add_tensor(f"blk.{name.split('.')[2]}.ffn_down_exps.bias", a)
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            stem, _, kind = rest.rpartition(".")
+            w.add_tensor(f"blk.{layer}.{names[stem]}.{kind}", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("mxfp4,fused", [(False, False), (True, False), (True, True)])
+def test_gpt_oss_gguf(tmp_path, monkeypatch, mxfp4, fused):
+    """A GPT-OSS GGUF file (sinks, biases, router bias, split or fused gate/up experts, in float32 or
+    MXFP4, yarn rope and the window in GGUF fields) gives the tokens transformers gives for the folder
+    it was written from; the converted folder is an HF GPT-OSS checkpoint (transformers loads it)."""
+    monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path / "cache"))
+    folder = build_tiny_model(tmp_path / "hf", "gpt_oss", hidden_size=64, intermediate_size=64, head_dim=32)
+    path = tmp_path / "tiny-oss.gguf"
+    write_gpt_oss_gguf(folder, path, mxfp4, fused)
+    ref = hf_model(folder)
+    want = [hf_greedy(ref, p) for p in PROMPTS]
+    llm = LLM(str(path), draft=None, device="cpu", dtype="float32")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
+    converted = next((tmp_path / "cache" / "gguf").iterdir())
+    assert [hf_greedy(hf_model(converted), p) for p in PROMPTS[:1]] == want[:1]
+
+
+def test_gpt_oss_gguf_refuses_rope_fields_it_does_not_read(tmp_path, monkeypatch):
+    """A gpt-oss rope-scaling field the reader does not map would change the rotary tables: refused by
+    name, not ignored."""
+    monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path / "cache"))
+    folder = build_tiny_model(tmp_path / "hf", "gpt_oss")
+    path = tmp_path / "ext.gguf"
+    write_gpt_oss_gguf(folder, path, False, False, extra={"gpt-oss.rope.scaling.yarn_ext_factor": 0.5})
+    with pytest.raises(ValueError, match="rope scaling field.*yarn_ext_factor"):
+        LLM(str(path), draft=None, device="cpu", dtype="float32")
+
+
 HYBRIDS = ["qwen3-next", "qwen3.5", "qwen3.5-moe", "qwen3.5-composite"]
 
 

@@ -3,7 +3,15 @@ cached under the user cache dir. Config and tokenizer come from transformers' GG
 weights are dequantised here with the `gguf` package (transformers would keep a quantizer marker
 that refuses to serialise). Qwen3-MoE files hold each layer's experts stacked (`ffn_*_exps`); they
 are written in flashdraft's stacked layout (models/moe.py), and the fields transformers' reader
-leaves out are read here: the expert width, and the top-k renormalisation llama.cpp applies."""
+leaves out are read here: the expert width, and the top-k renormalisation llama.cpp applies.
+
+GPT-OSS files (llama.cpp's `gpt-oss`: attention biases and sinks, the router's bias, experts split
+into gate and up, or fused, with their biases, often in MXFP4, dequantized here like every other
+type) are written back as an HF GPT-OSS checkpoint (gate and up interleaved, as published). Their
+config is read here from the GGUF fields: transformers' reader fails on the yarn fields every such
+file carries. Yarn's `truncate` is not in the format; it is set to False, the published models'
+value; the activation's alpha and limit are the published 1.702 and 7.0 (GptOssConfig's defaults,
+as llama.cpp fixes them). Rope-scaling fields this reader does not know are refused by name."""
 
 from __future__ import annotations
 
@@ -33,7 +41,14 @@ _LAYER_NAMES = {
     "ffn_down_exps": "mlp.experts.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen3", "qwen3moe")
+_GPT_OSS_NAMES = {  # where llama.cpp's gpt-oss tensors differ from the table above
+    "ffn_gate_inp": "mlp.router", "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks", "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
+}
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen3", "qwen3moe", "gpt-oss")
+# yarn fields of a gpt-oss file and the rope_parameters key each sets (None: read elsewhere)
+_YARN_FIELDS = {"type": None, "factor": "factor", "original_context_length": "original_max_position_embeddings",
+                "attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
 
 
 def cache_root() -> Path:
@@ -50,12 +65,15 @@ def _file_key(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m:
-        if m.group(2) not in _LAYER_NAMES:
+        names = {**_LAYER_NAMES, **_GPT_OSS_NAMES} if arch == "gpt-oss" else _LAYER_NAMES
+        if m.group(2) not in names:
             raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+        if m.group(2) == "attn_sinks":  # a parameter of its own in HF (`self_attn.sinks`)
+            return f"model.layers.{m.group(1)}.self_attn.sinks"
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     stem, _, kind = gguf_name.rpartition(".")
     if stem not in _TOP_NAMES:
         raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
@@ -81,24 +99,32 @@ def convert_gguf(path: str | os.PathLike, out_dir: Path | None = None) -> Path:
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; supported: {SUPPORTED_GGUF_ARCHS}")
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    if arch == "gpt-oss":
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+        config = _gpt_oss_config(reader, len(tokenizer), any(t.name == "output.weight" for t in reader.tensors))
+    else:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if arch == "qwen3moe":
         fields = reader.fields
         config.moe_intermediate_size = int(fields[f"{arch}.expert_feed_forward_length"].parts[-1][0])
         norm = fields.get(f"{arch}.expert_weights_norm")  # llama.cpp renormalises qwen3moe's top-k unless told
         config.norm_topk_prob = bool(norm.parts[-1][0]) if norm is not None else True
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"dequantising {path.name}", unit="tensor"):
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if arch == "llama" and name.endswith("q_proj.weight"):
             w = _unpermute(w, n_head)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             w = _unpermute(w, n_kv)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
+    if arch == "gpt-oss":
+        _gpt_oss_experts(tensors)
     for key in [k for k in tensors if k.endswith("mlp.experts.gate_proj.weight")]:  # [E, I, H] each
         stem = key.removesuffix("gate_proj.weight")
         tensors[stem + "gate_up_proj"] = torch.cat([tensors.pop(key), tensors.pop(stem + "up_proj.weight")], 1)
@@ -123,3 +149,59 @@ def convert_gguf(path: str | os.PathLike, out_dir: Path | None = None) -> Path:
             raise
     log.info("converted %s -> %s", path, out)
     return out
+
+
+def _gpt_oss_config(reader, vocab_size: int, own_head: bool):
+    """GptOssConfig from a gpt-oss file's fields (see the module docstring)."""
+    from transformers import GptOssConfig
+
+    def field(key, default=None, required=True):
+        f = reader.fields.get(f"gpt-oss.{key}")
+        if f is None and required and default is None:
+            raise ValueError(f"GGUF gpt-oss file lacks the field gpt-oss.{key}")
+        return default if f is None else f.contents()
+
+    rope = {"rope_type": "default", "rope_theta": float(field("rope.freq_base"))}
+    scaling = {k.removeprefix("gpt-oss.rope.scaling."): f.contents() for k, f in reader.fields.items()
+               if k.startswith("gpt-oss.rope.scaling.")}
+    unknown = sorted(set(scaling) - set(_YARN_FIELDS))
+    if unknown:
+        raise ValueError(f"GGUF gpt-oss rope scaling field(s) not supported: {', '.join(unknown)}")
+    if scaling:
+        if scaling.get("type") != "yarn":
+            raise ValueError(f"GGUF gpt-oss rope.scaling.type {scaling.get('type')!r} is not supported (yarn is)")
+        rope.update(rope_type="yarn", beta_fast=32.0, beta_slow=1.0, truncate=False)
+        rope.update({_YARN_FIELDS[k]: v for k, v in scaling.items() if _YARN_FIELDS[k]})
+    tok = {k: f.contents() for k, f in reader.fields.items() if k in ("tokenizer.ggml.bos_token_id",
+                                                                       "tokenizer.ggml.eos_token_id")}
+    return GptOssConfig(
+        vocab_size=vocab_size, hidden_size=int(field("embedding_length")),
+        intermediate_size=int(field("expert_feed_forward_length", field("feed_forward_length", required=False))),
+        num_hidden_layers=int(field("block_count")), num_attention_heads=int(field("attention.head_count")),
+        num_key_value_heads=int(field("attention.head_count_kv")), head_dim=int(field("attention.key_length")),
+        rms_norm_eps=float(field("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(field("context_length")), num_local_experts=int(field("expert_count")),
+        num_experts_per_tok=int(field("expert_used_count")), sliding_window=int(field("attention.sliding_window")),
+        rope_parameters=rope, tie_word_embeddings=not own_head,
+        bos_token_id=tok.get("tokenizer.ggml.bos_token_id"), eos_token_id=tok.get("tokenizer.ggml.eos_token_id"))
+
+
+def _gpt_oss_experts(tensors: dict[str, torch.Tensor]) -> None:
+    """llama.cpp's gpt-oss experts (gate and up [E, I, H] with biases [E, I], or fused [E, 2I, H] gate rows
+    first; down [E, H, I]) -> HF's layout in place: gate_up_proj [E, H, 2I] and its bias [E, 2I] with
+    gate at even columns, down_proj [E, I, H], down_proj_bias [E, H]."""
+    for key in [k for k in tensors if k.endswith("mlp.experts.down_proj.weight")]:
+        stem = key.removesuffix("down_proj.weight")
+        if stem + "gate_up_proj.weight" in tensors:
+            both, both_b = tensors.pop(stem + "gate_up_proj.weight"), tensors.pop(stem + "gate_up_proj.bias")
+            inter = both.shape[1] // 2
+            gate, up, gate_b, up_b = both[:, :inter], both[:, inter:], both_b[:, :inter], both_b[:, inter:]
+        else:
+            gate, up = tensors.pop(stem + "gate_proj.weight"), tensors.pop(stem + "up_proj.weight")
+            gate_b, up_b = tensors.pop(stem + "gate_proj.bias"), tensors.pop(stem + "up_proj.bias")
+        E, inter, hidden = gate.shape
+        tensors[stem + "gate_up_proj"] = torch.stack([gate, up], 2).reshape(E, 2 * inter, hidden).transpose(1, 2) \
+            .contiguous()
+        tensors[stem + "gate_up_proj_bias"] = torch.stack([gate_b, up_b], 2).reshape(E, 2 * inter)
+        tensors[stem + "down_proj"] = tensors.pop(key).transpose(1, 2).contiguous()
+        tensors[stem + "down_proj_bias"] = tensors.pop(stem + "down_proj.bias")
