@@ -398,6 +398,87 @@ def test_gpt_oss_gguf_refuses_rope_fields_it_does_not_read(tmp_path, monkeypatch
         LLM(str(path), draft=None, device="cpu", dtype="float32")
 
 
+def write_llama_gguf(folder, path, name: str) -> None:
+    """A GGUF file of a tiny Llama-layout folder as llama.cpp writes Mistral models: architecture `llama`,
+    general.name naming the model, q and k rows permuted for its rotary layout, no window field."""
+    import json
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((folder / "config.json").read_text())
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(name)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    tok = AutoTokenizer.from_pretrained(folder)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in tok.all_special_tokens else 1 for t, _ in vocab])
+    merges = json.loads((folder / "tokenizer.json").read_text())["model"]["merges"]
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+    def permute(a, heads):  # llama.cpp's converter: each head's rotary halves interleaved
+        return a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+    for key, t in load_file(str(folder / "model.safetensors")).items():
+        a = t.float().numpy()
+        if key == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", a)
+        elif key == "model.norm.weight":
+            w.add_tensor("output_norm.weight", a)
+        elif key == "lm_head.weight":
+            w.add_tensor("output.weight", a)
+        else:
+            _, _, layer, rest = key.split(".", 3)
+            stem, _, kind = rest.rpartition(".")
+            if stem == "self_attn.q_proj":
+                a = permute(a, cfg["num_attention_heads"])
+            elif stem == "self_attn.k_proj":
+                a = permute(a, cfg["num_key_value_heads"])
+            w.add_tensor(f"blk.{layer}.{names[stem]}.{kind}", np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", ["Mistral 7B Instruct v0.3", "mistral"])
+def test_mistral_gguf(tmp_path, monkeypatch, name):
+    """A Mistral model in GGUF (llama.cpp writes it as `llama`, naming it) gives transformers' tokens for
+    its folder, without a window: the format has no window field and llama.cpp attends to every key.
+    transformers reads a file named exactly "mistral" as Mistral, whose config would otherwise default
+    to a 4,096-key window."""
+    import json
+
+    monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path / "cache"))
+    folder = build_tiny_model(tmp_path / "hf", "mistral", sliding_window=None)
+    path = tmp_path / "tiny-mistral.gguf"
+    write_llama_gguf(folder, path, name)
+    ref = hf_model(folder)
+    llm = LLM(str(path), draft=None, device="cpu", dtype="float32")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(ref, p) for p in PROMPTS]
+    cfg = json.loads((next((tmp_path / "cache" / "gguf").iterdir()) / "config.json").read_text())
+    assert cfg["model_type"] == ("mistral" if name == "mistral" else "llama") and cfg.get("sliding_window") is None
+
+
 HYBRIDS = ["qwen3-next", "qwen3.5", "qwen3.5-moe", "qwen3.5-composite"]
 
 

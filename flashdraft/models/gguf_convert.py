@@ -107,6 +107,12 @@ def convert_gguf(path: str | os.PathLike, out_dir: Path | None = None) -> Path:
     else:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if arch == "llama" and getattr(config, "sliding_window", None) is not None:
+        # transformers reads a llama file named "mistral" as Mistral, whose config defaults to a 4,096-key
+        # window; the file holds no window field and llama.cpp attends to every key
+        log.info("%s: GGUF llama file read as %s; no sliding window (the file has none)", path.name,
+                 config.model_type)
+        config.sliding_window = None
     if arch == "qwen3moe":
         fields = reader.fields
         config.moe_intermediate_size = int(fields[f"{arch}.expert_feed_forward_length"].parts[-1][0])
