@@ -398,9 +398,10 @@ def test_gpt_oss_gguf_refuses_rope_fields_it_does_not_read(tmp_path, monkeypatch
         LLM(str(path), draft=None, device="cpu", dtype="float32")
 
 
-def write_llama_gguf(folder, path, name: str) -> None:
+def write_llama_gguf(folder, path, name: str, arch: str = "llama") -> None:
     """A GGUF file of a tiny Llama-layout folder as llama.cpp writes Mistral models: architecture `llama`,
-    general.name naming the model, q and k rows permuted for its rotary layout, no window field."""
+    general.name naming the model, q and k rows permuted for its rotary layout, no window field; or
+    as it writes Qwen2 models (`qwen2`: q/k/v biases, rows as they are)."""
     import json
 
     import gguf
@@ -409,7 +410,7 @@ def write_llama_gguf(folder, path, name: str) -> None:
     from transformers import AutoTokenizer
 
     cfg = json.loads((folder / "config.json").read_text())
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -417,7 +418,7 @@ def write_llama_gguf(folder, path, name: str) -> None:
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     tok = AutoTokenizer.from_pretrained(folder)
@@ -448,9 +449,9 @@ def write_llama_gguf(folder, path, name: str) -> None:
         else:
             _, _, layer, rest = key.split(".", 3)
             stem, _, kind = rest.rpartition(".")
-            if stem == "self_attn.q_proj":
+            if arch == "llama" and stem == "self_attn.q_proj":
                 a = permute(a, cfg["num_attention_heads"])
-            elif stem == "self_attn.k_proj":
+            elif arch == "llama" and stem == "self_attn.k_proj":
                 a = permute(a, cfg["num_key_value_heads"])
             w.add_tensor(f"blk.{layer}.{names[stem]}.{kind}", np.ascontiguousarray(a))
     w.write_header_to_file()
@@ -477,6 +478,18 @@ def test_mistral_gguf(tmp_path, monkeypatch, name):
     assert [o.token_ids for o in outs] == [hf_greedy(ref, p) for p in PROMPTS]
     cfg = json.loads((next((tmp_path / "cache" / "gguf").iterdir()) / "config.json").read_text())
     assert cfg["model_type"] == ("mistral" if name == "mistral" else "llama") and cfg.get("sliding_window") is None
+
+
+def test_qwen2_gguf(tmp_path, monkeypatch):
+    """A Qwen2 GGUF file (q/k/v biases) gives the tokens transformers gives for its folder."""
+    monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path / "cache"))
+    folder = build_tiny_model(tmp_path / "hf", "qwen2")
+    path = tmp_path / "tiny-qwen2.gguf"
+    write_llama_gguf(folder, path, "Qwen2.5 Tiny", arch="qwen2")
+    ref = hf_model(folder)
+    llm = LLM(str(path), draft=None, device="cpu", dtype="float32")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(ref, p) for p in PROMPTS]
 
 
 HYBRIDS = ["qwen3-next", "qwen3.5", "qwen3.5-moe", "qwen3.5-composite"]

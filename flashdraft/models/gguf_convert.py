@@ -1,5 +1,6 @@
 """GGUF -> HF-layout folder (config.json, tokenizer, model.safetensors), done once per file and
-cached under the user cache dir. Config and tokenizer come from transformers' GGUF readers; the
+cached under the user cache dir. Architectures: llama (Mistral models too, which llama.cpp writes as
+llama), qwen2, qwen3, qwen3moe, gpt-oss. Config and tokenizer come from transformers' GGUF readers; the
 weights are dequantised here with the `gguf` package (transformers would keep a quantizer marker
 that refuses to serialise). Qwen3-MoE files hold each layer's experts stacked (`ffn_*_exps`); they
 are written in flashdraft's stacked layout (models/moe.py), and the fields transformers' reader
@@ -45,7 +46,7 @@ _GPT_OSS_NAMES = {  # where llama.cpp's gpt-oss tensors differ from the table ab
     "ffn_gate_inp": "mlp.router", "post_attention_norm": "post_attention_layernorm",
     "attn_sinks": "self_attn.sinks", "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
 }
-SUPPORTED_GGUF_ARCHS = ("llama", "qwen3", "qwen3moe", "gpt-oss")
+SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss")
 # yarn fields of a gpt-oss file and the rope_parameters key each sets (None: read elsewhere)
 _YARN_FIELDS = {"type": None, "factor": "factor", "original_context_length": "original_max_position_embeddings",
                 "attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
