@@ -185,33 +185,25 @@ def test_mxfp4_experts_load(tmp_path):
         LLM(str(quant), draft=None, device="cpu", dtype="float32")
 
 
-def write_qwen3_moe_gguf(folder, path, renorm: bool) -> None:
-    """A GGUF file of the tiny Qwen3-MoE folder, laid out as llama.cpp's converter writes one: float32
-    tensors under GGUF names, each layer's experts stacked [E, I, H], the byte-level BPE tokenizer."""
+def gguf_writer(folder, path, arch: str):
+    """A GGUFWriter for the tiny model in `folder` with the fields every family's file has (sizes, heads,
+    norm epsilon, rope base) and its byte-level BPE tokenizer, as llama.cpp's converter writes them;
+    returns (writer, the folder's config)."""
     import json
 
     import gguf
-    import numpy as np
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     cfg = json.loads((folder / "config.json").read_text())
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    w.add_expert_count(cfg["num_local_experts"])
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    if not renorm:
-        w.add_expert_weights_norm(False)
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     tok = AutoTokenizer.from_pretrained(folder)
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     w.add_tokenizer_model("gpt2")
@@ -222,18 +214,42 @@ def write_qwen3_moe_gguf(folder, path, renorm: bool) -> None:
     w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    return w, cfg
+
+
+GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}
+
+
+def gguf_close(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_qwen3_moe_gguf(folder, path, renorm: bool) -> None:
+    """A GGUF file of the tiny Qwen3-MoE folder, laid out as llama.cpp's converter writes one: float32
+    tensors under GGUF names, each layer's experts stacked [E, I, H], the byte-level BPE tokenizer."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    w, cfg = gguf_writer(folder, path, "qwen3moe")
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if not renorm:
+        w.add_expert_weights_norm(False)
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp"}
     experts: dict[tuple, dict[int, object]] = {}
     for name, t in load_file(str(folder / "model.safetensors")).items():
         t = t.float().numpy()
-        if name == "model.embed_tokens.weight":
-            w.add_tensor("token_embd.weight", t)
-        elif name == "model.norm.weight":
-            w.add_tensor("output_norm.weight", t)
-        elif name == "lm_head.weight":
-            w.add_tensor("output.weight", t)
+        if name in GGUF_TOP:
+            w.add_tensor(GGUF_TOP[name], t)
         elif ".mlp.experts." in name:  # transformers writes one tensor per expert
             parts = name.split(".")
             experts.setdefault((parts[2], parts[6]), {})[int(parts[5])] = t
@@ -244,10 +260,7 @@ def write_qwen3_moe_gguf(folder, path, renorm: bool) -> None:
     gguf_proj = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
     for (layer, proj), per in experts.items():
         w.add_tensor(f"blk.{layer}.{gguf_proj[proj]}.weight", np.stack([per[e] for e in range(len(per))]))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    gguf_close(w)
 
 
 @pytest.mark.parametrize("renorm", [True, False])
@@ -272,45 +285,23 @@ def write_gpt_oss_gguf(folder, path, mxfp4: bool, fused: bool, extra: dict | Non
     fields. mxfp4: the expert weights in GGML's MXFP4 (gguf's own quantizer), and the folder's experts
     replaced by what those blocks decode to, so that the folder stays the reference. extra: more float
     fields."""
-    import json
-
     import gguf
     import numpy as np
     from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
 
-    cfg = json.loads((folder / "config.json").read_text())
+    w, cfg = gguf_writer(folder, path, "gpt-oss")
     rope = cfg["rope_parameters"]
-    w = gguf.GGUFWriter(str(path), "gpt-oss")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_expert_feed_forward_length(cfg["intermediate_size"])
     w.add_expert_count(cfg["num_local_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(rope["rope_theta"])
     w.add_sliding_window(cfg["sliding_window"])
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     for key, value in (extra or {}).items():
         w.add_float32(key, value)
-    tok = AutoTokenizer.from_pretrained(folder)
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in tok.all_special_tokens else 1 for t, _ in vocab])
-    merges = json.loads((folder / "tokenizer.json").read_text())["model"]["merges"]
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm",
              "post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
@@ -326,12 +317,8 @@ def write_gpt_oss_gguf(folder, path, mxfp4: bool, fused: bool, extra: dict | Non
     weights = load_file(str(folder / "model.safetensors"))
     for name, t in list(weights.items()):
         a = t.float().numpy()
-        if name == "model.embed_tokens.weight":
-            w.add_tensor("token_embd.weight", a)
-        elif name == "model.norm.weight":
-            w.add_tensor("output_norm.weight", a)
-        elif name == "lm_head.weight":
-            w.add_tensor("output.weight", a)
+        if name in GGUF_TOP:
+            w.add_tensor(GGUF_TOP[name], a)
         elif name.endswith("self_attn.sinks"):
             w.add_tensor(f"blk.{name.split('.')[2]}.attn_sinks.weight", a)
         elif name.endswith("experts.gate_up_proj"):  # [E, H, 2I], gate at even columns
@@ -362,10 +349,7 @@ def write_gpt_oss_gguf(folder, path, mxfp4: bool, fused: bool, extra: dict | Non
             _, _, layer, rest = name.split(".", 3)
             stem, _, kind = rest.rpartition(".")
             w.add_tensor(f"blk.{layer}.{names[stem]}.{kind}", a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    gguf_close(w)
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -402,35 +386,12 @@ def write_llama_gguf(folder, path, name: str, arch: str = "llama") -> None:
     """A GGUF file of a tiny Llama-layout folder as llama.cpp writes Mistral models: architecture `llama`,
     general.name naming the model, q and k rows permuted for its rotary layout, no window field; or
     as it writes Qwen2 models (`qwen2`: q/k/v biases, rows as they are)."""
-    import json
-
-    import gguf
     import numpy as np
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
 
-    cfg = json.loads((folder / "config.json").read_text())
-    w = gguf.GGUFWriter(str(path), arch)
+    w, cfg = gguf_writer(folder, path, arch)
     w.add_name(name)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
-    tok = AutoTokenizer.from_pretrained(folder)
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in tok.all_special_tokens else 1 for t, _ in vocab])
-    merges = json.loads((folder / "tokenizer.json").read_text())["model"]["merges"]
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
@@ -440,12 +401,8 @@ def write_llama_gguf(folder, path, name: str, arch: str = "llama") -> None:
 
     for key, t in load_file(str(folder / "model.safetensors")).items():
         a = t.float().numpy()
-        if key == "model.embed_tokens.weight":
-            w.add_tensor("token_embd.weight", a)
-        elif key == "model.norm.weight":
-            w.add_tensor("output_norm.weight", a)
-        elif key == "lm_head.weight":
-            w.add_tensor("output.weight", a)
+        if key in GGUF_TOP:
+            w.add_tensor(GGUF_TOP[key], a)
         else:
             _, _, layer, rest = key.split(".", 3)
             stem, _, kind = rest.rpartition(".")
@@ -454,10 +411,7 @@ def write_llama_gguf(folder, path, name: str, arch: str = "llama") -> None:
             elif arch == "llama" and stem == "self_attn.k_proj":
                 a = permute(a, cfg["num_key_value_heads"])
             w.add_tensor(f"blk.{layer}.{names[stem]}.{kind}", np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    gguf_close(w)
 
 
 @pytest.mark.parametrize("name", ["Mistral 7B Instruct v0.3", "mistral"])
