@@ -271,9 +271,16 @@ class DecoderLayer(nn.Module):
         a = self.self_attn.forward_fused(x, positions, rope, k_cache, v_cache, attn, batch, parts=True)
         norm = self.post_attention_layernorm
         if isinstance(self.mlp, MoE):  # its k expert outputs, summed by the next add_rmsnorm
-            return self.mlp.norm_forward_fused(a, residual, norm)
+            return self.mlp.norm_forward_fused(a, residual, norm)[:2]
         x, residual = fused.add_rmsnorm(a, residual, norm.weight, norm.eps)
         return self.mlp.forward_fused(x, parts=True), residual
+
+    def forward_fused_normed(self, x, residual, positions, rope, k_cache, v_cache, attn, batch, next_norm):
+        """forward_fused of a MoE layer that may also form `next_norm` (the next layer's input RMSNorm or
+        the final one) over its output: (that norm's output, the residual after this layer, True), or
+        forward_fused's pair and False (MoE.norm_forward_fused)."""
+        a = self.self_attn.forward_fused(x, positions, rope, k_cache, v_cache, attn, batch, parts=True)
+        return self.mlp.norm_forward_fused(a, residual, self.post_attention_layernorm, next_norm)
 
 
 def step_slots(attn: AttentionBackend, batch) -> torch.Tensor:
@@ -289,15 +296,20 @@ def forward_layers_fused(layers, h, positions, rope: RotaryTable, kv_cache, attn
     the last layer's final-normed (HF's last hidden_states entry, as DFlash drafters read it)."""
     from flashdraft.models import fused
 
-    x, residual, taps = h, None, {}
+    x, residual, taps, normed = h, None, {}, False
     for i, layer in enumerate(layers):
         ln = layer.input_layernorm
-        x, residual = fused.add_rmsnorm(x, residual, ln.weight, ln.eps)
+        if not normed:  # else the layer before formed this norm already (a MoE's down kernel)
+            x, residual = fused.add_rmsnorm(x, residual, ln.weight, ln.eps)
         if i > 0 and i - 1 in tap_layers:
             taps[i - 1] = residual
-        x, residual = layer.forward_fused(x, residual, positions, rope, kv_cache[i][0], kv_cache[i][1],
-                                          layer_backend(attn, i), batch)
-    out, residual = fused.add_rmsnorm(x, residual, final_norm.weight, final_norm.eps)
+        args = (x, residual, positions, rope, kv_cache[i][0], kv_cache[i][1], layer_backend(attn, i), batch)
+        if isinstance(getattr(layer, "mlp", None), MoE):
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+            x, residual, normed = layer.forward_fused_normed(*args, nxt)
+        else:
+            (x, residual), normed = layer.forward_fused(*args), False
+    out, residual = (x, residual) if normed else fused.add_rmsnorm(x, residual, final_norm.weight, final_norm.eps)
     if len(layers) - 1 in tap_layers:
         taps[len(layers) - 1] = out
     return out, taps

@@ -324,6 +324,38 @@ def test_new_targets_through_graphs(tmp_path, with_drafter, kind):
     _triton_engine_matches_eager_torch(tmp_path, target, with_drafter, _graphs_on)
 
 
+@pytest.mark.parametrize("kind", ["moe", "gpt_oss"])
+@pytest.mark.parametrize("tail", [False, True])
+def test_fused_moe_layers_through_graphs(tmp_path, kind, tail, monkeypatch):
+    """The fused MoE layer (norm_router, routing in the gate_up kernel) through decode, verify and draft
+    graphs with a drafter reading the layers' outputs, on the fused path under the interpreter too: the
+    eager torch engine's tokens and acceptance (float32). tail (FLASHDRAFT_MOE_TAIL_NORM): each MoE
+    layer's down kernel also forms the next layer's input norm (the final norm after the last layer)
+    on the direct path."""
+    from fixtures import build_tiny_model
+
+    from flashdraft.models import moe, moe_triton, transformer
+
+    monkeypatch.setattr(moe, "TAIL_NORM", tail)
+    formed, real = [], moe_triton.fused_moe
+
+    def counted(*args, **kwargs):  # whether each call formed the next norm
+        out = real(*args, **kwargs)
+        formed.append(isinstance(out, tuple))
+        return out
+
+    monkeypatch.setattr(moe_triton, "fused_moe", counted)
+
+    def fused_graphs(llm):  # the fused layers under the interpreter too, after the eager reference ran
+        monkeypatch.setattr(transformer, "FUSED", "on")
+        _graphs_on(llm)
+
+    experts = {"num_experts": 64} if kind == "moe" else {"num_local_experts": 64}  # decode and verify rows direct
+    target = build_tiny_model(tmp_path / "t", "qwen3_moe" if kind == "moe" else "gpt_oss", **experts)
+    _triton_engine_matches_eager_torch(tmp_path, target, True, fused_graphs)
+    assert formed and any(formed) == tail
+
+
 def _graphs_on(llm) -> None:
     """Graphs on (under the interpreter too: the static buffers and padding, run eagerly)."""
     runner = llm.engine.runner
