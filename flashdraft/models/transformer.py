@@ -101,6 +101,9 @@ GEMM = os.environ.get("FLASHDRAFT_GEMM", "auto")
 # with those tiles the shipped pair's 64-row verify blocks ran 9% slower than on cuBLAS (H200), which the
 # mid-row tiles below beat instead
 SKINNY_ROWS = int(os.environ.get("FLASHDRAFT_SKINNY_ROWS", "32"))
+# attention without q/k norms: RoPE and the K/V store in the qkv GEMM's epilogue up to SKINNY_ROWS rows
+# (skinny.qkv_rope_store), one launch a layer less; FLASHDRAFT_QKV_ROPE=1 turns it on (off until timed on a GPU)
+QKV_ROPE = os.environ.get("FLASHDRAFT_QKV_ROPE", "0") == "1"
 if SKINNY_ROWS not in (32, 64, 128, 256):
     raise ValueError(f"FLASHDRAFT_SKINNY_ROWS must be 32, 64, 128 or 256, got {SKINNY_ROWS}")
 
@@ -191,14 +194,21 @@ class Attention(nn.Module):
 
     def forward_fused(self, x, positions, rope: RotaryTable, k_cache, v_cache, attn: AttentionBackend, batch,
                       parts: bool = False):
-        """One kernel for q/k norm, RoPE and the K/V store (the backend's store_kv is not called).
+        """One kernel for q/k norm, RoPE and the K/V store (the backend's store_kv is not called); with
+        QKV_ROPE and no q/k norms, that kernel is the qkv GEMM itself (skinny.qkv_rope_store).
         parts: the o_proj's result may be split-K parts (see linear), for an add_rmsnorm."""
-        from flashdraft.models import fused
+        from flashdraft.models import fused, skinny
 
         norm = self.q_norm is not None
-        q = fused.qk_norm_rope_store(self.qkv_proj(x), positions, rope.cos, rope.sin,
-                                     self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                                     self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch))
+        w = self.qkv_proj.weight
+        if QKV_ROPE and not norm and skinny_enabled(x, w) and x.shape[0] <= SKINNY_ROWS \
+                and skinny.qkv_rope_fits(x, w, self.head_dim, rope.cos.shape[-1]):
+            q = skinny.qkv_rope_store(x, w, self.qkv_proj.bias, positions, rope.cos, rope.sin, k_cache, v_cache,
+                                      step_slots(attn, batch), self.n_heads)
+        else:
+            q = fused.qk_norm_rope_store(self.qkv_proj(x), positions, rope.cos, rope.sin,
+                                         self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                                         self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch))
         o = attn.forward(q, k_cache, v_cache, batch, self.scale, self.sinks)
         return self.o_proj(o.reshape(-1, self.q_size), parts=parts)
 

@@ -334,7 +334,7 @@ def test_fused_moe_layers_through_graphs(tmp_path, kind, tail, monkeypatch):
     on the direct path."""
     from fixtures import build_tiny_model
 
-    from flashdraft.models import moe, moe_triton, transformer
+    from flashdraft.models import moe, moe_triton
 
     monkeypatch.setattr(moe, "TAIL_NORM", tail)
     formed, real = [], moe_triton.fused_moe
@@ -345,15 +345,41 @@ def test_fused_moe_layers_through_graphs(tmp_path, kind, tail, monkeypatch):
         return out
 
     monkeypatch.setattr(moe_triton, "fused_moe", counted)
-
-    def fused_graphs(llm):  # the fused layers under the interpreter too, after the eager reference ran
-        monkeypatch.setattr(transformer, "FUSED", "on")
-        _graphs_on(llm)
-
     experts = {"num_experts": 64} if kind == "moe" else {"num_local_experts": 64}  # decode and verify rows direct
     target = build_tiny_model(tmp_path / "t", "qwen3_moe" if kind == "moe" else "gpt_oss", **experts)
-    _triton_engine_matches_eager_torch(tmp_path, target, True, fused_graphs)
+    _triton_engine_matches_eager_torch(tmp_path, target, True, _fused_graphs(monkeypatch))
     assert formed and any(formed) == tail
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss"])
+def test_rope_in_the_qkv_gemm_through_graphs(tmp_path, kind, monkeypatch):
+    """FLASHDRAFT_QKV_ROPE: attention without q/k norms (Llama with llama3 rope; GPT-OSS with biases, sinks
+    and sliding layers) takes RoPE and the K/V store in the qkv GEMM's epilogue for decode, verify and
+    draft rows; the eager torch engine's tokens and acceptance with a drafter (float32)."""
+    from fixtures import build_tiny_model
+
+    from flashdraft.models import skinny, transformer
+
+    monkeypatch.setattr(transformer, "QKV_ROPE", True)
+    calls, real = [], skinny.qkv_rope_store
+    monkeypatch.setattr(skinny, "qkv_rope_store", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    target = build_tiny_model(tmp_path / "t", kind, head_dim=32)
+    _triton_engine_matches_eager_torch(tmp_path, target, True, _fused_graphs(monkeypatch, gemms=True))
+    assert calls
+
+
+def _fused_graphs(monkeypatch, gemms: bool = False):
+    """A prepare() for _triton_engine_matches_eager_torch: the fused layers (under the interpreter too;
+    gemms: the few-row Triton GEMMs too), switched on after the eager reference ran, and graphs."""
+    from flashdraft.models import transformer
+
+    def prepare(llm):
+        monkeypatch.setattr(transformer, "FUSED", "on")
+        if gemms:
+            monkeypatch.setattr(transformer, "GEMM", "triton")
+        _graphs_on(llm)
+
+    return prepare
 
 
 def _graphs_on(llm) -> None:

@@ -362,3 +362,43 @@ def test_pdl_changes_no_token(tiny_qwen3, tmp_path):
                 assert launch.pdl_level(torch.zeros(1, device="cuda")) > 0 or not launch._HAVE_GDC
             out[m] = [o.token_ids for o in llm.generate(prompts, params)]
     assert out[mode] == out["off"]
+
+
+@pytest.mark.parametrize("M", [1, 5, 17])
+@pytest.mark.parametrize("head_dim,K", [(32, 96), (64, 160)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkv_rope_store_is_the_gemm_then_rope_and_store(M, head_dim, K, bias, dtype):
+    """qkv_rope_store (the qkv GEMM with RoPE and the K/V store in its epilogue, a program a head) gives
+    the q, and writes the K and V, that skinny_linear followed by fused.qk_norm_rope_store (no norms)
+    give: rows with a slot < 0 store nothing, pages of other sequences are left alone. float32: equal up
+    to the sum order of the GEMM's tiles; bf16: a last-bit rounding at most."""
+    from flashdraft.models import fused
+
+    n_heads, n_kv, page = 4, 2, 8
+    g = torch.Generator().manual_seed(M + head_dim)
+    x = torch.randn(M, K, generator=g).to(DEVICE, dtype)
+    w = (torch.randn((n_heads + 2 * n_kv) * head_dim, K, generator=g) / K ** 0.5).to(DEVICE, dtype)
+    b = (torch.randn(w.shape[0], generator=g) * 0.1).to(DEVICE, dtype) if bias else None
+    ang = torch.arange(64, dtype=torch.float64)[:, None] * (0.5 ** torch.arange(head_dim // 2, dtype=torch.float64))
+    cos = torch.cat([ang.cos(), ang.cos()], 1).to(DEVICE, dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], 1).to(DEVICE, dtype)
+    positions = torch.randint(0, 64, (M,), generator=g).to(DEVICE)
+    slots = torch.randperm(6 * page, generator=g)[:M].to(DEVICE)
+    slots[M // 2] = -1
+    caches = []
+    for _ in range(2):
+        k_cache = torch.full((6, page, n_kv, head_dim), 7.0, dtype=dtype, device=DEVICE)
+        caches.append((k_cache, k_cache.clone()))
+    with torch.inference_mode():
+        want = fused.qk_norm_rope_store(skinny.skinny_linear(x, w, b), positions, cos, sin, None, None, 0.0,
+                                        *caches[0], slots)
+        got = skinny.qkv_rope_store(x, w, b, positions, cos, sin, *caches[1], slots, n_heads)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+    for a, c in zip(caches[1], caches[0]):
+        torch.testing.assert_close(a, c, **tol)
+    assert (caches[1][0] == 7.0).sum() == (caches[0][0] == 7.0).sum() > 0  # untouched slots stay
+    with pytest.raises(ValueError, match="do not fit"):
+        skinny.qkv_rope_store(x, w, b, positions, cos[:, : head_dim // 2], sin[:, : head_dim // 2], *caches[1],
+                              slots, n_heads)
