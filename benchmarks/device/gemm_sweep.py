@@ -161,9 +161,10 @@ class Sweep:
                 if self.args.split_tiles and not self.args.mid:  # split-K with explicit tiles and pipeline depths
                     cands += [("dot", dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st, split=sp),
                                lambda i, c=(bn, bk, 4, st, sp), x=x, w=ws: skinny.dot(x, w[i % len(w)], *c))
-                              for bn, bk, st, sp in itertools.product((16, 32, 64), (128, 256), (2, 3, 4, 5),
-                                                                      (1, 2, 3, 4))
-                              if K % (sp * bk) == 0 and N % bn == 0 and (sp == 1 or bn <= 64)]
+                              for bn, bk, st, sp in itertools.product((16, 32, 64), (64, 128, 256), (2, 3, 4, 5),
+                                                                      (1, 2, 3, 4, 5))
+                              if K % (sp * bk) == 0 and N % bn == 0 and (sp == 1 or bn <= 64)
+                              and (bk > 64 or K % 128)]  # 64-wide tiles where 128 does not divide K (GPT-OSS's 2,880)
                 if name == "gate_up":  # the same bytes with the silu * up epilogue: [M, N/2] out
                     from flashdraft.models import fused
 
@@ -502,7 +503,8 @@ def main() -> None:
                     help="GEMM sweep: the tiles of mid_configs (33-256 rows; run with FLASHDRAFT_SKINNY_ROWS "
                     "at least --rows) instead of the few-row ones, and cuBLAS + the silu * up kernel")
     ap.add_argument("--split-tiles", action="store_true",
-                    help="GEMM sweep: also split-K 1-4 over strips of 16-64 rows and 2-5 pipeline stages")
+                    help="GEMM sweep: also split-K 1-5 over strips of 16-64 rows, 2-5 pipeline stages "
+                         "(64-wide K tiles where 128 does not divide K)")
     args = ap.parse_args()
     s = Sweep(args)
     try:
