@@ -367,11 +367,11 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
     x = x.contiguous()
     direct = T * k <= E // 2 if DIRECT_TOKENS is None else T <= DIRECT_TOKENS
     in_kernel = route is not None and direct
-    if route is not None and not direct:
+    if route is not None:
         logits, _, softmax_all, norm = route
+    if route is not None and not direct:
         weights, ids = route_topk(logits, k, softmax_all, norm, x.dtype if logits.dim() == 3 else None)
     if in_kernel:
-        logits, _, softmax_all, norm = route
         if logits.shape[0] != T or logits.shape[-1] != E or logits.stride(-1) != 1:
             raise ValueError(f"router logits {tuple(logits.shape)} do not fit {T} tokens and {E} experts")
         lparts = logits.shape[1] if logits.dim() == 3 else 0
@@ -395,7 +395,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
     weights = weights.contiguous().view(-1)
     route_args = (logits, weights, E, logits.stride(0)) if in_kernel else (x, weights, E, 0)
     route_flags = dict(ROUTE=in_kernel, TOP_K=k, KP=triton.next_power_of_2(k), EP=max(16, triton.next_power_of_2(E)),
-                       SOFTMAX_ALL=bool(route[2]) if in_kernel else False, NORM=bool(route[3]) if in_kernel else False,
+                       SOFTMAX_ALL=in_kernel and bool(softmax_all), NORM=in_kernel and bool(norm),
                        PARTS=lparts if in_kernel else 0)
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
         x, w_gate_up, bg, h, rows, block_expert, H, inter, k, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
