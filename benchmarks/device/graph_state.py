@@ -28,25 +28,17 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from e2e_step import fill_graph  # noqa: E402
+from pair_kernels import SHIPPED, replay_ms  # noqa: E402
 
 from flashdraft import LLM  # noqa: E402
 from flashdraft.bench.command import tokenize  # noqa: E402
 from flashdraft.bench.datasets import load_prompts  # noqa: E402
 
-SHIPPED = str(ROOT / "flashdraft" / "drafters" / "smollm2-135m-dflash")
 PROBES = "idle3,tree-attn,topk,build,accept,replay-all,fill,idle8,matmul,idle8"
 
 
 def replay_us(fn, n: int = 200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return round(start.elapsed_time(end) / n * 1000, 1)
+    return round(replay_ms(fn, n) * 1000, 1)
 
 
 def clocks() -> str:

@@ -26,17 +26,23 @@ from flashdraft.bench.datasets import load_prompts  # noqa: E402
 SHIPPED = str(ROOT / "flashdraft" / "drafters" / "smollm2-135m-dflash")
 
 
-def split(replay, label: str, replays: int = 20, top: int = int(os.environ.get("PAIR_KERNELS_TOP", "12"))) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
+def replay_ms(replay, n: int) -> float:
+    """Milliseconds a call of replay(), over n calls after one warm call, timed with CUDA events."""
     replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(replays):
+    for _ in range(n):
         replay()
     end.record()
     torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+def split(replay, label: str, replays: int = 20, top: int = int(os.environ.get("PAIR_KERNELS_TOP", "12"))) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    ms = replay_ms(replay, replays)
     with profile(activities=[ProfilerActivity.CUDA]) as p:
         for _ in range(replays):
             replay()
@@ -46,7 +52,7 @@ def split(replay, label: str, replays: int = 20, top: int = int(os.environ.get("
         _write_sequence(p.events(), Path(os.environ["PAIR_KERNELS_TRACE"]) / (label.replace(" ", "_") + ".tsv"))
     rows = sorted(((e.device_time_total / replays, added.get(e.key, 0.0) / replays, e.count / replays, e.key[:80])
                    for e in p.key_averages() if e.device_time_total > 0), key=lambda r: -r[1])
-    print(f"== {label}: {start.elapsed_time(end) / replays:.3f} ms a replay, {sum(r[2] for r in rows):.0f} kernels")
+    print(f"== {label}: {ms:.3f} ms a replay, {sum(r[2] for r in rows):.0f} kernels")
     for us, add, n, name in rows[:top]:
         print(f"  {us:8.1f} us ({add:7.1f} added) x{n:4.0f}  {name}")
 
