@@ -31,10 +31,6 @@ import torch.nn.functional as F
 # the post-attention add_rmsnorm and the router GEMM as one kernel, the top-k in the gate_up kernel
 # (MoE.norm_forward_fused); FLASHDRAFT_ROUTE_IN_NORM=0: the separate kernels (A/B runs)
 ROUTE_IN_NORM = os.environ.get("FLASHDRAFT_ROUTE_IN_NORM", "1") != "0"
-# the next layer's input add_rmsnorm formed by the down kernel's last program on the direct path
-# (moe_triton.fused_moe's tail): one launch a layer less. Off until timed on a GPU
-# (FLASHDRAFT_MOE_TAIL_NORM=1 turns it on)
-TAIL_NORM = os.environ.get("FLASHDRAFT_MOE_TAIL_NORM", "0") == "1"
 
 
 def is_moe_layer(cfg, i: int) -> bool:
@@ -111,15 +107,12 @@ class MoE(nn.Module):
         """The router's (weight, bias, softmax over all experts, renormalise the k): how route() routes."""
         return self.gate.weight, None, True, self.norm_topk_prob
 
-    def norm_forward_fused(self, a: torch.Tensor, residual: torch.Tensor, norm, next_norm=None
-                           ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def norm_forward_fused(self, a: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after attention on the fused path: (the k weighted expert outputs [T, k, H] for the next
-        add_rmsnorm to sum, the new residual, False) from the attention output `a` (or its split-K parts),
-        the residual and the post-attention RMSNorm `norm`. Up to moe_triton.NORM_ROUTER_ROWS rows the add,
+        add_rmsnorm to sum, the new residual) from the attention output `a` (or its split-K parts), the
+        residual and the post-attention RMSNorm `norm`. Up to moe_triton.NORM_ROUTER_ROWS rows the add,
         norm and router GEMM are one kernel (norm_router) and, on the direct path, the top-k runs in the
-        gate_up kernel: three launches where add_rmsnorm, router, top-k, gate_up and down were five.
-        next_norm (the next layer's input RMSNorm, or the final one) with TAIL_NORM: on the direct path the
-        down kernel forms that norm too, and (its output, the residual after this layer, True) is returned."""
+        gate_up kernel: three launches where add_rmsnorm, router, top-k, gate_up and down were five."""
         from flashdraft.models import fused, moe_triton
 
         act = self.kernel_act()
@@ -127,14 +120,12 @@ class MoE(nn.Module):
         if act is None or residual.shape[0] > moe_triton.NORM_ROUTER_ROWS or weight.shape[0] > 256 \
                 or moe_triton.router_parts(residual.shape[-1]) is None or not ROUTE_IN_NORM:
             x, residual = fused.add_rmsnorm(a, residual, norm.weight, norm.eps)
-            return self.forward_fused(x, slots=True), residual, False
+            return self.forward_fused(x, slots=True), residual
         x, residual, logits = moe_triton.norm_router(a, residual, norm.weight, norm.eps, weight, bias)
         ex = self.experts
-        tail = (residual, next_norm.weight, next_norm.eps) if next_norm is not None and TAIL_NORM else None
-        out = moe_triton.fused_moe(x, ex.gate_up_proj, ex.down_proj, None, None, act, ex.gate_up_proj_bias,
-                                   ex.down_proj_bias, slots=True, route=(logits, self.top_k, softmax_all, renorm),
-                                   tail=tail)
-        return (*out, True) if isinstance(out, tuple) else (out, residual, False)
+        return moe_triton.fused_moe(x, ex.gate_up_proj, ex.down_proj, None, None, act, ex.gate_up_proj_bias,
+                                    ex.down_proj_bias, slots=True,
+                                    route=(logits, self.top_k, softmax_all, renorm)), residual
 
     def forward_fused(self, x: torch.Tensor, slots: bool = False) -> torch.Tensor:
         """The kernel path: [T, H], or with slots the k weighted expert outputs [T, k, H] for the next

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.models.launch import arrival_counts, launch_kwargs, pdl_enter, pdl_trigger
+from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16  # sorted rows of one expert per program (tl.dot's least; a DIRECT block fills one of them)
@@ -149,12 +149,9 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, h_ptr, rows_ptr, block_expert_ptr, K, I
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, b_ptr, y_ptr, rows_ptr, block_expert_ptr, weight_ptr, K, N, stride_h, stride_we,
-                 stride_wn, stride_be, stride_y, res_ptr, nw_ptr, xo_ptr, ro_ptr, count_ptr, eps, T, stride_r,
-                 stride_xo, stride_ro, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 stride_wn, stride_be, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, BIAS: tl.constexpr, DIRECT: tl.constexpr,
-                 TAIL: tl.constexpr, HB: tl.constexpr, KS: tl.constexpr, USE_PDL: tl.constexpr):
-    """TAIL (DIRECT only): the last program to finish (an arrival count) forms the next RMSNorm over each
-    token's KS slot outputs and residual, as fused.add_rmsnorm(y.view(T, KS, N), residual) would."""
+                 USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     b = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
@@ -184,17 +181,6 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, y_ptr, rows_ptr, block_expert_ptr, weight_
     y = (acc * wt[:, None]).to(dt)
     pdl_trigger(USE_PDL)
     tl.store(y_ptr + tl.where(valid, slot, 0)[:, None] * stride_y + n[None, :], y, mask=valid[:, None] & n_ok[None, :])
-    if TAIL:
-        tl.debug_barrier()  # every thread's outputs are written before the count (release) below
-        done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) * tl.num_programs(1) - 1:
-            rdt = res_ptr.dtype.element_ty
-            d = tl.arange(0, HB)
-            for t in range(T):
-                hrow = _residual_sum(y_ptr, res_ptr, t, d, d < N, KS * stride_y, stride_r, N, KS, rdt, True)
-                _norm_store(hrow, tl.rsqrt(tl.sum(hrow * hrow, 0) / N + eps), nw_ptr, xo_ptr, ro_ptr, t, d, N,
-                            stride_xo, stride_ro)
-            tl.atomic_xchg(count_ptr, 0)  # ready for the next launch (CUDA graphs replay it)
 
 
 @triton.jit
@@ -344,17 +330,13 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M,
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor | None,
               ids: torch.Tensor | None, act: tuple = ("silu",), b_gate_up: torch.Tensor | None = None,
-              b_down: torch.Tensor | None = None, slots: bool = False, route: tuple | None = None,
-              tail: tuple | None = None):
+              b_down: torch.Tensor | None = None, slots: bool = False, route: tuple | None = None) -> torch.Tensor:
     """x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], routing weights and expert ids [T, k], biases
     [E, 2I] and [E, H] or None -> [T, H]; slots: the k weighted expert outputs [T, k, H] unsummed
     (fused.add_rmsnorm sums them in slot order, saving a launch). act: ("silu",) or
     ("swiglu_oai", alpha, limit). route (logits, k, softmax_all, norm) instead of weights and ids: the
     router's logits (or its float32 parts [T, P, E], norm_router's) routed as route_topk routes them;
-    on the direct path inside the gate_up kernel (no top-k launch). tail (residual, norm weight, eps):
-    on the direct path the down kernel's last program also forms the next add + RMSNorm and
-    (normed, new residual) is returned, as fused.add_rmsnorm(slots, residual, weight, eps) would give
-    them; elsewhere tail is not used and the slots are returned."""
+    on the direct path inside the gate_up kernel (no top-k launch)."""
     if act[0] not in ("silu", "swiglu_oai"):
         raise NotImplementedError(f"the Triton expert kernels have no activation {act[0]!r}")
     oai = act[0] == "swiglu_oai"
@@ -401,24 +383,10 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
         x, w_gate_up, bg, h, rows, block_expert, H, inter, k, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         bg.stride(0), h.stride(0), alpha, limit, *route_args, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=f32,
         BIAS=bias, OAI=oai, DIRECT=direct, **route_flags, num_warps=4, num_stages=stages, **launch_kwargs(x))
-    use_tail = tail is not None and direct
-    if use_tail:
-        res, nw, eps = tail
-        if res.shape != (T, H) or res.stride(-1) != 1:
-            raise ValueError(f"tail residual {tuple(res.shape)} does not fit {T} x {H}")
-        xo = torch.empty(T, H, device=x.device, dtype=torch.promote_types(nw.dtype, res.dtype))
-        ro = torch.empty(T, H, device=x.device, dtype=res.dtype)
-        tail_args = (res, nw, xo, ro, arrival_counts(x.device, 1), float(eps), T, res.stride(0), xo.stride(0),
-                     ro.stride(0))
-    else:
-        tail_args = (y, y, y, y, y, 0.0, T, 0, 0, 0)
     _down_kernel[(nb, triton.cdiv(H, bn_d))](
         h, w_down, bd, y, rows, block_expert, weights, inter, H, h.stride(0), w_down.stride(0),
-        w_down.stride(1), bd.stride(0), y.stride(0), *tail_args, BLOCK_M=BLOCK_M, BLOCK_N=bn_d, BLOCK_K=bk_d,
-        F32_DOT=f32, BIAS=bias, DIRECT=direct, TAIL=use_tail, HB=triton.next_power_of_2(H), KS=k, num_warps=4,
-        num_stages=stages_d, **launch_kwargs(x))
-    if use_tail:
-        return xo, ro
+        w_down.stride(1), bd.stride(0), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=bn_d, BLOCK_K=bk_d,
+        F32_DOT=f32, BIAS=bias, DIRECT=direct, num_warps=4, num_stages=stages_d, **launch_kwargs(x))
     return y.view(T, k, H) if slots else y.view(T, k, H).sum(1)
 
 
@@ -428,30 +396,17 @@ NORM_ROUTER_ROWS = 32
 
 
 @triton.jit
-def _residual_sum(x_ptr, res_ptr, row, d, ok, stride_x, stride_r, N, PARTS: tl.constexpr, dt: tl.constexpr,
-                  CG: tl.constexpr = False):
-    """x + residual at columns d of a row, rounded to dt, in float32 (x: PARTS parts of N, summed in
-    order in float32 and rounded to dt first), as fused._add_rmsnorm_kernel forms it. CG: x read from
-    L2 (written by other programs of the same launch)."""
-    x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0, cache_modifier=".cg" if CG else "")
+def _residual_sum(x_ptr, res_ptr, row, d, ok, stride_x, stride_r, N, PARTS: tl.constexpr, dt: tl.constexpr):
+    """x + residual at columns d of a row, rounded to dt, in float32 (x: PARTS float32 parts of N,
+    summed in order and rounded to dt first), as fused._add_rmsnorm_kernel forms it."""
+    x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
     if PARTS > 1:
         xs = x.to(tl.float32)
         for p in tl.static_range(1, PARTS):
-            xs += tl.load(x_ptr + row * stride_x + p * N + d, mask=ok, other=0.0,
-                          cache_modifier=".cg" if CG else "").to(tl.float32)
+            xs += tl.load(x_ptr + row * stride_x + p * N + d, mask=ok, other=0.0).to(tl.float32)
         x = xs.to(dt)
     r = tl.load(res_ptr + row * stride_r + d, mask=ok, other=0.0)
     return (x.to(tl.float32) + r.to(tl.float32)).to(dt).to(tl.float32)
-
-
-@triton.jit
-def _norm_store(h, inv, nw_ptr, out_ptr, res_out_ptr, row, d, N, stride_o, stride_ro):
-    """Store a row's residual sum h (float32 of the residual dtype's value) and its RMSNorm
-    nw * (h * inv), rounded as fused._add_rmsnorm_kernel rounds them."""
-    dt = res_out_ptr.dtype.element_ty
-    y = tl.load(nw_ptr + d, mask=d < N, other=0.0).to(tl.float32) * (h * inv).to(dt).to(tl.float32)
-    tl.store(res_out_ptr + row * stride_ro + d, h.to(dt), mask=d < N)
-    tl.store(out_ptr + row * stride_o + d, y.to(out_ptr.dtype.element_ty), mask=d < N)
 
 
 @triton.jit
@@ -485,7 +440,9 @@ def _norm_router_kernel(x_ptr, res_ptr, nw_ptr, out_ptr, res_out_ptr, rw_ptr, rb
     pdl_trigger(USE_PDL)
     tl.store(logits_ptr + (row * tl.num_programs(1) + s) * E + e, logit, mask=e < E)
     if s == 0:
-        _norm_store(h, inv, nw_ptr, out_ptr, res_out_ptr, row, d, N, stride_o, stride_ro)
+        y = tl.load(nw_ptr + d, mask=d < N, other=0.0).to(tl.float32) * (h * inv).to(dt).to(tl.float32)
+        tl.store(res_out_ptr + row * stride_ro + d, h.to(dt), mask=d < N)
+        tl.store(out_ptr + row * stride_o + d, y.to(odt), mask=d < N)
 
 
 def router_parts(hidden: int) -> tuple[int, int] | None:

@@ -109,38 +109,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
     tl.store(y_ptr + n, y.to(dt), mask=n < N)
 
 
-@triton.jit
-def _strip(w_row, up_row, x_col, n, m, M, N, K, k_lo, k_len, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-           MPAD: tl.constexpr, EVEN: tl.constexpr, TWO: tl.constexpr, IEEE: tl.constexpr):
-    """A weight strip's rows (pointers w_row [BLOCK_N, 1], rows n) times x^T (x_col [1, MPAD], rows m < M)
-    over K from k_lo, k_len long, in BLOCK_K tiles: acc [BLOCK_N, MPAD] in float32; TWO: a second strip
-    at up_row (the glu's up rows, a head's second half) beside it, in acc_up."""
-    k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
-    for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
-        kk = k0 + k
-        if EVEN:
-            w = tl.load(w_row + kk[None, :])
-            if TWO:
-                wu = tl.load(up_row + kk[None, :])
-        else:
-            mask = (n[:, None] < N) & (kk[None, :] < K)
-            w = tl.load(w_row + kk[None, :], mask=mask, other=0.0)
-            if TWO:
-                wu = tl.load(up_row + kk[None, :], mask=mask, other=0.0)
-        xt = tl.load(x_col + kk[:, None], mask=(m[None, :] < M) & (kk[:, None] < K), other=0.0)
-        if IEEE:  # float32 weights or the interpreter: full-precision float32 products, not TF32
-            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-            if TWO:
-                acc_up = tl.dot(wu.to(tl.float32), xt.to(tl.float32), acc_up, input_precision="ieee")
-        else:
-            acc = tl.dot(w, xt.to(w.dtype), acc)
-            if TWO:
-                acc_up = tl.dot(wu, xt.to(w.dtype), acc_up)
-    return acc, acc_up
-
-
 @triton.jit(do_not_specialize=["M"])  # any row count, one variant per MPAD: nothing compiles mid-serving
 def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MPAD: tl.constexpr, EVEN: tl.constexpr,
@@ -150,13 +118,35 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride
     tile = tl.program_id(0)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, MPAD)
+    k = tl.arange(0, BLOCK_K)
     w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     up_row = w_row + N.to(tl.int64) * stride_wn
     pdl_enter(USE_PDL)
+    x_col = x_ptr + m[None, :] * stride_xm  # x^T tile [BLOCK_K, MPAD]
+    acc = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, MPAD], dtype=tl.float32)
     k_len = K // SPLIT  # SPLIT > 1: this program's share of K (the caller makes it a multiple of BLOCK_K)
     k_lo = tl.program_id(1) * k_len
-    acc, acc_up = _strip(w_row, up_row, x_ptr + m[None, :] * stride_xm, n, m, M, N, K, k_lo, k_len, BLOCK_N,
-                         BLOCK_K, MPAD, EVEN, GLU, IEEE)
+    for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
+        kk = k0 + k
+        if EVEN:
+            w = tl.load(w_row + kk[None, :])
+            if GLU:
+                wu = tl.load(up_row + kk[None, :])
+        else:
+            mask = (n[:, None] < N) & (kk[None, :] < K)
+            w = tl.load(w_row + kk[None, :], mask=mask, other=0.0)
+            if GLU:
+                wu = tl.load(up_row + kk[None, :], mask=mask, other=0.0)
+        xt = tl.load(x_col + kk[:, None], mask=(m[None, :] < M) & (kk[:, None] < K), other=0.0)
+        if IEEE:  # float32 weights or the interpreter: full-precision float32 products, not TF32
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+            if GLU:
+                acc_up = tl.dot(wu.to(tl.float32), xt.to(tl.float32), acc_up, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt.to(w.dtype), acc)
+            if GLU:
+                acc_up = tl.dot(wu, xt.to(w.dtype), acc_up)
     if SPLIT > 1 and HAS_BIAS:  # the bias joins the first part: (p0 + b) + p1 + ... in float32
         if tl.program_id(1) == 0:
             acc = acc + tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
@@ -195,95 +185,6 @@ def _dot_store(acc, acc_up, b_ptr, y_ptr, n, m, M, N, stride_ym, dt: tl.constexp
     out = y_ptr + m[None, :] * stride_ym + n[:, None]
     pdl_trigger(USE_PDL)
     tl.store(out, acc.to(dt), mask=(m[None, :] < M) & (n[:, None] < N))
-
-
-@triton.jit(do_not_specialize=["M"])
-def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr, M, K,
-                     stride_xm, stride_wn, stride_cos, stride_sin, stride_qt, stride_qh, stride_kcb, stride_kcs,
-                     stride_kch, stride_vcb, stride_vcs, stride_vch, N_HEADS: tl.constexpr, N_KV: tl.constexpr,
-                     HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, MPAD: tl.constexpr,
-                     EVEN: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, USE_PDL: tl.constexpr):
-    """Program h: head h of a packed qkv projection (q heads, k heads, v heads of 2 * HALF dims, all of them
-    rotary) for rows m < M, its halves as two strips of HALF weight rows; the bias added and the result
-    rounded as the GEMM rounds it; then, as fused.qk_norm_rope_store does without norms, RoPE on q and k
-    heads, q stored to q [M, N_HEADS, 2 HALF], k and v to the caches at each row's slot (< 0: not
-    stored). The rows' positions, slots and cos/sin (written before the step) are read before the wait."""
-    dt = q_ptr.dtype.element_ty
-    h = tl.program_id(0)
-    j = tl.arange(0, HALF)
-    m = tl.arange(0, MPAD)
-    N = (N_HEADS + 2 * N_KV) * 2 * HALF
-    n = h * 2 * HALF + j
-    w_row = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    row_ok = m < M
-    pos = tl.load(pos_ptr + m, mask=row_ok, other=0).to(tl.int64)[None, :]
-    slot = tl.load(slot_ptr + m, mask=row_ok, other=-1).to(tl.int64)
-    c_lo = tl.load(cos_ptr + pos * stride_cos + j[:, None]).to(tl.float32)  # [HALF, MPAD]
-    c_hi = tl.load(cos_ptr + pos * stride_cos + HALF + j[:, None]).to(tl.float32)
-    s_lo = tl.load(sin_ptr + pos * stride_sin + j[:, None]).to(tl.float32)
-    s_hi = tl.load(sin_ptr + pos * stride_sin + HALF + j[:, None]).to(tl.float32)
-    pdl_enter(USE_PDL)
-    lo, hi = _strip(w_row, w_row + HALF * stride_wn, x_ptr + m[None, :] * stride_xm, n, m, M, N, K, 0, K, HALF,
-                    BLOCK_K, MPAD, EVEN, True, IEEE)
-    if HAS_BIAS:
-        lo = lo + tl.load(b_ptr + n).to(tl.float32)[:, None]
-        hi = hi + tl.load(b_ptr + n + HALF).to(tl.float32)[:, None]
-    lo = lo.to(dt).to(tl.float32)
-    hi = hi.to(dt).to(tl.float32)
-    if h < N_HEADS + N_KV:  # rotate half: (x * cos) + (partner * sin), the partner negated in the first half
-        out_lo = ((lo * c_lo).to(dt).to(tl.float32) + (-hi * s_lo).to(dt).to(tl.float32)).to(dt)
-        out_hi = ((hi * c_hi).to(dt).to(tl.float32) + (lo * s_hi).to(dt).to(tl.float32)).to(dt)
-    else:
-        out_lo = lo.to(dt)
-        out_hi = hi.to(dt)
-    pdl_trigger(USE_PDL)
-    if h < N_HEADS:
-        q_out = q_ptr + m[None, :] * stride_qt + h * stride_qh + j[:, None]
-        tl.store(q_out, out_lo, mask=row_ok[None, :])
-        tl.store(q_out + HALF, out_hi, mask=row_ok[None, :])
-    else:
-        keep = (row_ok & (slot >= 0))[None, :]
-        page = tl.where(slot >= 0, slot // PAGE, 0)[None, :]
-        off = tl.where(slot >= 0, slot % PAGE, 0)[None, :]
-        if h < N_HEADS + N_KV:
-            out = kc_ptr + page * stride_kcb + off * stride_kcs + (h - N_HEADS) * stride_kch + j[:, None]
-        else:
-            out = vc_ptr + page * stride_vcb + off * stride_vcs + (h - N_HEADS - N_KV) * stride_vch + j[:, None]
-        tl.store(out, out_lo.to(kc_ptr.dtype.element_ty), mask=keep)
-        tl.store(out + HALF, out_hi.to(kc_ptr.dtype.element_ty), mask=keep)
-
-
-def qkv_rope_fits(x: torch.Tensor, w: torch.Tensor, head_dim: int, rotary: int) -> bool:
-    """Whether qkv_rope_store takes this projection: few rows on the skinny path's devices, heads of 32,
-    64 or 128 dims (halves of at least 16 rows, tl.dot's least), every dim rotary."""
-    return 1 <= x.shape[0] <= MAX_ROWS and head_dim in (32, 64, 128) and rotary == head_dim and \
-        x.dtype == w.dtype and w.shape[0] % head_dim == 0
-
-
-def qkv_rope_store(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """fused.qk_norm_rope_store(skinny_linear(x, w, bias), positions, cos, sin, None, None, 0.0, k_cache,
-    v_cache, slot_mapping) in one kernel, a program a head (_qkv_rope_kernel): q [M, n_heads, D] returned,
-    K (rotated) and V stored. For projections qkv_rope_fits takes (no q/k norms)."""
-    n_kv, hd = k_cache.shape[2], k_cache.shape[3]
-    M, K = x.shape
-    if not qkv_rope_fits(x, w, hd, cos.shape[-1]) or w.shape[0] != (n_heads + 2 * n_kv) * hd or w.shape[1] != K:
-        raise ValueError(f"qkv_rope_store: x {tuple(x.shape)}, w {tuple(w.shape)}, {n_heads} + 2 x {n_kv} heads of "
-                         f"{hd} with {cos.shape[-1]} rotary dims do not fit")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    q = torch.empty(M, n_heads, hd, device=x.device, dtype=x.dtype)
-    _, bk, _, stages = _dot_tiles(M, w.shape[0], K, x.element_size())  # the qkv GEMM's K tiles
-    while stages > 2 and stages * (hd + _mpad(M)) * bk * x.element_size() > SMEM_BUDGET:
-        stages -= 1
-    _qkv_rope_kernel[(n_heads + 2 * n_kv,)](
-        x, w, bias if bias is not None else w, positions, cos, sin, q, k_cache, v_cache, slot_mapping, M, K,
-        x.stride(0), w.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1), *k_cache.stride()[:3],
-        *v_cache.stride()[:3], N_HEADS=n_heads, N_KV=n_kv, HALF=hd // 2, PAGE=k_cache.shape[1], BLOCK_K=bk,
-        MPAD=_mpad(M), EVEN=K % bk == 0, HAS_BIAS=bias is not None, IEEE=_ieee(w), num_warps=4,
-        num_stages=stages, **launch_kwargs(x))
-    return q
 
 
 def _ieee(w: torch.Tensor) -> bool:

@@ -101,9 +101,6 @@ GEMM = os.environ.get("FLASHDRAFT_GEMM", "auto")
 # with those tiles the shipped pair's 64-row verify blocks ran 9% slower than on cuBLAS (H200), which the
 # mid-row tiles below beat instead
 SKINNY_ROWS = int(os.environ.get("FLASHDRAFT_SKINNY_ROWS", "32"))
-# attention without q/k norms: RoPE and the K/V store in the qkv GEMM's epilogue up to SKINNY_ROWS rows
-# (skinny.qkv_rope_store), one launch a layer less; FLASHDRAFT_QKV_ROPE=1 turns it on (off until timed on a GPU)
-QKV_ROPE = os.environ.get("FLASHDRAFT_QKV_ROPE", "0") == "1"
 if SKINNY_ROWS not in (32, 64, 128, 256):
     raise ValueError(f"FLASHDRAFT_SKINNY_ROWS must be 32, 64, 128 or 256, got {SKINNY_ROWS}")
 
@@ -194,21 +191,14 @@ class Attention(nn.Module):
 
     def forward_fused(self, x, positions, rope: RotaryTable, k_cache, v_cache, attn: AttentionBackend, batch,
                       parts: bool = False):
-        """One kernel for q/k norm, RoPE and the K/V store (the backend's store_kv is not called); with
-        QKV_ROPE and no q/k norms, that kernel is the qkv GEMM itself (skinny.qkv_rope_store).
+        """One kernel for q/k norm, RoPE and the K/V store (the backend's store_kv is not called).
         parts: the o_proj's result may be split-K parts (see linear), for an add_rmsnorm."""
-        from flashdraft.models import fused, skinny
+        from flashdraft.models import fused
 
         norm = self.q_norm is not None
-        w = self.qkv_proj.weight
-        if QKV_ROPE and not norm and skinny_enabled(x, w) and x.shape[0] <= SKINNY_ROWS \
-                and skinny.qkv_rope_fits(x, w, self.head_dim, rope.cos.shape[-1]):
-            q = skinny.qkv_rope_store(x, w, self.qkv_proj.bias, positions, rope.cos, rope.sin, k_cache, v_cache,
-                                      step_slots(attn, batch), self.n_heads)
-        else:
-            q = fused.qk_norm_rope_store(self.qkv_proj(x), positions, rope.cos, rope.sin,
-                                         self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                                         self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch))
+        q = fused.qk_norm_rope_store(self.qkv_proj(x), positions, rope.cos, rope.sin,
+                                     self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                                     self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch))
         o = attn.forward(q, k_cache, v_cache, batch, self.scale, self.sinks)
         return self.o_proj(o.reshape(-1, self.q_size), parts=parts)
 
@@ -281,16 +271,9 @@ class DecoderLayer(nn.Module):
         a = self.self_attn.forward_fused(x, positions, rope, k_cache, v_cache, attn, batch, parts=True)
         norm = self.post_attention_layernorm
         if isinstance(self.mlp, MoE):  # its k expert outputs, summed by the next add_rmsnorm
-            return self.mlp.norm_forward_fused(a, residual, norm)[:2]
+            return self.mlp.norm_forward_fused(a, residual, norm)
         x, residual = fused.add_rmsnorm(a, residual, norm.weight, norm.eps)
         return self.mlp.forward_fused(x, parts=True), residual
-
-    def forward_fused_normed(self, x, residual, positions, rope, k_cache, v_cache, attn, batch, next_norm):
-        """forward_fused of a MoE layer that may also form `next_norm` (the next layer's input RMSNorm or
-        the final one) over its output: (that norm's output, the residual after this layer, True), or
-        forward_fused's pair and False (MoE.norm_forward_fused)."""
-        a = self.self_attn.forward_fused(x, positions, rope, k_cache, v_cache, attn, batch, parts=True)
-        return self.mlp.norm_forward_fused(a, residual, self.post_attention_layernorm, next_norm)
 
 
 def step_slots(attn: AttentionBackend, batch) -> torch.Tensor:
@@ -306,20 +289,15 @@ def forward_layers_fused(layers, h, positions, rope: RotaryTable, kv_cache, attn
     the last layer's final-normed (HF's last hidden_states entry, as DFlash drafters read it)."""
     from flashdraft.models import fused
 
-    x, residual, taps, normed = h, None, {}, False
+    x, residual, taps = h, None, {}
     for i, layer in enumerate(layers):
         ln = layer.input_layernorm
-        if not normed:  # else the layer before formed this norm already (a MoE's down kernel)
-            x, residual = fused.add_rmsnorm(x, residual, ln.weight, ln.eps)
+        x, residual = fused.add_rmsnorm(x, residual, ln.weight, ln.eps)
         if i > 0 and i - 1 in tap_layers:
             taps[i - 1] = residual
-        args = (x, residual, positions, rope, kv_cache[i][0], kv_cache[i][1], layer_backend(attn, i), batch)
-        if isinstance(getattr(layer, "mlp", None), MoE):
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-            x, residual, normed = layer.forward_fused_normed(*args, nxt)
-        else:
-            (x, residual), normed = layer.forward_fused(*args), False
-    out, residual = (x, residual) if normed else fused.add_rmsnorm(x, residual, final_norm.weight, final_norm.eps)
+        x, residual = layer.forward_fused(x, residual, positions, rope, kv_cache[i][0], kv_cache[i][1],
+                                          layer_backend(attn, i), batch)
+    out, residual = fused.add_rmsnorm(x, residual, final_norm.weight, final_norm.eps)
     if len(layers) - 1 in tap_layers:
         taps[len(layers) - 1] = out
     return out, taps
