@@ -9,14 +9,16 @@ in the same engine, not across engines.
     python benchmarks/device/graph_state.py smollm2.gguf humaneval.jsonl 7,0 [PROBES]
 
 For each tree size (0: the chain), one engine: its batch-1 decode graph filled with a real step's
-inputs, the mean us a replay over 200 back-to-back replays, with the SM clock, memory clock, power and
-throttle reasons nvidia-smi reports; then again after each probe in turn (comma-separated, default
+inputs, the mean us a replay over 200 back-to-back replays, with the SM clock, memory clock, power, GPU and memory
+temperatures and throttle reasons nvidia-smi reports; then again after each probe in turn (comma-separated, default
 all, in this order): idle3 (3 s idle), tree-attn (the target's attention variants under tree masks
 compiled and run, as a tree engine does at start), topk (the tree's top-k kernels over a drafter
 head's logits), build (the tree build kernel), accept (the tree acceptance and K/V move kernels),
 replay-all (every captured graph of the engine replayed once, as a chain engine's cost measurement
 does), fill (40 normal fills of 1 GiB, as dummy weights are written: memory-bound load), idle8, matmul
-(200 bf16 4,096 x 4,096 matmuls: compute-bound load), idle8."""
+(200 bf16 4,096 x 4,096 matmuls: compute-bound load), idle8. Not in the default list: alloc (1 GiB more
+from the caching allocator, not written, kept), empty (that dropped, and torch.cuda.empty_cache()), randn
+(torch.randn over 16 values) and stack (the thread stack limit raised to 16 KiB)."""
 import subprocess
 import sys
 import time
@@ -35,6 +37,7 @@ from flashdraft.bench.command import tokenize  # noqa: E402
 from flashdraft.bench.datasets import load_prompts  # noqa: E402
 
 PROBES = "idle3,tree-attn,topk,build,accept,replay-all,fill,idle8,matmul,idle8"
+KEPT: list[torch.Tensor] = []
 
 
 def replay_us(fn, n: int = 200) -> float:
@@ -42,7 +45,7 @@ def replay_us(fn, n: int = 200) -> float:
 
 
 def clocks() -> str:
-    query = "clocks.sm,clocks.mem,power.draw,clocks_throttle_reasons.active"
+    query = "clocks.sm,clocks.mem,power.draw,temperature.gpu,temperature.memory,clocks_throttle_reasons.active"
     cmd = ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"]
     return subprocess.run(cmd, capture_output=True, text=True).stdout.strip()
 
@@ -85,6 +88,19 @@ def probe(name: str, llm: LLM) -> None:
         x = torch.empty(1 << 29, device=dev, dtype=torch.bfloat16)
         for _ in range(40):
             x.normal_()
+    elif name == "randn":  # the fill's kernel over 16 values
+        torch.randn(16, device=dev)
+    elif name == "stack":  # the thread stack (local memory a thread) raised to 16 KiB, through the driver
+        import ctypes
+
+        rc = ctypes.CDLL("libcuda.so.1").cuCtxSetLimit(0, 16384)  # CU_LIMIT_STACK_SIZE
+        if rc:
+            raise RuntimeError(f"cuCtxSetLimit: CUresult {rc}")
+    elif name == "alloc":  # 1 GiB more from the allocator, never written, kept until "empty"
+        KEPT.append(torch.empty(1 << 29, device=dev, dtype=torch.bfloat16))
+    elif name == "empty":  # what "alloc" kept dropped, and the allocator's free blocks handed back to CUDA
+        KEPT.clear()
+        torch.cuda.empty_cache()
     elif name == "matmul":
         x = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
         for _ in range(200):

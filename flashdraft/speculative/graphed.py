@@ -11,7 +11,6 @@ A step the graphs do not cover runs the same functions eagerly (speculative/dfla
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
@@ -24,13 +23,6 @@ from flashdraft.engine.sampler import greedy_tokens
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.transformer import fused_enabled
 from flashdraft.speculative.verify import accepted_lengths
-
-# FLASHDRAFT_ADVANCE_BLOCKS=all: a greedy chain step's post graph counts the accepted drafts, packs the
-# outcome and moves the blocks on in one kernel (fused_tokens.advance_blocks), as token trees' launches
-# ahead move theirs; "trees" (default) until the A/B that decides it has run on a GPU
-ADVANCE_BLOCKS = os.environ.get("FLASHDRAFT_ADVANCE_BLOCKS", "trees")
-if ADVANCE_BLOCKS not in ("trees", "all"):
-    raise ValueError(f"FLASHDRAFT_ADVANCE_BLOCKS must be trees or all, got {ADVANCE_BLOCKS!r}")
 
 if TYPE_CHECKING:
     from flashdraft.speculative.plan import Plan
@@ -227,7 +219,7 @@ class GraphedSteps:
         hidden = g.outputs[: S * k1]
         toks = greedy_tokens(self.engine.runner.model.compute_logits(hidden, float32=False)).view(S, k1)
         drafts, out = g.extra["verify_ids"].view(S, k1)[:, 1:], g.extra["outcome"]
-        if ADVANCE_BLOCKS == "all" and fused_enabled(toks):  # count, outcome and next blocks in one kernel
+        if fused_enabled(toks):  # count, outcome and next blocks in one kernel
             from flashdraft.models.fused_tokens import advance_blocks
 
             advance_blocks(g.positions, g.input_ids, g.meta.seq_lens, toks, drafts=drafts, outcome=out)
@@ -241,7 +233,7 @@ class GraphedSteps:
         """Move the first n = len(acc) sequences' draft blocks on after a verify that accepted acc [n]
         drafts, the target's tokens toks [n, k+1]: each block starts one past the accepted drafts, its
         first token the target's token there; sequences without rows (length 0) keep theirs."""
-        if (ADVANCE_BLOCKS == "all" or g.aux.get("tree")) and fused_enabled(toks):
+        if fused_enabled(toks):
             from flashdraft.models.fused_tokens import advance_blocks
 
             advance_blocks(g.positions, g.input_ids, g.meta.seq_lens, toks, acc=acc)

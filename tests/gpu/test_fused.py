@@ -555,7 +555,6 @@ def test_graphed_chain_steps_advance_blocks_in_the_kernel(tiny_llama, tmp_path, 
     monkeypatch.setattr(fused_tokens, "advance_blocks",
                         lambda *a, **k: counted.append(k.get("drafts") is not None) or real(*a, **k))
     monkeypatch.setattr(graphed_mod, "fused_enabled", lambda x: True)  # the models stay on the torch path
-    monkeypatch.setattr(graphed_mod, "ADVANCE_BLOCKS", "all")
     graphed, replays = _graphed_llm(str(tiny_llama), kw)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
     assert replays["dflash"] > 0 and any(counted), (replays, counted)
