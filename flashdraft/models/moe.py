@@ -117,8 +117,7 @@ class MoE(nn.Module):
 
         act = self.kernel_act()
         weight, bias, softmax_all, renorm = self.routing()
-        if act is None or residual.shape[0] > moe_triton.NORM_ROUTER_ROWS or weight.shape[0] > 256 \
-                or moe_triton.router_parts(residual.shape[-1]) is None or not ROUTE_IN_NORM:
+        if act is None or not ROUTE_IN_NORM or not moe_triton.norm_router_fits(*residual.shape, weight.shape[0]):
             x, residual = fused.add_rmsnorm(a, residual, norm.weight, norm.eps)
             return self.forward_fused(x, slots=True), residual
         x, residual, logits = moe_triton.norm_router(a, residual, norm.weight, norm.eps, weight, bias)

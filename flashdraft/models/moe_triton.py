@@ -390,9 +390,10 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
     return y.view(T, k, H) if slots else y.view(T, k, H).sum(1)
 
 
-# norm_router takes up to this many rows (decode batches, a batch-1 verify block); more go through
-# add_rmsnorm, the router GEMM and the top-k kernel
+# norm_router takes up to this many rows (decode batches, a batch-1 verify block) and experts; more go
+# through add_rmsnorm, the router GEMM and the top-k kernel
 NORM_ROUTER_ROWS = 32
+NORM_ROUTER_EXPERTS = 256
 
 
 @triton.jit
@@ -455,6 +456,11 @@ def router_parts(hidden: int) -> tuple[int, int] | None:
     return max(s for s in range(1, 17) if tiles % s == 0), 64
 
 
+def norm_router_fits(rows: int, hidden: int, experts: int) -> bool:
+    """Whether norm_router takes a step of `rows` rows of `hidden` and a router of `experts` outputs."""
+    return rows <= NORM_ROUTER_ROWS and experts <= NORM_ROUTER_EXPERTS and router_parts(hidden) is not None
+
+
 def norm_router(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
                 router_w: torch.Tensor, router_b: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -464,10 +470,9 @@ def norm_router(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, e
     add_rmsnorm takes them. For up to NORM_ROUTER_ROWS rows and hidden sizes router_parts cuts."""
     T, H = residual.shape
     E = router_w.shape[0]
-    cut = router_parts(H)
-    if cut is None or T > NORM_ROUTER_ROWS or E > 256:
+    if not norm_router_fits(T, H, E):
         raise ValueError(f"norm_router takes up to {NORM_ROUTER_ROWS} rows, a hidden size of whole 64s and "
-                         f"at most 256 experts; got {T} x {H}, {E} experts")
+                         f"at most {NORM_ROUTER_EXPERTS} experts; got {T} x {H}, {E} experts")
     parts_in = x.shape[1] if x.dim() == 3 else 1
     if x.shape[0] != T or x.shape[-1] != H:
         raise ValueError(f"x {tuple(x.shape)} does not fit the residual {tuple(residual.shape)}")
@@ -477,7 +482,7 @@ def norm_router(x: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, e
     dtype = residual.dtype
     out = torch.empty(T, H, device=x.device, dtype=torch.promote_types(norm_w.dtype, dtype))
     new_res = torch.empty(T, H, device=x.device, dtype=dtype)
-    parts, bk = cut
+    parts, bk = router_parts(H)
     logits = torch.empty(T, parts, E, device=x.device, dtype=torch.float32)
     if router_w.stride(-1) != 1:
         raise ValueError("the router weight needs a unit last stride")
