@@ -12,6 +12,7 @@ from flashdraft.config import EngineConfig
 from flashdraft.engine.block_manager import BlockManager
 from flashdraft.engine.graphs import collect_before_capture, to_device
 from flashdraft.engine.model_runner import ModelRunner, plan_num_blocks, plan_state_slots, state_bytes_per_seq
+from flashdraft.engine.prompts import encode_chat, encode_text
 from flashdraft.engine.sampler import sample
 from flashdraft.engine.scheduler import Scheduler, kept_rows
 from flashdraft.engine.sequence import Output, Sequence
@@ -137,9 +138,7 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return self.tokenizer(prompt, add_special_tokens=True).input_ids
+            return encode_text(self.tokenizer, prompt)
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             raise ValueError("prompt must be a string or a list of token ids")
         return list(prompt)
@@ -154,14 +153,8 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(ids)} tokens; the context window (max_model_len) is "
                              f"{self.max_model_len}, leaving no room to generate")
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise ValueError("a conversation must be a non-empty list of {'role', 'content'} messages")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(f"the tokenizer of {self.model_dir} has no chat template; pass raw prompts")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+    def apply_chat_template(self, messages: list[dict], **template_kwargs) -> list[int]:
+        return encode_chat(self.tokenizer, messages, self.model_dir, template_kwargs=template_kwargs)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     prompt_token_ids: list[int] | None = None) -> Sequence:

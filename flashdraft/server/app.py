@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from flashdraft import __version__
 from flashdraft.config import EngineConfig
 from flashdraft.engine.engine import LLMEngine
 from flashdraft.server.async_engine import AsyncEngine
@@ -33,7 +34,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
-ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+             "/detokenize", "/version"}
 
 
 def default_model_name(model: str | None) -> str:
@@ -125,6 +127,7 @@ def build_app(engine: LLMEngine | AsyncEngine, api_key: str | None = None, serve
     app = FastAPI(title="flashdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, api_key=api_key, metrics=metrics)
     app.state.async_engine = aengine
+    app.state.serving = serving
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -170,6 +173,18 @@ def build_app(engine: LLMEngine | AsyncEngine, api_key: str | None = None, serve
         if model_id != name:
             raise APIError(404, f"The model `{model_id}` does not exist", "model", code="model_not_found")
         return model_card()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        return await serving.tokenize(await read_json(request, max_body_bytes))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        return await serving.detokenize(await read_json(request, max_body_bytes))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

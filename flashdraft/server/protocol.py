@@ -6,10 +6,12 @@ Defaults follow OpenAI, not the offline API: temperature 1.0, and 16 tokens for 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from flashdraft.engine.prompts import TEMPLATE_ARGUMENTS
 from flashdraft.sampling_params import SamplingParams
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # seeds and top_k end up in int64 tensors
@@ -38,7 +40,35 @@ def parse_json(raw: bytes) -> dict:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
+    where = _unpaired_surrogate(data, "")
+    if where is not None:
+        # JSON may escape half a UTF-16 pair ("\ud800"); such a string has no UTF-8 form to tokenize
+        raise bad_request(f"{where or 'the request body'} holds an unpaired UTF-16 surrogate, which is not text",
+                          where.split(".")[0].split("[")[0] or None)
     return data
+
+
+def _unpaired_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (or key) holding a lone surrogate, else None."""
+    stack = [(value, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return p
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                sub = f"{p}.{k}" if p else str(k)
+                try:
+                    k.encode("utf-8")
+                except UnicodeEncodeError:
+                    return p
+                stack.append((item, sub))
+        elif isinstance(v, list):
+            stack.extend((item, f"{p}[{i}]") for i, item in enumerate(v))
+    return None
 
 
 def validation_error(e: ValidationError) -> APIError:
@@ -56,8 +86,24 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = None
 
 
+# Other servers' extensions that change what is generated, refused unless at the value that changes nothing
+# (a field this server does not know at all is accepted and logged, as vLLM does: it cannot change the output)
+NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
+    **{name: lambda v: v in (None, 1, 1.0) for name in ("repetition_penalty", "length_penalty")},
+    **{name: lambda v: v in (None, 0, 0.0) for name in ("min_p", "min_tokens")},
+    **{name: lambda v: v in (None, False) for name in (
+        "use_beam_search", "include_stop_str_in_output", "no_stop_trim", "return_tokens_as_token_ids",
+        "return_hidden_states", "continue_final_message")},
+    **{name: lambda v: v in (None, True) for name in ("spaces_between_special_tokens",)},
+    **{name: lambda v: v is None or v == [] or v == {} for name in (
+        "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors",
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag", "structured_outputs",
+        "json_schema", "regex", "ebnf", "stop_regex", "chat_template", "documents", "lora_path", "lora_request")},
+}
+
+
 class _Request(BaseModel):
-    # strict: no "1" -> 1 or true -> 1 coercions; unknown fields are collected, then refused in check()
+    # strict: no "1" -> 1 or true -> 1 coercions; unknown fields are collected in check()
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     model: str | None = None
@@ -85,12 +131,19 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     speculative: bool | None = None
+    add_special_tokens: bool | None = None
+    return_meta_info: bool | None = None  # SGLang's: a meta_info object with the speculative counts
+
+    def ignored_fields(self) -> list[str]:
+        """Fields this server does not know: accepted, and logged by the caller."""
+        return sorted(set(self.model_extra or {}) - set(NOT_IMPLEMENTED))
 
     def check(self) -> None:
-        """Refuse unknown fields and features we would otherwise silently ignore."""
-        unknown = sorted(self.model_extra or {})
-        if unknown:
-            raise bad_request(f"unknown field(s): {', '.join(unknown)}", unknown[0])
+        """Refuse features we would otherwise silently ignore."""
+        extra = self.model_extra or {}
+        for name in sorted(extra):
+            if name in NOT_IMPLEMENTED and not NOT_IMPLEMENTED[name](extra[name]):
+                raise bad_request(f"{name} is not supported", name)
         if self.n not in (None, 1):
             raise bad_request("n > 1 is not supported; send one request per sample", "n")
         if self.logit_bias:
@@ -100,6 +153,8 @@ class _Request(BaseModel):
                 raise bad_request(f"{name} is not supported (only 0)", name)
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise bad_request("stream_options.continuous_usage_stats is not supported", "stream_options")
 
     def default_max_tokens(self) -> int | None:
         return None
@@ -172,6 +227,9 @@ ROLES = {"system", "user", "assistant", "developer"}
 
 class ChatCompletionRequest(_Request):
     messages: list[Any]
+    chat_template_kwargs: dict[str, Any] | None = None  # variables for the template, e.g. enable_thinking
+    add_generation_prompt: bool | None = None
+    echo: bool | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -184,6 +242,12 @@ class ChatCompletionRequest(_Request):
 
     def check(self) -> None:
         super().check()
+        clash = sorted(TEMPLATE_ARGUMENTS & set(self.chat_template_kwargs or {}))
+        if clash:
+            raise bad_request(f"chat_template_kwargs cannot set the chat template's own argument {clash[0]!r}",
+                              "chat_template_kwargs")
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
         if self.logprobs:
             raise bad_request("logprobs are not supported", "logprobs")
         if self.top_logprobs not in (None, 0):
@@ -203,23 +267,27 @@ class ChatCompletionRequest(_Request):
         return self.max_tokens, "max_tokens"
 
     def conversation(self) -> list[dict]:
-        """`messages` as the chat template wants them: role and plain-text content."""
-        if not self.messages:
-            raise bad_request("messages must be a non-empty list", "messages")
-        out = []
-        for i, m in enumerate(self.messages):
-            where = f"messages[{i}]"
-            if not isinstance(m, dict):
-                raise bad_request(f"{where} must be an object with role and content", where)
-            extra = sorted(set(m) - {"role", "content", "name"})
-            if extra:
-                raise bad_request(f"{where}.{extra[0]} is not supported", f"{where}.{extra[0]}")
-            role = m.get("role")
-            if role not in ROLES:
-                raise bad_request(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", f"{where}.role")
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _text_content(m.get("content"), f"{where}.content")})
-        return out
+        return conversation(self.messages)
+
+
+def conversation(messages: list[Any]) -> list[dict]:
+    """`messages` as the chat template wants them: role and plain-text content."""
+    if not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{where} must be an object with role and content", where)
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise bad_request(f"{where}.{extra[0]} is not supported", f"{where}.{extra[0]}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad_request(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", f"{where}.role")
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _text_content(m.get("content"), f"{where}.content")})
+    return out
 
 
 def _text_content(content: Any, where: str) -> str:
@@ -235,7 +303,32 @@ def _text_content(content: Any, where: str) -> str:
     raise bad_request(f"{where} must be a string or a list of text parts", where)
 
 
-def parse_request(cls: type[_Request], data: dict) -> _Request:
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a prompt, or messages rendered by the chat template."""
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("send either prompt or messages", "prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    tokens: list[int]
+
+    def check(self) -> None:
+        pass
+
+
+def parse_request(cls: type, data: dict):
     try:
         req = cls.model_validate(data)
     except ValidationError as e:
