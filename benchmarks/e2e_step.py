@@ -407,7 +407,8 @@ def main() -> None:
             llm = LLM(str(target), draft=str(draft) if arm.startswith("dflash") else None, device=args.device,
                       load_format="dummy", max_num_seqs=max(conc), kv_cache_memory_gb=args.kv_cache_memory_gb,
                       max_model_len=args.prompt_len + args.new_tokens + 64,
-                      async_scheduling=False if arm.endswith("-sync") else None, **gate)
+                      async_scheduling=False if arm.endswith("-sync") else None,
+                      enable_prefix_caching=False, **gate)  # each timed run prefills its prompts alike
             if args.router_std > 0:
                 spread_routers(llm, args.router_std)
             if args.settle_s > 0:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import os
+import re
 import sys
 import time
+from pathlib import Path
 
 from flashdraft.config import add_engine_args, engine_kwargs
 from flashdraft.sampling_params import SamplingParams
@@ -51,10 +54,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_engine_kwargs(args: argparse.Namespace) -> dict:
+    """engine_kwargs with the model named as `vllm serve MODEL` names it, or by --model (both: the same one)."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice, as {args.model_tag!r} and as --model {args.model!r}: "
+                             "give it once")
+        args.model = args.model_tag
+    return engine_kwargs(args)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from flashdraft.server.app import run_server
 
-    run_server(engine_kwargs(args), host=args.host, port=args.port, api_key=args.api_key or None,
+    run_server(serve_engine_kwargs(args), host=args.host, port=args.port, api_key=args.api_key or None,
                served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                max_prompt_tokens=args.max_prompt_tokens, log_level=args.log_level)
     return 0
@@ -88,42 +101,84 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashdraft", description=__doc__)
+def package_version() -> str:
+    """The installed package's version; in a source tree that is not installed, pyproject.toml's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flashdraft")
+    except PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        found = re.search(r'^version = "([^"]+)"', pyproject.read_text(), re.M) if pyproject.exists() else None
+        return found.group(1) if found else "unknown"
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """--help shows every option's default, as vLLM's does: argparse's value, unless the help already says
+    in words what the default is ("default: the embedded SmolLM2"); flags (off unless given) show none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction,
+                                   argparse._VersionAction))
+        if "default" in text or flag or action.required or not action.option_strings or \
+                action.default is argparse.SUPPRESS:
+            return text
+        shown = "none" if action.default in (None, []) else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and self._get_help_string(action):  # argparse shows no help line at all
+            action = copy.copy(action)
+            action.help = self._get_help_string(action)
+        return super()._format_action(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashdraft", description=__doc__, formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"flashdraft {package_version()}")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
-    g = sub.add_parser("generate", help="generate a completion for one prompt, streamed to the terminal")
-    g.add_argument("prompt")
+    g = sub.add_parser("generate", help="generate a completion for one prompt, streamed to the terminal",
+                       formatter_class=DefaultsHelpFormatter)
+    g.add_argument("prompt", help="the prompt text, sent through the chat template unless --raw")
     add_engine_args(g)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[])
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability mass")
+    g.add_argument("--top-k", type=int, default=-1, help="sample from the k most likely tokens; -1: all")
+    g.add_argument("--seed", type=int, default=None,
+                   help="this request's sampling seed (default: none, one derived from the engine's seed 0)")
+    g.add_argument("--stop", action="append", default=[], help="stop at this text; repeat for several")
+    g.add_argument("--ignore-eos", action="store_true", help="go on past the end-of-sequence token")
     g.set_defaults(func=cmd_generate)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    add_engine_args(s)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+                       formatter_class=DefaultsHelpFormatter)
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="as in `vllm serve MODEL`: the same as --model (default: --model's)")
+    add_engine_args(s, seed=True)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="TCP port")
     s.add_argument("--api-key", default=os.environ.get("FLASHDRAFT_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $FLASHDRAFT_API_KEY)")
-    s.add_argument("--served-model-name", default=None, help="model id clients send (default: from --model)")
+    s.add_argument("--served-model-name", default=None, help="model id clients send (default: MODEL as given)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     s.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the context window")
-    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log level")
     s.set_defaults(func=cmd_serve)
 
     from flashdraft.bench import add_bench_args, cmd_bench
 
-    b = sub.add_parser("bench", help="plain vs DFlash throughput, latency and acceptance over a concurrency sweep")
+    b = sub.add_parser("bench", help="plain vs DFlash throughput, latency and acceptance over a concurrency sweep",
+                       formatter_class=DefaultsHelpFormatter)
     add_bench_args(b)
     b.set_defaults(func=cmd_bench)
 
-    t = sub.add_parser("train-drafter", help="self-distil data from a target and train a DFlash drafter for it")
+    t = sub.add_parser("train-drafter", help="self-distil data from a target and train a DFlash drafter for it",
+                       formatter_class=DefaultsHelpFormatter)
     t.add_argument("--model", default=None, help="target: HF folder or .gguf (default: embedded SmolLM2-135M)")
     t.add_argument("--out", required=True, help="output folder (z-lab checkpoint, data, logs, trainer state)")
     t.add_argument("--data", default=None, help="existing jsonl of {prompt_ids, response_ids}; skips generation")
@@ -131,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated prompt sources: jsonl files of {prompt} or {messages}, 'sharegpt' (the "
                         "training split) and 'python' (problems from the standard library's documented "
                         "functions); default: sharegpt")
-    t.add_argument("--num-prompts", type=int, default=None)
+    t.add_argument("--num-prompts", type=int, default=None, help="the first N prompts (default: all)")
     t.add_argument("--prompt-turns", choices=["first", "all"], default="first",
                    help="ShareGPT prompts: first human turns only, or every human turn with its history")
     t.add_argument("--samples-per-prompt", type=int, default=1,
@@ -142,13 +197,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="sample only the first 0..N tokens of each response at --gen-temperature, then continue "
                         "greedily; the prefix joins the prompt, so training sees greedy text only (what a T=0 "
                         "verify meets), many distinct continuations per prompt")
-    t.add_argument("--max-new-tokens", type=int, default=256)
-    t.add_argument("--max-prompt-tokens", type=int, default=512)
+    t.add_argument("--max-new-tokens", type=int, default=256, help="tokens per generated response at most")
+    t.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are skipped")
     t.add_argument("--trim-loops", type=int, default=None, metavar="K",
                    help="train on each response only up to K tokens into the loop it ends in (the run of tokens "
                         "at its end that each repeat an earlier 9-gram of the response); small targets' greedy "
                         "answers often circle to the length limit, and the loops would take most of the anchors")
-    t.add_argument("--num-layers", type=int, default=3)
+    t.add_argument("--num-layers", type=int, default=3, help="drafter layers")
     t.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash",
                    help="dflash2: grouped dynamic causal convolutions around each sublayer and a candidate selector "
                         "(with --init-drafter a DFlash drafter grows into one, starting from its drafts)")
@@ -169,23 +224,24 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated 0-based target layers to tap (default: spread over the target); with "
                         "--init-drafter a list that keeps the saved drafter's taps and adds more (fc widens, the "
                         "added taps start at zero)")
-    t.add_argument("--mask-token-id", type=int, default=None)
+    t.add_argument("--mask-token-id", type=int, default=None,
+                   help="an id that never occurs in text (default: the tokenizer's mask token)")
     t.add_argument("--epochs", type=int, default=6)
-    t.add_argument("--max-steps", type=int, default=None)
-    t.add_argument("--batch-size", type=int, default=8)
-    t.add_argument("--num-anchors", type=int, default=512)
-    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--max-steps", type=int, default=None, help="stop after N steps (default: none, all epochs)")
+    t.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    t.add_argument("--num-anchors", type=int, default=512, help="draft blocks (anchors) trained per sequence, at most")
+    t.add_argument("--lr", type=float, default=6e-4, help="AdamW learning rate")
     t.add_argument("--seed", type=int, default=0,
                    help="response sampling, batch order and anchors; a run continuing another (--init-drafter) "
                         "on the same data with the same seed sees the same batches first")
-    t.add_argument("--device", default=None)
+    t.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    t.add_argument("--save-every", type=int, default=200)
+    t.add_argument("--save-every", type=int, default=200, help="steps between saved checkpoints")
     t.add_argument("--keep-every", type=int, default=None, metavar="N",
                    help="also keep the drafter of every N-th step in OUT/steps/<step> (a loadable checkpoint each: "
                         "the learning curve, or an earlier drafter if a later one does worse)")
-    t.add_argument("--gen-batch", type=int, default=256)
-    t.add_argument("--resume", action="store_true")
+    t.add_argument("--gen-batch", type=int, default=256, help="responses generated at once (the engine's max_num_seqs)")
+    t.add_argument("--resume", action="store_true", help="go on from the trainer state in --out")
     t.add_argument("--no-precondition-taps", action="store_true",
                    help="feed raw taps to fc while training (default: per-dimension 1/RMS, folded into fc on save)")
     t.add_argument("--init-drafter", default=None, metavar="DIR",
@@ -201,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--local-context", type=int, default=None,
                    help="curriculum: for the first --local-context-frac of the steps, blocks see only the last "
                         "N context positions")
-    t.add_argument("--local-context-frac", type=float, default=0.1)
+    t.add_argument("--local-context-frac", type=float, default=0.1, help="the share of steps --local-context holds")
     t.add_argument("--anchor-walk", type=float, default=None, metavar="W",
                    help="weight 1 for the blocks a greedy verify would meet in each sequence with the current "
                         "drafts (from the first answer token, each block anchored where the last one's accepted "
@@ -213,8 +269,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="save the trainer state and stop once the command has run this many seconds "
                         "(setup and data generation count); --resume goes on")
     t.set_defaults(func=cmd_train_drafter)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, TypeError) as e:

@@ -220,3 +220,13 @@ def test_zlab_benchmark_client(spec_server, monkeypatch, capsys):
     assert abs(reported - sum(taus) / len(taus)) < 5e-4, (printed, timed)
     assert int(re.search(r"Spec verify ct:\s+([0-9]+)", printed).group(1)) == sum(v for v, _ in timed)
     assert reported > 1.0
+
+
+def test_served_model_name_defaults(tmp_path):
+    from flashdraft.server.app import default_model_name
+
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    assert default_model_name(str(folder)) == "my-model"
+    assert default_model_name("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"  # a hub id, as vLLM names it
+    assert default_model_name(None) == MODEL

@@ -86,6 +86,7 @@ class EngineBackend:
     def run(self, speculative: bool, concurrency: int, on_done: Callable[[], None] | None = None) -> ArmRun:
         eng = self.engine
         self._check_idle()
+        eng.reset_prefix_cache()  # each arm prefills its prompts (the warm-up cached them)
         before = eng.spec_totals()
         pending = deque(range(len(self.prompt_ids)))
         inflight: dict[int, tuple[int, Sequence]] = {}

@@ -16,6 +16,7 @@ from flashdraft.engine.prompts import encode_chat, encode_text
 from flashdraft.engine.sampler import sample
 from flashdraft.engine.scheduler import Scheduler, kept_rows
 from flashdraft.engine.sequence import Output, Sequence
+from flashdraft.engine.startup import check_drafter, log_ready
 from flashdraft.models.loader import load_model
 from flashdraft.sampling_params import SamplingParams
 
@@ -94,7 +95,10 @@ class LLMEngine:
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
-        loaded = load_model(config.model, self.device, self.dtype, config.load_format)
+        draft = shipped_drafter(config.model) if config.draft == "auto" else config.draft
+        if draft is not None:  # before the target's weights: a bad drafter fails in seconds, not after them
+            check_drafter(draft, config)
+        loaded = load_model(config.model, self.device, self.dtype, config.load_format, config.revision)
         self.model_dir = loaded.folder
         self.model_config = loaded.model.config  # the language model's (a composite config's text_config)
         self.tokenizer = loaded.tokenizer
@@ -113,14 +117,17 @@ class LLMEngine:
             log.info("recurrent state: %d slots (max_num_seqs) x %.1f MiB = %.2f GiB beside %d KV pages of %d tokens",
                      config.max_num_seqs, state / 2**20, config.max_num_seqs * state / 2**30, num_blocks,
                      config.kv_block_size)
-        self.block_manager = BlockManager(num_blocks, config.kv_block_size, config.max_num_seqs if state else 0)
+        caching = config.enable_prefix_caching is not False
+        if state and config.enable_prefix_caching:
+            log.warning("enable_prefix_caching: off for this hybrid target (its recurrent state is not in pages)")
+        self.block_manager = BlockManager(num_blocks, config.kv_block_size, config.max_num_seqs if state else 0,
+                                          prefix_caching=caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(loaded.model, config, self.device, self.dtype, num_blocks, self.max_model_len)
         collect_before_capture(self.device)
         self.runner.capture_graphs(("target", ()), 1, True, self.runner.attn, self.runner.target_step(()),
                                    config.max_num_seqs)
         self.spec = None
-        draft = shipped_drafter(config.model) if config.draft == "auto" else config.draft
         if draft is not None:
             from flashdraft.speculative.loader import load_speculator
 
@@ -134,6 +141,7 @@ class LLMEngine:
             else self.device.type == "cuda"
         self._inflight: InFlight | None = None
         self.stats = {"num_steps": 0, "num_preemptions": 0, "num_generated_tokens": 0, "num_overlapped_steps": 0}
+        log_ready(self, draft)
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -180,6 +188,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache (vLLM's name): later requests prefill their prompts whole."""
+        self.block_manager.reset_prefix_cache()
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Sequence]:

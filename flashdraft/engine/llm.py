@@ -11,6 +11,29 @@ from flashdraft.engine.engine import LLMEngine
 from flashdraft.engine.sequence import Output
 from flashdraft.sampling_params import SamplingParams
 
+# vLLM's prompt forms: text, token ids, or a TextPrompt / TokensPrompt dict of either
+Prompt = str | list[int] | dict[str, Any]
+PROMPT_KEYS = ("prompt", "prompt_token_ids")
+
+
+def _plain(prompt: Prompt) -> str | list[int]:
+    """A prompt dict as the text or token ids it holds; other forms as they are (tokenize checks them)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    other = sorted(k for k in prompt if k not in PROMPT_KEYS)
+    if other:
+        raise ValueError(f"prompt key {other[0]!r} is not supported by flashdraft; a prompt dict holds 'prompt' "
+                         "(text) or 'prompt_token_ids' (token ids)")
+    if len(prompt) != 1:
+        raise ValueError(f"a prompt dict holds one of 'prompt' (text) and 'prompt_token_ids' (token ids), "
+                         f"got {'both' if prompt else 'neither'}")
+    if "prompt" in prompt and not isinstance(prompt["prompt"], str):
+        raise ValueError(f"'prompt' must be a string, got {type(prompt['prompt']).__name__}")
+    ids = prompt.get("prompt_token_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise ValueError("'prompt_token_ids' must be a list of token ids")
+    return prompt["prompt"] if "prompt" in prompt else ids
+
 
 class LLM:
     """model: HF folder, .gguf file, or None for the embedded SmolLM2 default.
@@ -22,20 +45,33 @@ class LLM:
                                                          dtype=dtype, **config))
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[Output]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """prompts: one or a list of vLLM's forms: a string, a list of token ids, {"prompt": str} or
+        {"prompt_token_ids": [int, ...]}."""
+        single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                       and isinstance(prompts[0], int))
+        if single:
             prompts = [prompts]
-        ids = [self.engine.tokenize(p) for p in prompts]
-        return self._run(list(prompts), ids, params, use_tqdm)
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a string, a list of token ids, a prompt dict or a list of these, "
+                            f"got {type(prompts).__name__}")
+        plain = [_plain(p) for p in prompts]  # a dict iterated would be its keys
+        ids = [self.engine.tokenize(p) for p in plain]
+        return self._run(plain, ids, params, use_tqdm)
 
     def chat(self, conversations: list[dict] | list[list[dict]],
-             params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False) -> list[Output]:
+             params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[Output]:
+        """chat_template_kwargs: variables for the chat template (vLLM's name), e.g. enable_thinking."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        ids = [self.engine.apply_chat_template(c) for c in conversations]
+        ids = [self.engine.apply_chat_template(c, **(chat_template_kwargs or {})) for c in conversations]
         return self._run([None] * len(ids), ids, params, use_tqdm)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache: later requests prefill their prompts whole."""
+        self.engine.reset_prefix_cache()
 
     def _run(self, prompts: list, ids: list[list[int]], params, use_tqdm: bool) -> list[Output]:
         params = params if params is not None else SamplingParams()

@@ -57,15 +57,35 @@ def state_bytes_per_seq(model: DecoderLM, dtype: torch.dtype) -> int:
     return fn(dtype) if fn is not None else 0
 
 
+# of the GPU memory left after the target's weights, the share the KV pages take: the rest is kept for
+# activations, CUDA graphs and the drafter, which are sized after the cache (an estimate, not a profile run)
+KV_SHARE = 0.85
+
+
 def memory_budget(config: EngineConfig, device: torch.device) -> float:
-    """Bytes for the KV pages and recurrent states: kv_cache_memory_gb, else 85% of the free GPU
-    memory, else 2 GiB on a CPU."""
+    """Bytes for the KV pages and recurrent states: kv_cache_memory_gb, else on a GPU KV_SHARE of the
+    memory that gpu_memory_utilization leaves after the weights (utilization_budget), or of the free
+    memory, else 2 GiB on a CPU (where gpu_memory_utilization means nothing)."""
     if config.kv_cache_memory_gb is not None:
         return config.kv_cache_memory_gb * (1 << 30)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return 0.85 * free
+        free, total = torch.cuda.mem_get_info(device)
+        if config.gpu_memory_utilization is not None:
+            return utilization_budget(config.gpu_memory_utilization, total, free, torch.cuda.memory_reserved(device))
+        return KV_SHARE * free
     return 2 * (1 << 30)
+
+
+def utilization_budget(fraction: float, total: int, free: int, held: int) -> float:
+    """KV bytes under vLLM's gpu_memory_utilization: of fraction x the device's total memory, what this
+    process does not hold yet (`held`: the target's weights), never more than is free (other processes),
+    then KV_SHARE of that as without the setting. fraction=1 on an idle device is the default budget."""
+    room = min(fraction * total - held, free)
+    if room <= 0:
+        raise ValueError(f"gpu_memory_utilization {fraction} allows {fraction * total / 2**30:.2f} GiB, but the "
+                         f"engine holds {held / 2**30:.2f} GiB already and {free / 2**30:.2f} GiB is free: raise it "
+                         "or free the device")
+    return KV_SHARE * room
 
 
 def plan_state_slots(config: EngineConfig, model: DecoderLM, device: torch.device, dtype: torch.dtype) -> int:

@@ -43,6 +43,8 @@ class Scheduler:
         """`lookahead(seq)`: extra (draft) slots a decoding sequence verifies this step."""
         out = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        for seq in self.running:  # blocks completed by the last step join the prefix cache
+            self.bm.register(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -78,10 +80,18 @@ class Scheduler:
         budget and the free pages allow (whole: all of it and `reserve` slots more, or stop)."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            matched = not self.bm.table(seq.seq_id) and seq.num_computed_tokens == 0
+            if matched:  # the prompt's cached prefix (prefix caching), prefilled no more
+                seq.num_computed_tokens = self.bm.match(seq.seq_id, seq.token_ids)
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = seq.num_computed_tokens
             room = (self.bm.num_free_blocks + len(self.bm.table(seq.seq_id))) * self.bm.block_size
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget, room - seq.num_computed_tokens - (reserve if whole else 0))
             if n <= 0 or (whole and n < remaining):
+                if matched:  # it waits holding nothing: its cached pages stay evictable meanwhile
+                    self.bm.free(seq.seq_id)
+                    seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             self.bm.allocate(seq.seq_id, seq.num_computed_tokens + n)
@@ -93,6 +103,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.bm.register(seq.seq_id, seq.token_ids, seq.num_computed_tokens)  # its prefill finds them again
         self.bm.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -105,6 +116,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.bm.register(seq.seq_id, seq.token_ids, seq.num_computed_tokens)  # a next turn starts with them
         self.bm.free(seq.seq_id)
 
 

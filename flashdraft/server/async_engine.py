@@ -272,4 +272,5 @@ class AsyncEngine:
         return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
                 "kv_used_blocks": e.block_manager.num_used_blocks, "kv_total_blocks": e.block_manager.num_blocks,
                 "stats": dict(e.stats), "spec": spec, "finished": dict(self._finished),
-                "prompt_tokens": self._prompt_tokens}
+                "prompt_tokens": self._prompt_tokens, "prefix_cache_queries": e.block_manager.num_queried_tokens,
+                "prefix_cache_hits": e.block_manager.num_hit_tokens}

@@ -40,6 +40,9 @@ class EngineCollector(Collector):
                         s["stats"].get("num_preemptions", 0))
         yield self._one(c, "generation_tokens", "Generated tokens.", s["stats"].get("num_generated_tokens", 0))
         yield self._one(c, "prompt_tokens", "Prompt tokens of finished requests.", s["prompt_tokens"])
+        yield self._one(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                        s["prefix_cache_queries"])
+        yield self._one(c, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", s["prefix_cache_hits"])
         done = CounterMetricFamily(P + "request_success", "Finished requests by finish reason.",
                                    labels=["model_name", "finished_reason"])
         for reason in sorted({"stop", "length", "abort"} | set(s["finished"])):

@@ -56,7 +56,8 @@ class AbortingStreamingResponse(StreamingResponse):
 
 def usage(out: Output) -> dict:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": out.metrics.get("num_cached_tokens", 0)}}
 
 
 def meta_info(out: Output) -> dict:
@@ -65,7 +66,7 @@ def meta_info(out: Output) -> dict:
     m = out.metrics
     info = {"id": out.request_id, "finish_reason": {"type": out.finish_reason},
             "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
-            "cached_tokens": 0, "e2e_latency": m.get("e2e_s")}
+            "cached_tokens": m.get("num_cached_tokens", 0), "e2e_latency": m.get("e2e_s")}
     if m.get("num_drafts"):
         info |= {"spec_verify_ct": m["num_drafts"], "spec_accept_length": m["acceptance_length"],
                  "spec_accept_token_num": m["num_accepted_tokens"], "spec_draft_token_num": m["num_draft_tokens"],

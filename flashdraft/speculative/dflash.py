@@ -187,9 +187,10 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         left in flight the same way, its successor's inputs derived on the device (overlap.py)."""
         advanced = self._overlapped_step()
         if self._context and not self.engine.has_unfinished():
-            # no request left: no waiting context row will be read (a new request's drafts read only
-            # positions its own steps write, after these)
-            self._context, self._context_bytes = [], 0
+            if self.engine.block_manager.prefix_caching:  # cached pages: a later request's drafts read them
+                self._flush_context()
+            else:  # no waiting row will be read: a new request's drafts read only positions its steps write
+                self._context, self._context_bytes = [], 0
         return advanced
 
     def _overlapped_step(self) -> list[Sequence]:

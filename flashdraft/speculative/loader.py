@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flashdraft.hub import local_path
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.loader import dummy_weights, load_weights
 from flashdraft.speculative.dflash import DFlashSpeculator
@@ -19,11 +20,10 @@ if TYPE_CHECKING:
 
 
 def load_drafter(folder: str | Path, target_config, device: torch.device, dtype: torch.dtype,
-                 load_format: str = "auto") -> DFlashDraftModel:
-    """Load and validate a drafter against its target; errors name the mismatch."""
-    folder = Path(folder).expanduser()
-    if not folder.exists():
-        raise FileNotFoundError(f"drafter path {str(folder)!r} does not exist")
+                 load_format: str = "auto", revision: str | None = None) -> DFlashDraftModel:
+    """Load and validate a drafter (a folder or a hub id at `revision`) against its target; errors name the
+    mismatch."""
+    folder = local_path(folder, revision, "drafter", weights=load_format != "dummy")
     if not folder.is_dir():
         raise ValueError(f"drafter path {str(folder)!r} must be a folder with config.json and safetensors")
     n_target = target_config.num_hidden_layers
@@ -73,5 +73,6 @@ def load_drafter(folder: str | Path, target_config, device: torch.device, dtype:
 
 
 def load_speculator(draft: str | Path, engine: LLMEngine) -> DFlashSpeculator:
-    model = load_drafter(draft, engine.model_config, engine.device, engine.dtype, engine.config.load_format)
+    model = load_drafter(draft, engine.model_config, engine.device, engine.dtype, engine.config.load_format,
+                         engine.config.draft_revision)
     return DFlashSpeculator(model, engine)

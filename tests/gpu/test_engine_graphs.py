@@ -269,8 +269,9 @@ def test_eager_steps_padded_to_few_row_counts_give_the_same_tokens(tiny_llama, t
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     got = {}
     for pad in (PAD_ROWS, 0):
+        # without prefix caching: these prompts are prefixes of each other, and hits would shrink the steps
         llm = LLM(str(tiny_llama), draft=draft, device=DEVICE, dtype="float32", attention_backend="triton",
-                  kv_block_size=8, max_num_batched_tokens=96, cuda_graphs=False)
+                  kv_block_size=8, max_num_batched_tokens=96, cuda_graphs=False, enable_prefix_caching=False)
         assert llm.engine.runner.pad_rows == PAD_ROWS
         llm.engine.runner.pad_rows = pad
         llm.engine.spec.poison_rejected = True
