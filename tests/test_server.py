@@ -299,6 +299,9 @@ def test_api_key(engine, server):
         good = openai.OpenAI(base_url=keyed.url + "/v1", api_key="sesame", max_retries=0)
         r = good.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert r.usage.completion_tokens == 2
+        assert httpx.post(keyed.url + "/flush_cache").status_code == 401  # it changes the server's state
+        ok = httpx.post(keyed.url + "/reset_prefix_cache", headers={"Authorization": "Bearer sesame"}, timeout=30)
+        assert ok.status_code == 200
     finally:
         keyed.close()
     # the unkeyed server still works after the keyed one shut down

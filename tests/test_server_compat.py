@@ -230,3 +230,24 @@ def test_served_model_name_defaults(tmp_path):
     assert default_model_name(str(folder)) == "my-model"
     assert default_model_name("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"  # a hub id, as vLLM names it
     assert default_model_name(None) == MODEL
+
+
+def test_second_turn_through_the_server_hits_the_cache(spec_server):
+    """A multi-turn conversation's second turn, through the server: cached tokens reported (usage, meta_info,
+    Prometheus), and the same tokens and tau as the same turn after /reset_prefix_cache (float32)."""
+    turn1 = {"messages": CHAT, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    answer = post(spec_server, CHATS, turn1).json()["choices"][0]["message"]["content"]
+    turn2 = {**turn1, "messages": CHAT + [{"role": "assistant", "content": answer},
+                                          {"role": "user", "content": "Now name another one."}],
+             "return_meta_info": True}
+    hot = post(spec_server, CHATS, turn2).json()
+    assert post(spec_server, "/reset_prefix_cache", {}).status_code == 200
+    hits = sum(float(line.split()[-1]) for line in httpx.get(spec_server.url + "/metrics").text.splitlines()
+               if line.startswith("flashdraft:prefix_cache_hits_total"))
+    cold = post(spec_server, CHATS, turn2).json()
+    cached = hot["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == hot["meta_info"]["cached_tokens"] >= 16 and hits >= cached
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert hot["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+    assert hot["meta_info"]["spec_accept_length"] == cold["meta_info"]["spec_accept_length"]
+    assert httpx.post(spec_server.url + "/flush_cache", timeout=30).status_code == 200

@@ -34,8 +34,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+KEYED = {"/reset_prefix_cache", "/flush_cache"}  # beside /v1: routes that change the server's state
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-             "/detokenize", "/version"}
+             "/detokenize", "/version", "/reset_prefix_cache", "/flush_cache"}
 
 
 def default_model_name(model: str | None) -> str:
@@ -83,7 +84,7 @@ class Guard:
                 self.metrics.http_requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
-        if self.api_key is not None and path.startswith("/v1") and not self.authorized(scope):
+        if self.api_key is not None and (path.startswith("/v1") or path in KEYED) and not self.authorized(scope):
             err = APIError(401, "invalid or missing API key; send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
             await error_response(err)(scope, receive, counting_send)
@@ -180,6 +181,12 @@ def build_app(engine: LLMEngine | AsyncEngine, api_key: str | None = None, serve
     @app.get("/version")
     async def version() -> dict:
         return {"version": __version__}
+
+    @app.post("/reset_prefix_cache")  # vLLM's
+    @app.post("/flush_cache")  # SGLang's (z-lab's benchmark client calls it between runs)
+    async def reset_prefix_cache() -> Response:
+        await aengine.reset_prefix_cache()
+        return Response(status_code=200)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:

@@ -172,6 +172,14 @@ class AsyncEngine:
         """Finish every request (they end with finish_reason "abort"); used when shutting down."""
         self._inbox.put(("abort_all",))
 
+    async def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache, on the engine thread between two steps (pages held by running
+        requests stay theirs)."""
+        self.start()
+        fut = asyncio.get_running_loop().create_future()
+        self._inbox.put(("reset_prefix_cache", fut))
+        await fut
+
     # ---- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         log.debug("engine thread started")
@@ -218,6 +226,9 @@ class AsyncEngine:
             seq = cmd[1].seq
             if seq is not None and not seq.is_finished:
                 self.engine.abort(seq)
+        elif cmd[0] == "reset_prefix_cache":
+            self.engine.reset_prefix_cache()
+            _call_in_loop(cmd[1].get_loop(), _resolve, cmd[1], None)
         elif cmd[0] == "abort_all":
             for stream in self._streams.values():
                 self.engine.abort(stream.seq)
