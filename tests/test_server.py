@@ -193,13 +193,13 @@ BAD = [
     (COMPLETIONS, {"prompt": "hi", "seed": 2**70}, "seed"),
     (COMPLETIONS, {"prompt": "hi", "stop": [""]}, "stop"),
     (COMPLETIONS, {"prompt": ""}, "prompt"),
-    (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
     (COMPLETIONS, {"prompt": [10**9]}, "prompt"),
     (COMPLETIONS, {}, "prompt"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": 1}, "logprobs"),
     (COMPLETIONS, {"prompt": "hi", "echo": True}, "echo"),
-    (COMPLETIONS, {"prompt": "hi", "n": 2}, "n"),
     (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of"),
+    (COMPLETIONS, {"prompt": "hi", "n": 0}, "n"),
+    (COMPLETIONS, {"prompt": ["a", ""]}, "prompt"),
     (COMPLETIONS, {"prompt": "hi", "suffix": "x"}, "suffix"),
     (COMPLETIONS, {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
     (COMPLETIONS, {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias"),
@@ -244,7 +244,7 @@ def test_openai_client_errors(client):
         client.chat.completions.create(model=MODEL, messages=CHAT, temperature=-0.5)
     assert e.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="hi", n=2)
+        client.completions.create(model=MODEL, prompt="hi", n=1000)
     assert e.value.param == "n"
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="hi")
@@ -277,13 +277,15 @@ def test_metrics_paused_steps_read_the_spec_totals():
     from flashdraft.server.metrics import EngineCollector
 
     snap = {"running": 0, "waiting": 0, "kv_used_blocks": 0, "kv_total_blocks": 1, "stats": {},
-            "prompt_tokens": 0, "finished": {}, "spec": {"paused_steps": 7, "num_drafts": 3, "gated_steps": 5}}
+            "prompt_tokens": 0, "finished": {}, "spec": {"paused_steps": 7, "num_drafts": 3, "gated_steps": 5},
+            "prefix_cache_queries": 40, "prefix_cache_hits": 16}
     reg = CollectorRegistry()
     reg.register(EngineCollector(SimpleNamespace(snapshot=snap), "m"))
     text = generate_latest(reg).decode()
     assert 'flashdraft:spec_decode_num_paused_steps_total{model_name="m"} 7.0' in text
     assert 'flashdraft:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
     assert 'flashdraft:spec_decode_num_gated_steps_total{model_name="m"} 5.0' in text
+    assert 'flashdraft:prefix_cache_hits_total{model_name="m"} 16.0' in text
 
 
 def test_api_key(engine, server):

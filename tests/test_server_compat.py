@@ -251,3 +251,29 @@ def test_second_turn_through_the_server_hits_the_cache(spec_server):
     assert hot["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
     assert hot["meta_info"]["spec_accept_length"] == cold["meta_info"]["spec_accept_length"]
     assert httpx.post(spec_server.url + "/flush_cache", timeout=30).status_code == 200
+
+
+def test_n_and_prompt_lists(server, engine, reference):
+    """n samples and lists of prompts through the official client: prompt-major choices; greedy choices equal
+    the offline greedy output; seeded samples are reproducible and differ from each other; usage counts each
+    prompt once; streamed choices carry their index and the same texts."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    other = "Water boils at"
+    r = client.completions.create(model=MODEL, prompt=[PROMPT, other], n=2, max_tokens=8, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text == reference["completion"]
+    assert r.choices[2].text == r.choices[3].text != r.choices[0].text
+    prompt_tokens = len(engine.tokenize(PROMPT)) + len(engine.tokenize(other))
+    assert r.usage.prompt_tokens == prompt_tokens and r.usage.completion_tokens == 4 * 8
+    kw = dict(model=MODEL, messages=CHAT, n=3, max_tokens=12, temperature=1.0, seed=11)
+    a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    texts = [c.message.content for c in a.choices]
+    assert texts == [c.message.content for c in b.choices] and len(set(texts)) > 1
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == k)
+                for k in range(3)]
+    assert streamed == texts
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 3
+    assert chunks[-1].usage.completion_tokens == a.usage.completion_tokens

@@ -102,6 +102,9 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
 }
 
 
+MAX_CHOICES = 128  # choices a request may ask for: prompts x n
+
+
 class _Request(BaseModel):
     # strict: no "1" -> 1 or true -> 1 coercions; unknown fields are collected in check()
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
@@ -144,8 +147,8 @@ class _Request(BaseModel):
         for name in sorted(extra):
             if name in NOT_IMPLEMENTED and not NOT_IMPLEMENTED[name](extra[name]):
                 raise bad_request(f"{name} is not supported", name)
-        if self.n not in (None, 1):
-            raise bad_request("n > 1 is not supported; send one request per sample", "n")
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -198,8 +201,8 @@ class CompletionRequest(_Request):
 
     def check(self) -> None:
         super().check()
-        if self.best_of not in (None, 1):
-            raise bad_request("best_of > 1 is not supported", "best_of")
+        if self.best_of not in (None, 1, self.n):  # the best of more than n needs each sample's logprob
+            raise bad_request("best_of other than n is not supported", "best_of")
         if self.echo:
             raise bad_request("echo is not supported", "echo")
         if self.suffix:
@@ -210,16 +213,16 @@ class CompletionRequest(_Request):
     def default_max_tokens(self) -> int | None:
         return 16  # OpenAI's default for the legacy completions endpoint
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt, or each of a list of prompts (texts or token-id lists)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise bad_request("a list of several prompts is not supported; send one request per prompt",
-                                  "prompt")
-            p = p[0]
-        if not p:
-            raise bad_request("prompt is empty", "prompt")
-        return p
+        items = list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        for j, item in enumerate(items):
+            if not item:
+                raise bad_request("prompt is empty" if len(items) == 1 else f"prompt[{j}] is empty", "prompt")
+        if len(items) * (self.n or 1) > MAX_CHOICES:
+            raise bad_request(f"{len(items)} prompts x n = {self.n or 1} choices; at most {MAX_CHOICES}", "prompt")
+        return items
 
 
 ROLES = {"system", "user", "assistant", "developer"}

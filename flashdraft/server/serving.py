@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import json
 import logging
 import time
@@ -54,10 +55,12 @@ class AbortingStreamingResponse(StreamingResponse):
             self.on_close()
 
 
-def usage(out: Output) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def usage(outs: list[Output], n: int = 1) -> dict:
+    """OpenAI's usage of a request's choices (n per prompt): each prompt's tokens counted once."""
+    firsts = outs[::n]
+    prompt, completion = sum(len(o.prompt_token_ids) for o in firsts), sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": out.metrics.get("num_cached_tokens", 0)}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.metrics.get("num_cached_tokens", 0) for o in firsts)}}
 
 
 def meta_info(out: Output) -> dict:
@@ -75,40 +78,60 @@ def meta_info(out: Output) -> dict:
 
 
 class ResponseFormat:
-    """OpenAI's response and chunk shapes for one request."""
+    """OpenAI's response and chunk shapes for one request of `choices` choices, n per prompt. One choice
+    carries its `metrics` (and SGLang's `meta_info`) beside `usage`, several each in their choice."""
 
-    def __init__(self, request_id: str, model: str, chat: bool, with_meta_info: bool = False):
+    def __init__(self, request_id: str, model: str, chat: bool, with_meta_info: bool = False, choices: int = 1,
+                 n: int = 1):
         self.id, self.model, self.chat, self.with_meta_info = request_id, model, chat, with_meta_info
+        self.choices, self.n = choices, n
         self.created = int(time.time())
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, out: Output) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                      "finish_reason": out.finish_reason}
-        else:
-            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
-        body = {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(out), "metrics": out.metrics}
-        return body | {"meta_info": meta_info(out)} if self.with_meta_info else body
+    def _extras(self, out: Output) -> dict:
+        return {"metrics": out.metrics} | ({"meta_info": meta_info(out)} if self.with_meta_info else {})
 
-    def last_chunk(self, text: str, out: Output) -> dict:
-        body = {**self.chunk(text, out.finish_reason), "metrics": out.metrics}
-        return body | {"meta_info": meta_info(out)} if self.with_meta_info else body
+    def full(self, outs: list[Output]) -> dict:
+        choices = []
+        for k, out in enumerate(outs):
+            if self.chat:
+                choice = {"index": k, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
+                          "finish_reason": out.finish_reason}
+            else:
+                choice = {"index": k, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+            choices.append(choice | (self._extras(out) if self.choices > 1 else {}))
+        body = {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": usage(outs, self.n)}
+        return body | (self._extras(outs[0]) if self.choices == 1 else {})
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict:
+    def last_chunk(self, k: int, text: str, out: Output) -> dict:
+        body = self.chunk(k, text, out.finish_reason)
+        if self.choices > 1:
+            body["choices"][0] |= self._extras(out)
+            return body
+        return body | self._extras(out)
+
+    def chunk(self, k: int, text: str, finish_reason: str | None = None, first: bool = False) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": k, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": k, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
 
-    def usage_chunk(self, out: Output) -> dict:
+    def usage_chunk(self, outs: list[Output]) -> dict:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": usage(out)}
+                "usage": usage(outs, self.n)}
+
+
+def choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """The i-th of n samples of a prompt: a seeded request's seed mixed with i (each sample its own
+    stream, the same on every run); without a seed the engine draws one per request."""
+    if params.seed is None or i == 0:
+        return params
+    return dataclasses.replace(params, seed=(params.seed * 0x9E3779B97F4A7C15 + i) % (1 << 63))
 
 
 def sse(data: dict) -> str:
@@ -173,10 +196,10 @@ class Serving:
 
     async def completions(self, request: Request, data: dict) -> Response:
         req, params = self._parsed(CompletionRequest, data)
-        prompt = req.single_prompt()
         special = True if req.add_special_tokens is None else req.add_special_tokens
-        encode = (lambda tok: encode_text(tok, prompt, special)) if isinstance(prompt, str) else (lambda tok: prompt)
-        return await self._generate(request, req, params, encode, chat=False)
+        encodes = [(lambda tok, p=p: encode_text(tok, p, special)) if isinstance(p, str) else (lambda tok, p=p: p)
+                   for p in req.prompts()]
+        return await self._generate(request, req, params, encodes, chat=False)
 
     async def chat(self, request: Request, data: dict) -> Response:
         req, params = self._parsed(ChatCompletionRequest, data)
@@ -185,7 +208,7 @@ class Serving:
         encode = lambda tok: encode_chat(tok, conversation, self.model_dir, add_generation_prompt=gen_prompt,
                                          add_special_tokens=bool(req.add_special_tokens),
                                          template_kwargs=req.chat_template_kwargs)
-        return await self._generate(request, req, params, encode, chat=True)
+        return await self._generate(request, req, params, [encode], chat=True)
 
     async def tokenize(self, data: dict) -> dict:
         """vLLM's /tokenize: the ids a prompt (or a conversation, through the chat template) becomes."""
@@ -216,33 +239,50 @@ class Serving:
         return {"prompt": await self.tokenized(lambda tok: tok.decode(req.tokens))}
 
     async def _generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest,
-                        params: SamplingParams, encode: Callable[[Any], list[int]], chat: bool) -> Response:
+                        params: SamplingParams, encodes: list[Callable[[Any], list[int]]], chat: bool) -> Response:
+        """Each prompt's n samples as requests of their own (their prompt's cached pages shared), one choice
+        each, prompt-major; every prompt is tokenized and checked before any request starts."""
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         max_tokens, max_name = req.requested_max_tokens()
+        n = req.n or 1
+        streams: list[RequestStream] = []
         try:
-            ids = await self.tokenized(lambda tok: self.check_ids(encode(tok), max_tokens, max_name))
-            stream = await self.aengine.add(lambda engine: ids, params, request_id, bool(req.stream))
+            prompts = [await self.tokenized(lambda tok, e=e: self.check_ids(e(tok), max_tokens, max_name))
+                       for e in encodes]
+            for p, ids in enumerate(prompts):
+                for i in range(n):
+                    sub_id = request_id if len(prompts) * n == 1 else f"{request_id}-{p * n + i}"
+                    streams.append(await self.aengine.add(lambda engine, ids=ids: ids, choice_params(params, i),
+                                                          sub_id, bool(req.stream)))
         except (ValueError, jinja2.TemplateError) as e:
+            for st in streams:
+                self.aengine.abort(st)
             raise bad_request(str(e), "messages" if chat else "prompt") from None
-        fmt = ResponseFormat(request_id, self.model_name, chat, bool(req.return_meta_info))
+        except BaseException:
+            for st in streams:
+                self.aengine.abort(st)
+            raise
+        fmt = ResponseFormat(request_id, self.model_name, chat, bool(req.return_meta_info), len(streams), n)
         if req.stream:
-            return AbortingStreamingResponse(self._events(stream, fmt, req.include_usage),
-                                             on_close=lambda: self.aengine.abort(stream),
+            return AbortingStreamingResponse(self._events(streams, fmt, req.include_usage),
+                                             on_close=lambda: [self.aengine.abort(st) for st in streams],
                                              media_type="text/event-stream", headers=SSE_HEADERS)
-        final = await self._wait(request, stream)
-        if final is None:
+        finals = await self._wait(request, streams)
+        if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        if final.error is not None:
-            raise APIError(500, f"generation failed: {final.error}", type="server_error")
-        out = final.output
-        if out.finish_reason == "abort":
+        failed = next((f.error for f in finals if f.error is not None), None)
+        if failed is not None:
+            raise APIError(500, f"generation failed: {failed}", type="server_error")
+        outs = [f.output for f in finals]
+        if any(out.finish_reason == "abort" for out in outs):
             raise APIError(503, "the request was aborted: the server is shutting down", type="server_error")
-        self.metrics.observe(out.metrics)
-        return JSONResponse(fmt.full(out))
+        for out in outs:
+            self.metrics.observe(out.metrics)
+        return JSONResponse(fmt.full(outs))
 
-    async def _wait(self, request: Request, stream: RequestStream) -> Update | None:
-        """The final update, or None when the client disconnected first (the request is aborted)."""
-        final = asyncio.ensure_future(stream.final())
+    async def _wait(self, request: Request, streams: list[RequestStream]) -> list[Update] | None:
+        """The final updates, or None when the client disconnected first (the requests are aborted)."""
+        final = asyncio.ensure_future(asyncio.gather(*(st.final() for st in streams)))
         gone = asyncio.ensure_future(wait_for_disconnect(request))
         try:
             await asyncio.wait({final, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -250,25 +290,42 @@ class Serving:
             gone.cancel()
             if not final.done():
                 final.cancel()
-                self.aengine.abort(stream)
+                for st in streams:
+                    self.aengine.abort(st)
         return final.result() if final.done() and not final.cancelled() else None
 
-    async def _events(self, stream: RequestStream, fmt: ResponseFormat, include_usage: bool) -> AsyncIterator[str]:
+    async def _events(self, streams: list[RequestStream], fmt: ResponseFormat,
+                      include_usage: bool) -> AsyncIterator[str]:
+        """The choices' chunks as they come, each with its index; [DONE] once every choice has ended."""
+        merged: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()
+
+        async def pump(k: int, st: RequestStream) -> None:
+            async for u in st.updates():
+                merged.put_nowait((k, u))
+
+        pumps = [asyncio.ensure_future(pump(k, st)) for k, st in enumerate(streams)]
+        outs: list[Output | None] = [None] * len(streams)
         try:
             if fmt.chat:
-                yield sse(fmt.chunk("", first=True))
-            async for u in stream.updates():
+                for k in range(len(streams)):
+                    yield sse(fmt.chunk(k, "", first=True))
+            ended = 0
+            while ended < len(streams):
+                k, u = await merged.get()
                 if u.error is not None:
                     yield sse(APIError(500, f"generation failed: {u.error}", type="server_error").body())
                     break
                 if not u.finished:
-                    yield sse(fmt.chunk(u.text))
+                    yield sse(fmt.chunk(k, u.text))
                     continue
-                out = u.output
-                self.metrics.observe(out.metrics)
-                yield sse(fmt.last_chunk(u.text, out))
-                if include_usage:
-                    yield sse(fmt.usage_chunk(out))
+                outs[k], ended = u.output, ended + 1
+                self.metrics.observe(u.output.metrics)
+                yield sse(fmt.last_chunk(k, u.text, u.output))
+            if include_usage and all(o is not None for o in outs):
+                yield sse(fmt.usage_chunk(outs))
             yield "data: [DONE]\n\n"
         finally:
-            self.aengine.abort(stream)  # a no-op when it finished
+            for task in pumps:
+                task.cancel()
+            for st in streams:
+                self.aengine.abort(st)  # a no-op when it finished
