@@ -13,17 +13,15 @@ from flashdraft.hub import local_path
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.loader import dummy_weights, load_weights
 from flashdraft.speculative.dflash import DFlashSpeculator
-from flashdraft.speculative.formats import read_draft_spec
+from flashdraft.speculative.formats import DraftSpec, read_draft_spec
 
 if TYPE_CHECKING:
     from flashdraft.engine.engine import LLMEngine
 
 
-def load_drafter(folder: str | Path, target_config, device: torch.device, dtype: torch.dtype,
-                 load_format: str = "auto", revision: str | None = None) -> DFlashDraftModel:
-    """Load and validate a drafter (a folder or a hub id at `revision`) against its target; errors name the
-    mismatch."""
-    folder = local_path(folder, revision, "drafter", weights=load_format != "dummy")
+def checked_spec(folder: Path, target_config) -> DraftSpec:
+    """The drafter's config.json read and checked against its target's config (no weights are read, so the
+    engine runs this before the target loads too); errors name the mismatch."""
     if not folder.is_dir():
         raise ValueError(f"drafter path {str(folder)!r} must be a folder with config.json and safetensors")
     n_target = target_config.num_hidden_layers
@@ -46,6 +44,15 @@ def load_drafter(folder: str | Path, target_config, device: torch.device, dtype:
     if (folder / "mask_embedding.pt").exists():
         raise ValueError(f"{folder}/mask_embedding.pt replaces the mask token's embedding, which flashdraft "
                          "does not support")
+    return spec
+
+
+def load_drafter(folder: str | Path, target_config, device: torch.device, dtype: torch.dtype,
+                 load_format: str = "auto", revision: str | None = None) -> DFlashDraftModel:
+    """Load and validate a drafter (a folder or a hub id at `revision`) against its target; errors name the
+    mismatch."""
+    folder = local_path(folder, revision, "drafter", weights=load_format != "dummy")
+    spec = checked_spec(folder, target_config)
     spec.layer_config.vocab_size = target_config.vocab_size
     weights = load_weights(folder) if load_format != "dummy" else {}
     domino = sorted(k for k in weights if k.startswith(("prefix_gru.", "embed_proj.", "domino_head.")))
