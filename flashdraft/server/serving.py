@@ -165,16 +165,9 @@ class Serving:
     def check_ids(self, ids: list[int], max_tokens: int | None, max_name: str) -> list[int]:
         """What add_request would refuse, refused before the request reaches the engine thread; and, as vLLM
         does, a max_tokens that the context cannot hold."""
-        if not ids:
-            raise ValueError("prompt is empty")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
             raise ValueError(f"prompt has {len(ids)} tokens; this server accepts at most {self.max_prompt_tokens}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context window (max_model_len) is "
-                             f"{self.max_model_len}, leaving no room to generate")
+        self.aengine.engine.check_prompt(ids)  # reads only what the engine fixed at start: safe off its thread
         if max_tokens is not None and len(ids) + max_tokens > self.max_model_len:
             raise bad_request(f"{max_name} is too large: {max_tokens}. This model's maximum context length is "
                               f"{self.max_model_len} tokens and your request has {len(ids)} input tokens "
