@@ -14,6 +14,9 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+MAX_LOGPROBS = 20  # the most log-probabilities a position may return (vLLM's default max_logprobs)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0
@@ -26,6 +29,20 @@ class SamplingParams:
     seed: int | None = None
     speculative: bool = True
     skip_special_tokens: bool = True
+    # the target's distribution at each position, processed in vLLM's order (engine/logits.py): logit_bias and
+    # min_tokens, then the penalties (repetition over prompt and output, presence and frequency over the
+    # output), the greedy choice, then temperature, min_p, top-k, top-p and the draw
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    # log-probabilities of the target's raw distribution (before any processing, vLLM's default): the
+    # chosen token's and the `logprobs` most likely tokens' at every generated token, and at every prompt
+    # token past the first with prompt_logprobs (such a prompt is computed whole, not read from the cache)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stops: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -49,7 +66,41 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    not _is_int(t) or t < 0 or not _is_number(b) for t, b in self.logit_bias.items()):
+                raise ValueError(f"logit_bias must map token ids (integers >= 0) to finite numbers, "
+                                 f"got {self.logit_bias!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the target's logits change before the choice (beyond temperature, top-k and top-p)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_p or self.min_tokens or self.logit_bias)
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether a step's tokens for this request are chosen from logits the host's code processes or
+        reads (processors or log-probabilities): outside the step graphs' own choice, and never in a step
+        launched before the one ahead of it is read (the counts and lengths would be a step behind)."""
+        return self.processes_logits or self.logprobs is not None or self.prompt_logprobs is not None

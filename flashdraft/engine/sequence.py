@@ -18,6 +18,16 @@ class SeqStatus(enum.Enum):
 
 
 @dataclass
+class TokenLogprob:
+    """The target's raw log-probability of one token at its position, and its `logprobs` most likely
+    tokens there (token id, log-probability), most likely first (ties: the lower id)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class Output:
     request_id: str
     prompt: str | None
@@ -26,6 +36,13 @@ class Output:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort" or None while running
     metrics: dict = field(default_factory=dict)
+    # SamplingParams.logprobs set: one per generated token; prompt_logprobs: one per prompt token, the first None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else sum(t.logprob for t in self.logprobs)
 
     @property
     def finished(self) -> bool:
@@ -55,6 +72,10 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.token_times: list[float] = []
+        # with SamplingParams.logprobs / prompt_logprobs: an entry per generated / prompt token (the first None)
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = \
+            [None] if params.prompt_logprobs is not None else None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -88,4 +109,6 @@ class Sequence:
 
     def to_output(self) -> Output:
         return Output(self.request_id, self.prompt, self.token_ids[: self.num_prompt_tokens], self.text,
-                      self.output_token_ids, self.finish_reason, self.metrics())
+                      self.output_token_ids, self.finish_reason, self.metrics(),
+                      None if self.logprobs is None else list(self.logprobs),
+                      None if self.prompt_logprobs is None else list(self.prompt_logprobs))
