@@ -169,6 +169,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.needs_logits:  # (until the engine applies them)
+            raise ValueError("penalties, min_p, min_tokens, logit_bias and logprobs are not supported yet")
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.check_prompt(ids)
         self._seed += 1
