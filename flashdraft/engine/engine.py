@@ -11,9 +11,9 @@ import torch
 from flashdraft.config import EngineConfig
 from flashdraft.engine.block_manager import BlockManager
 from flashdraft.engine.graphs import collect_before_capture, to_device
+from flashdraft.engine.logits import StepLogprobs, choose, prompt_logprobs
 from flashdraft.engine.model_runner import ModelRunner, plan_num_blocks, plan_state_slots, state_bytes_per_seq
 from flashdraft.engine.prompts import encode_chat, encode_text
-from flashdraft.engine.sampler import sample
 from flashdraft.engine.scheduler import Scheduler, kept_rows
 from flashdraft.engine.sequence import Output, Sequence
 from flashdraft.engine.startup import check_drafter, log_ready
@@ -27,8 +27,8 @@ class InFlight:
     """A launched step's samples, one per sequence, not yet read by the host: on the device, and
     being copied to pinned host memory behind the step (an event marks the copy's end)."""
 
-    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor):
-        self.seqs, self.tokens = seqs, tokens
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: StepLogprobs | None = None):
+        self.seqs, self.tokens, self.logprobs = seqs, tokens, logprobs
         self.joining: InFlight | None = None  # requests admitted behind this step: their prefill's samples
         self.done = None
         if tokens.is_cuda:
@@ -169,8 +169,6 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
-        if params.needs_logits:  # (until the engine applies them)
-            raise ValueError("penalties, min_p, min_tokens, logit_bias and logprobs are not supported yet")
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.check_prompt(ids)
         self._seed += 1
@@ -242,7 +240,9 @@ class LLMEngine:
         head ran through cuBLAS and the choice through torch's argmax, 25 us more a step at the
         Qwen3.5-4B shape on an H200)."""
         hidden, _, qsl = self.runner.forward(seqs, tokens, self.block_manager, input_ids=ids)
-        for s, t in zip(seqs, tokens):
+        for i, (s, t) in enumerate(zip(seqs, tokens)):
+            if s.prompt_logprobs is not None:
+                prompt_logprobs(self.runner.model, hidden[qsl[i]: qsl[i + 1]], s, s.num_computed_tokens)
             s.num_computed_tokens += len(t)
         self.stats["num_steps"] += 1
         ready = [i for i, s in enumerate(seqs) if s.num_computed_tokens >= s.num_tokens]
@@ -253,17 +253,18 @@ class LLMEngine:
             hidden = hidden[to_device(rows, torch.long, self.device)]
         seqs = [seqs[i] for i in ready]
         # the position of the token drawn: one past the rows computed (the in-flight token included)
-        sb = self.runner.sampling_batch(seqs, [s.num_computed_tokens for s in seqs])
-        logits = self.runner.model.compute_logits(hidden[: len(rows)], float32=not sb.all_greedy)
-        return InFlight(seqs, sample(logits, sb))
+        positions = [s.num_computed_tokens for s in seqs]
+        sb = self.runner.sampling_batch(seqs, positions)
+        return InFlight(seqs, *choose(self.runner.model, hidden[: len(rows)], seqs, positions, sb, self.eos_token_ids))
 
     def _complete(self, step: InFlight) -> list[Sequence]:
         """Wait for a launched step's samples and commit them (a request finished or aborted since
         the launch takes none)."""
-        advanced = []
-        for seq, tok in zip(step.seqs, step.read()):
+        advanced, toks = [], step.read()
+        lps = step.logprobs.read(toks, step.seqs) if step.logprobs is not None else [None] * len(toks)
+        for seq, tok, lp in zip(step.seqs, toks, lps):
             if not seq.is_finished:
-                self.append_tokens(seq, [tok])
+                self.append_tokens(seq, [tok], [lp])
                 advanced.append(seq)
         return advanced
 
@@ -279,8 +280,8 @@ class LLMEngine:
         each has a page for its next token. A request that its last sample surely ends (max_tokens,
         the context window) gets no row; None when this is not such a step or no request is left."""
         sched, running = self.scheduler, self.scheduler.running
-        if not self.follows(prev):
-            return None
+        if not self.follows(prev) or any(s.params.needs_logits for s in running):
+            return None  # (processors and log-probabilities read the last step's tokens: it is read first)
         if sched.waiting and len(running) < sched.max_num_seqs and not (join and self._may_join(sched.waiting[0])):
             return None
         seqs = [s for s in running if not (
@@ -308,7 +309,8 @@ class LLMEngine:
         behind a step in flight (with a drafter: by the speculator's rule, overlap.py)."""
         if self.spec is not None:
             return self.spec._may_join(seq)
-        return seq.num_tokens - seq.num_computed_tokens <= self.scheduler.max_num_batched_tokens
+        return not seq.params.needs_logits and \
+            seq.num_tokens - seq.num_computed_tokens <= self.scheduler.max_num_batched_tokens
 
     def _launch_joining(self) -> InFlight | None:
         """Admit the waiting requests whose whole prompt fits now and queue their prefill as a step of
@@ -323,9 +325,12 @@ class LLMEngine:
         return self._launch(batch.seqs, [s.token_ids[s.num_computed_tokens: s.num_computed_tokens + n]
                                          for s, n in zip(batch.seqs, batch.num_new_tokens)])
 
-    def append_tokens(self, seq: Sequence, tokens: list[int]) -> int:
+    def append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> int:
         """Commit tokens one by one, stopping exactly where plain decoding would. Returns how many
-        were committed (fewer than given when the request finishes inside the run)."""
+        were committed (fewer than given when the request finishes inside the run). logprobs: the
+        tokens' TokenLogprob entries, for a request that asked for them."""
+        if seq.logprobs is not None and (logprobs is None or len(logprobs) < len(tokens)):
+            raise RuntimeError(f"request {seq.request_id}: tokens committed without their log-probabilities")
         now = time.perf_counter()
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -333,6 +338,8 @@ class LLMEngine:
         for n, tok in enumerate(tokens, 1):
             seq.token_ids.append(tok)
             seq.token_times.append(now)
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprobs[n - 1])
             self.stats["num_generated_tokens"] += 1
             reason, text = None, None
             if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:

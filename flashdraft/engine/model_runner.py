@@ -488,4 +488,6 @@ class ModelRunner:
             all_greedy=False,
             any_top_k=any(k < vocab for k in top_k),
             any_top_p=any(p < 1.0 for p in top_p),
+            min_p=to_device([s.params.min_p for s in seqs], torch.float32, dev)
+            if any(s.params.min_p for s in seqs) else None,
         )

@@ -75,13 +75,19 @@ class SamplingBatch:
     # the tensors, a wait for the device: an engine step would lose its overlap with the next)
     any_top_k: bool | None = None
     any_top_p: bool | None = None
+    min_p: torch.Tensor | None = None  # [N] float32, where any row keeps only tokens of min_p x the top probability
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, need_k: bool | None = None, need_p: bool | None = None) -> torch.Tensor:
-    """Temperature, then top-k, then top-p; excluded tokens get -inf. need_k / need_p: whether any row
-    filters by top-k / top-p, when the caller knows it (else read back from the tensors)."""
+                  top_p: torch.Tensor, need_k: bool | None = None, need_p: bool | None = None,
+                  min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Temperature, then min_p (when given), top-k and top-p (vLLM's order); excluded tokens get -inf.
+    need_k / need_p: whether any row filters by top-k / top-p, when the caller knows it (else read back
+    from the tensors)."""
     logits = logits / temperature.clamp_min(1e-6)[:, None]
+    if min_p is not None:  # probability below min_p x the row's top probability
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
     vocab = logits.shape[-1]
     if need_k is None:
         need_k = bool((top_k < vocab).any())
@@ -123,7 +129,7 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     greedy = greedy_tokens(logits)
     if sb.all_greedy:
         return greedy
-    filtered = filter_logits(logits, sb.temperature, sb.top_k, sb.top_p, sb.any_top_k, sb.any_top_p)
+    filtered = filter_logits(logits, sb.temperature, sb.top_k, sb.top_p, sb.any_top_k, sb.any_top_p, sb.min_p)
     vocab = logits.shape[-1]
     step = max(1, NOISE_CHUNK // vocab)
     sampled = torch.empty_like(greedy)

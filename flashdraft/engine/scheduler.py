@@ -80,7 +80,9 @@ class Scheduler:
         budget and the free pages allow (whole: all of it and `reserve` slots more, or stop)."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            matched = not self.bm.table(seq.seq_id) and seq.num_computed_tokens == 0
+            # (a prompt whose log-probabilities are still wanted is computed whole: its rows give them)
+            matched = not self.bm.table(seq.seq_id) and seq.num_computed_tokens == 0 and not (
+                seq.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens)
             if matched:  # the prompt's cached prefix (prefix caching), prefilled no more
                 seq.num_computed_tokens = self.bm.match(seq.seq_id, seq.token_ids)
                 if seq.num_cached_tokens is None:

@@ -40,8 +40,8 @@ import torch
 from flashdraft import config
 from flashdraft.attention.base import AttentionBatch, LayerMasks
 from flashdraft.engine.graphs import to_device
+from flashdraft.engine.logits import Seen, StepLogprobs, choose, prompt_logprobs
 from flashdraft.engine.model_runner import make_backend
-from flashdraft.engine.sampler import sample
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.speculative import costs as step_costs
@@ -252,8 +252,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         without drafts (engine._next_decode's conditions, and no request drafting at the next step
         of the gates' clock); the clock advanced to it. None otherwise."""
         sched = self.engine.scheduler
-        if not self.engine.follows(prev):  # (prev's requests, less any gone since, then joiners)
-            return None
+        if not self.engine.follows(prev) or any(s.params.needs_logits for s in sched.running):
+            return None  # (prev's requests, less any gone since, then joiners; processors read prev's tokens)
         step, n = self.steps + 1, len(sched.running)
         paused = self.pause_at is not None and n >= self.pause_at
         whole = self._gated(step, n)
@@ -338,9 +338,9 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         for s in seqs:
             s.num_computed_tokens += 1
         eng.stats["num_steps"] += 1
-        sb = runner.sampling_batch(seqs, [s.num_computed_tokens for s in seqs])
-        logits = runner.model.compute_logits(hidden[: len(seqs)], float32=not sb.all_greedy)
-        return InFlight(seqs, sample(logits, sb))
+        positions = [s.num_computed_tokens for s in seqs]
+        sb = runner.sampling_batch(seqs, positions)
+        return InFlight(seqs, *choose(runner.model, hidden[: len(seqs)], seqs, positions, sb, eng.eos_token_ids))
 
     def _step(self) -> list[Sequence]:
         eng = self.engine
@@ -382,18 +382,19 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         # drafts never leave the device: drafted, fed to the verify, compared with the target's
         # tokens there; one device->host transfer reads the accepted lengths and the tokens
         hidden, ids = self._forward(plans)
+        logprobs = None
         if self._greedy_post(plans, self._verify_graph):  # tokens and acceptance from its post graph
             k1 = plans[0].n
             owner = [i for i in range(len(plans)) for _ in range(k1)]
             g = self._verify_graph
             flight = VerifyInFlight(plans, g, self._run_post(g), g.num_seqs, owner, start, self._step_whole)
         else:
-            toks, owner = self._target_tokens(plans, hidden)
+            toks, owner, logprobs = self._target_tokens(plans, hidden, ids=ids)
             accepted = self._accept(plans, ids, toks)
             flight = None
             if self._verify_graph is not None:
                 flight = VerifyInFlight(plans, self._verify_graph, torch.cat([accepted, toks]), len(plans), owner,
-                                        start, self._step_whole)
+                                        start, self._step_whole, logprobs)
         if flight is not None:
             if self._may_overlap(plans):  # in flight until the next step() (overlap.py)
                 self._inflight = flight
@@ -406,7 +407,8 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         chosen: dict[int, list[int]] = {}
         for i, t in zip(owner, host[len(verifying):]):
             chosen.setdefault(i, []).append(t)
-        advanced = self._commit(plans, chosen)
+        advanced = self._commit(plans, chosen, logprobs=self._logprob_entries(plans, owner, host[len(verifying):],
+                                                                              logprobs))
         if self.costs is not None and self._step_whole and decoding:  # a step of decode rows without drafts
             self._observe(False, len(plans), 1e3 * (time.perf_counter() - start))
         return advanced
@@ -480,16 +482,30 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
         return draft
 
     # ---- choose and accept ------------------------------------------------------------------
-    def _target_tokens(self, plans: list[Plan], hidden: torch.Tensor,
-                       row_positions: torch.Tensor | None = None) -> tuple[torch.Tensor | None, list[int]]:
+    def _target_tokens(self, plans: list[Plan], hidden: torch.Tensor, row_positions: torch.Tensor | None = None,
+                       ids: torch.Tensor | None = None, tree_masks: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor | None, list[int], StepLogprobs | None]:
         """The target's tokens on the device (every verify slot of a verifying request, the last
-        row of other requests that reach their end) and the plan index of each. row_positions: every
-        row's position on the device (token trees: a row's token is drawn for its position + 1)."""
+        row of other requests that reach their end), the plan index of each, and their raw
+        log-probabilities when a request asks for them (engine/logits.py). row_positions: every
+        row's position on the device (token trees: a row's token is drawn for its position + 1).
+        ids, tree_masks: every row's input id and (trees) ancestor mask on the device, for the
+        processors of a verify row, which count the drafts on its path as output."""
         rows, seqs, positions, owner = [], [], [], []
+        seen = Seen([], [], ids, [] if tree_masks is not None else None)
         for i, p in enumerate(plans):
             s, start = p.seq, p.seq.num_computed_tokens
+            if s.prompt_logprobs is not None and not p.verify:
+                prompt_logprobs(self.engine.runner.model, hidden[p.row: p.row + p.n], s, start)
             if p.verify:
                 width = p.n
+                if s.params.processes_logits and ids is not None:
+                    for j in range(p.n):  # row j counts the drafts of rows 1..j (a tree: of its ancestors)
+                        for d in range(1, p.n if tree_masks is not None else j + 1):
+                            seen.rows.append(len(rows) + j)
+                            seen.src.append(p.row + d)
+                            if tree_masks is not None:
+                                seen.weights.append((p.row + j, d))
             elif start + p.n == s.num_tokens:
                 width = 1
             else:
@@ -500,7 +516,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
             seqs.extend([s] * width)
             owner.extend([i] * width)
         if not rows:
-            return None, owner
+            return None, owner, None
         eng = self.engine
         sb = eng.runner.sampling_batch(seqs, positions)
         if len(rows) < hidden.shape[0]:  # rows ascend: as many as hidden has means all of them
@@ -508,9 +524,28 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
             hidden = hidden[picked]
         else:
             picked = slice(None)
-        if row_positions is not None and not sb.all_greedy:
-            sb.positions = row_positions[picked][: len(rows)] + 1
-        return sample(eng.runner.model.compute_logits(hidden, float32=not sb.all_greedy), sb), owner
+        drawn_at: list[int] | torch.Tensor = positions
+        if row_positions is not None:
+            drawn_at = row_positions[picked][: len(rows)] + 1
+            if not sb.all_greedy:
+                sb.positions = drawn_at
+        if seen.weights:  # each tree pair counts where the row's ancestor mask has the draft row's bit
+            at = to_device([list(x) for x in zip(*seen.weights)], torch.long, eng.device)
+            seen.weights = tree_masks[at[0]].bitwise_right_shift(at[1]).bitwise_and(1)
+        toks, logprobs = choose(eng.runner.model, hidden, seqs, drawn_at, sb, eng.eos_token_ids,
+                                seen if seen.rows else None)
+        return toks, owner, logprobs
+
+    def _logprob_entries(self, plans: list[Plan], owner: list[int], toks: list[int],
+                         logprobs: StepLogprobs | None) -> dict[int, list] | None:
+        """The host's TokenLogprob entries of a step's chosen tokens `toks` (read), by plan index, in the
+        order of its tokens; None when no request asked for them."""
+        if logprobs is None:
+            return None
+        out: dict[int, list] = {}
+        for i, e in zip(owner, logprobs.read(toks, [plans[i].seq for i in owner])):
+            out.setdefault(i, []).append(e)
+        return out
 
     def _accept(self, plans: list[Plan], ids: torch.Tensor | None, toks: torch.Tensor) -> torch.Tensor | None:
         """Accepted drafts of each verifying request, [V] on the device: the leading verify inputs
@@ -528,9 +563,12 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
             first += p.n if p.verify else int(p.seq.num_computed_tokens + p.n == p.seq.num_tokens)
         return ragged_accepted_lengths(ids, toks, rows)
 
-    def _commit(self, plans: list[Plan], chosen: dict[int, list[int]], ahead=()) -> list[Sequence]:
+    def _commit(self, plans: list[Plan], chosen: dict[int, list[int]], ahead=(),
+                logprobs: dict[int, list] | None = None) -> list[Sequence]:
         """Commit a step's tokens (a request finished or aborted since the step's launch takes none);
-        ahead: ids of the requests with a step launched after this one, whose block's pages stay."""
+        ahead: ids of the requests with a step launched after this one, whose block's pages stay;
+        logprobs: the tokens' TokenLogprob entries by plan, as `chosen`, where requests asked for them."""
+        logprobs = logprobs or {}
         eng = self.engine
         advanced, kept, moves, committed, verified = [], [], [], {}, []
         for i, p in enumerate(plans):
@@ -540,7 +578,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
             if not p.verify:
                 s.num_computed_tokens += p.n
                 if i in chosen:
-                    eng.append_tokens(s, chosen[i])
+                    eng.append_tokens(s, chosen[i], logprobs.get(i))
                     advanced.append(s)
                 continue
             target, a = chosen[i], p.accepted
@@ -551,7 +589,7 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
             s.num_computed_tokens = start + a + 1
             if eng.runner.hybrid:  # the slot now: a sequence that finishes below gives it back
                 committed[eng.block_manager.slot(s.seq_id)] = a + 1
-            eng.append_tokens(s, target[: a + 1])
+            eng.append_tokens(s, target[: a + 1], logprobs.get(i))
             advanced.append(s)
             if not s.is_finished:
                 if p.path:

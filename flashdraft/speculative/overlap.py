@@ -49,6 +49,7 @@ from flashdraft.speculative.plan import Plan
 
 if TYPE_CHECKING:
     from flashdraft.engine.engine import InFlight
+    from flashdraft.engine.logits import StepLogprobs
     from flashdraft.engine.sequence import Sequence
 
 
@@ -58,10 +59,11 @@ class VerifyInFlight:
     behind the step."""
 
     def __init__(self, plans: list[Plan], graph: StepGraph, outcome: torch.Tensor, toks_at: int,
-                 owner: list[int], started: float, whole: bool):
+                 owner: list[int], started: float, whole: bool, logprobs: StepLogprobs | None = None):
         from flashdraft.engine.engine import InFlight  # the engine module imports this one
 
         self.plans, self.graph, self.outcome, self.toks_at, self.owner = plans, graph, outcome, toks_at, owner
+        self.logprobs = logprobs  # raw log-probabilities of the tokens, in their order (engine/logits.py)
         self.seqs = [p.seq for p in plans]
         self.started, self.whole = started, whole  # the step costs' clock: when it began, all requests in it
         self.launched = time.perf_counter()
@@ -88,7 +90,7 @@ class VerifyOverlap:
         launched on its outputs)."""
         eng = self.engine
         return (eng.async_scheduling and self._verify_graph is not None and not self.poison_rejected
-                and self.min_tau_rule is None)
+                and self.min_tau_rule is None and not any(p.seq.params.needs_logits for p in plans))
 
     def _next_verify(self, prev: VerifyInFlight) -> list[Plan] | None:
         """The plans of the step after the in-flight verify `prev` when it can be launched before prev is
@@ -100,7 +102,7 @@ class VerifyOverlap:
         allocated and the clock advanced. None otherwise."""
         eng, sched = self.engine, self.engine.scheduler
         seqs, joining = sched.running, prev.joining.seqs if prev.joining is not None else []
-        if not eng.follows(prev) or \
+        if not eng.follows(prev) or any(s.params.needs_logits for s in seqs) or \
                 (sched.waiting and len(seqs) < sched.max_num_seqs and not self._may_join(sched.waiting[0])):
             return None
         rows = kept_rows(prev.seqs, seqs[: len(seqs) - len(joining)])
@@ -155,7 +157,7 @@ class VerifyOverlap:
             owner = [i for i in range(S) for _ in range(k1)]
             return VerifyInFlight(plans, g, self._run_post(g), g.num_seqs, owner, time.perf_counter(), True)
         hidden = g.replay()[: S * k1]
-        toks, owner = self._target_tokens(plans, hidden, g.extra["verify_positions"])
+        toks, owner, _ = self._target_tokens(plans, hidden, g.extra["verify_positions"])  # (no logprobs: _next_verify)
         accepted = self._accept(plans, g.extra["verify_ids"], toks)
         return VerifyInFlight(plans, g, torch.cat([accepted, toks]), S, owner, time.perf_counter(), True)
 
@@ -213,7 +215,7 @@ class VerifyOverlap:
         own (_launch_joining): its whole prompt in one step, through a ragged graph, on an attention-only
         target (a hybrid one's recurrent rows are not moved on the device)."""
         eng = self.engine
-        return (not eng.runner.hybrid and bool(eng.runner.ragged_graphs)
+        return (not eng.runner.hybrid and bool(eng.runner.ragged_graphs) and not seq.params.needs_logits
                 and seq.num_tokens - seq.num_computed_tokens <= eng.config.max_num_batched_tokens)
 
     def _launch_joining(self) -> InFlight | None:
@@ -234,7 +236,7 @@ class VerifyOverlap:
             plans.append(Plan(seq, n, row, False))
             row += n
         hidden, _ = self._forward(plans)
-        toks, _ = self._target_tokens(plans, hidden)
+        toks, _, _ = self._target_tokens(plans, hidden)  # (no logprobs: _may_join)
         for p in plans:
             p.seq.num_computed_tokens += p.n
         eng.stats["num_steps"] += 1
@@ -243,7 +245,8 @@ class VerifyOverlap:
     def _greedy_post(self, plans: list[Plan], g: StepGraph | None) -> bool:
         """Whether a whole step over graph g takes its tokens and acceptance from g's post graph
         (graphed.py _post_step): every request greedy."""
-        return g is not None and "post" in g.aux and all(p.seq.params.temperature == 0 for p in plans)
+        return g is not None and "post" in g.aux and all(p.seq.params.temperature == 0 and not p.seq.params.needs_logits
+                                                         for p in plans)
 
     def _complete_verify(self, prev: VerifyInFlight, ahead: VerifyInFlight | None) -> list[Sequence]:
         """Read an in-flight verify and commit it; `ahead`: the verify launched after it, whose pages
@@ -257,4 +260,5 @@ class VerifyOverlap:
             chosen.setdefault(i, []).append(t)
         # a step followed by one launched ahead was timed at that launch (the pace of launches)
         self._step_start, self._step_whole = prev.started, prev.whole and ahead is None
-        return joined + self._commit(prev.plans, chosen, ahead={id(s) for s in ahead.seqs} if ahead is not None else ())
+        return joined + self._commit(prev.plans, chosen, ahead={id(s) for s in ahead.seqs} if ahead is not None else (),
+                                     logprobs=self._logprob_entries(prev.plans, prev.owner, toks, prev.logprobs))

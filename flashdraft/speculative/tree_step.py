@@ -40,10 +40,10 @@ class TreeSteps:
                 self._inflight = flight
                 return []
             return self._complete_verify(flight, None)
-        hidden, positions, trees = self._forward_tree(plans)
+        hidden, positions, trees, ids, masks = self._forward_tree(plans)
         verifying = [p for p in plans if p.verify]
         V, N = len(verifying), self.num_draft
-        toks, owner = self._target_tokens(plans, hidden, positions)
+        toks, owner, logprobs = self._target_tokens(plans, hidden, positions, ids, masks)
         # each tree's target tokens as [V, 1 + N]; rows a short verify did not check never match
         t_idx, first = [], 0
         for p in plans:
@@ -68,7 +68,12 @@ class TreeSteps:
         for i, t in zip(owner, host[V + 2 * V * D1:]):
             if not plans[i].verify:
                 chosen.setdefault(i, []).append(t)
-        return self._commit(plans, chosen)
+        entries = self._logprob_entries(plans, owner, host[V + 2 * V * D1:], logprobs)
+        if entries is not None:  # a tree's committed tokens are its rows along the accepted path
+            for i, p in enumerate(plans):
+                if p.verify:
+                    entries[i] = [entries[i][r] for r in [0] + p.path]
+        return self._commit(plans, chosen, logprobs=entries)
 
     def _graphed_tree_step(self, plans: list[Plan]) -> VerifyInFlight | None:
         """A step where every request verifies a whole tree, as its graph's replay (None when no graph
@@ -79,7 +84,8 @@ class TreeSteps:
         if self.poison_rejected or not all(p.verify and p.n == self.num_draft + 1 for p in plans):
             return None
         blocks = [p.seq.token_ids[-1:] + [self.mask_token_id] * (self.block_size - 1) for p in plans]
-        sampled = any(s.params.temperature > 0 for s in seqs)  # the target's tokens drawn after the replay
+        # the target's tokens drawn (or processed) after the replay
+        sampled = any(s.params.temperature > 0 or s.params.needs_logits for s in seqs)
         g = runner.filled_graph(("dflash-tree-sampled" if sampled else "dflash-tree", self.tap_layers), seqs, blocks,
                                 eng.block_manager, False, self.attn, self._tree_graph_step,
                                 setup=self._setup_sampled_tree_graph if sampled else self._setup_tree_graph)
@@ -106,8 +112,10 @@ class TreeSteps:
         trees = Trees(*(t[:n] for t in out[2:6]), self.block_size - 1)
         m = g.meta
         start = m.seq_lens[:n].long() - self.block_size  # each root's position
+        logprobs = None
         if "draft_temp" in g.extra:  # sampled: acceptance after the target's draws
-            toks, _ = self._target_tokens(plans, out[0][: n * N1], out[1][: n * N1])
+            toks, _, logprobs = self._target_tokens(plans, out[0][: n * N1], out[1][: n * N1], g.extra["verify_ids"],
+                                                    g.aux["verify_meta"].tree_mask)
             target = toks.view(n, N1)
             if use_kernels(target):
                 from flashdraft.speculative.tree_triton import accept_paths
@@ -118,10 +126,12 @@ class TreeSteps:
                 a, path = accept(trees, target)
                 committed = target.gather(1, path)
                 self._move_path(path, a, start, m)
+            if logprobs is not None:  # the rows along each accepted path, as `committed`
+                logprobs = logprobs.select((path + torch.arange(n, device=path.device)[:, None] * N1).flatten())
         else:
             a, path, committed = (t[:n] for t in out[6:9])
             self._move_path(path, a, start, m)
-        return VerifyInFlight(plans, g, torch.cat([a, committed.flatten()]), n, owner, started, whole)
+        return VerifyInFlight(plans, g, torch.cat([a, committed.flatten()]), n, owner, started, whole, logprobs)
 
     def _move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """The moves (from slot, to slot) [S, D] (-1: none) of every target and draft layer's K/V, in
@@ -140,12 +150,12 @@ class TreeSteps:
         r = self.engine.runner
         copy_slots((r.k_cache, r.v_cache, self.k_cache, self.v_cache), src[keep], dst[keep])
 
-    def _forward_tree(self, plans: list[Plan]) -> tuple[torch.Tensor, torch.Tensor, Trees]:
+    def _forward_tree(self, plans: list[Plan]) -> tuple[torch.Tensor, torch.Tensor, Trees, torch.Tensor, torch.Tensor]:
         """The trees of the verifying requests (propose_tree), then the target over every row with
         its taps, tree rows at positions start + depth under their ancestor masks, then the context
         K/V of every row into the draft cache (written at the rows' slots: the accepted rows' move
-        with the target's at commit). Returns the final hidden states, the rows' positions and the
-        trees."""
+        with the target's at commit). Returns the final hidden states, the rows' positions, the
+        trees, and the rows' input ids and ancestor masks."""
         eng, runner = self.engine, self.engine.runner
         seqs = [p.seq for p in plans]
         verifying = [p for p in plans if p.verify]
@@ -167,7 +177,7 @@ class TreeSteps:
         batch.tree_mask = tree_mask
         hidden, taps = runner.run(ids, positions, batch, self.tap_layers)
         self._write_context(taps, positions, batch.slot_mapping)
-        return hidden, positions, trees
+        return hidden, positions, trees, ids, tree_mask
 
     def propose_tree(self, seqs: list[Sequence]) -> Trees:
         """One non-causal drafter forward over each request's block, then its tree of tree_size
