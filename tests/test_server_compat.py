@@ -72,9 +72,8 @@ def test_unknown_fields_are_accepted_and_logged(server, reference, caplog):
 
 
 OUTPUT_CHANGING = [
-    (COMPLETIONS, "repetition_penalty", 1.3, 1.0),
-    (COMPLETIONS, "min_p", 0.2, 0.0),
-    (COMPLETIONS, "min_tokens", 3, 0),
+    (COMPLETIONS, "length_penalty", 0.5, 1.0),
+    (COMPLETIONS, "allowed_token_ids", [1, 2], []),
     (COMPLETIONS, "include_stop_str_in_output", True, False),
     (COMPLETIONS, "use_beam_search", True, False),
     (COMPLETIONS, "bad_words", ["blue"], []),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flashdraft.engine.engine import LLMEngine
-from flashdraft.engine.sequence import Output, Sequence
+from flashdraft.engine.sequence import Output, Sequence, TokenLogprob
 from flashdraft.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -26,11 +26,16 @@ class Update:
     finished: bool = False
     output: Output | None = None  # on the final update
     error: BaseException | None = None  # the engine failed; the request is gone
+    # with SamplingParams.logprobs: the entries of the tokens whose text this update completes (the final
+    # update: every token left, those of a stop string too); with prompt_logprobs, a stream's first update
+    # carries the prompt's
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class RequestStream:
-    """One request as its HTTP handler sees it. `seq`, `shown` and `num_seen` belong to the engine
-    thread; the handler only reads `queue`."""
+    """One request as its HTTP handler sees it. `seq`, `shown`, `num_seen` and `num_sent` belong to the
+    engine thread; the handler only reads `queue`."""
 
     def __init__(self, request_id: str, streaming: bool):
         self.request_id = request_id
@@ -40,6 +45,7 @@ class RequestStream:
         self.seq: Sequence | None = None
         self.shown = ""
         self.num_seen = 0
+        self.num_sent = 0  # output tokens whose log-probabilities went out
         self.abort_requested = False
         self.done = False  # the handler has seen the final update
 
@@ -242,15 +248,37 @@ class AsyncEngine:
                 if seq.finish_reason == "abort":  # abort() leaves seq.text empty
                     out.text = self.engine.detokenize(seq)
                 delta = out.text[len(stream.shown):] if out.text.startswith(stream.shown) else ""
-                stream.push(Update(delta, True, out))
+                stream.push(self._update(stream, seq, delta, seq.num_output_tokens, out))
                 self._finished[seq.finish_reason] = self._finished.get(seq.finish_reason, 0) + 1
                 self._prompt_tokens += seq.num_prompt_tokens
             elif stream.streaming and seq.num_output_tokens != stream.num_seen:
                 stream.num_seen = seq.num_output_tokens
-                text = visible_text(self.engine.detokenize(seq), seq.params.stops)
+                full = self.engine.detokenize(seq)
+                text = visible_text(full, seq.params.stops)
                 if len(text) > len(stream.shown) and text.startswith(stream.shown):
-                    stream.push(Update(text[len(stream.shown):]))
+                    whole = seq.num_output_tokens if text == full else self._num_shown_tokens(stream, seq, text)
+                    stream.push(self._update(stream, seq, text[len(stream.shown):], whole))
                     stream.shown = text
+
+    def _num_shown_tokens(self, stream: RequestStream, seq: Sequence, shown: str) -> int:
+        """How many output tokens `shown` holds whole: up to the last whose prefix decodes to a prefix of it
+        (a token part of which is held back goes out with the rest of its text)."""
+        if seq.logprobs is None:
+            return stream.num_sent
+        ids, skip = seq.output_token_ids, seq.params.skip_special_tokens
+        return next((j for j in range(len(ids) - 1, stream.num_sent, -1)
+                     if shown.startswith(self.engine.tokenizer.decode(ids[:j], skip_special_tokens=skip))),
+                    stream.num_sent)
+
+    @staticmethod
+    def _update(stream: RequestStream, seq: Sequence, text: str, end: int, out: Output | None = None) -> Update:
+        """An update of `text` (the final one with `out`) with the log-probabilities of output tokens
+        [num_sent, end), and on a stream's first update the prompt's."""
+        logprobs = None
+        if seq.logprobs is not None:
+            logprobs, stream.num_sent = seq.logprobs[stream.num_sent:end], end
+        prompt_logprobs = None if stream.shown or seq.prompt_logprobs is None else list(seq.prompt_logprobs)
+        return Update(text, out is not None, out, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _fail_all(self, error: BaseException) -> None:
         for stream in self._streams.values():

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flashdraft.engine.prompts import TEMPLATE_ARGUMENTS
-from flashdraft.sampling_params import SamplingParams
+from flashdraft.sampling_params import MAX_LOGPROBS, SamplingParams
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # seeds and top_k end up in int64 tensors
 
@@ -89,14 +89,13 @@ class StreamOptions(BaseModel):
 # Other servers' extensions that change what is generated, refused unless at the value that changes nothing
 # (a field this server does not know at all is accepted and logged, as vLLM does: it cannot change the output)
 NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    **{name: lambda v: v in (None, 1, 1.0) for name in ("repetition_penalty", "length_penalty")},
-    **{name: lambda v: v in (None, 0, 0.0) for name in ("min_p", "min_tokens")},
+    **{name: lambda v: v in (None, 1, 1.0) for name in ("length_penalty",)},
     **{name: lambda v: v in (None, False) for name in (
         "use_beam_search", "include_stop_str_in_output", "no_stop_trim", "return_tokens_as_token_ids",
         "return_hidden_states", "continue_final_message")},
     **{name: lambda v: v in (None, True) for name in ("spaces_between_special_tokens",)},
     **{name: lambda v: v is None or v == [] or v == {} for name in (
-        "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors",
+        "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors",
         "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag", "structured_outputs",
         "json_schema", "regex", "ebnf", "stop_regex", "chat_template", "documents", "lora_path", "lora_request")},
 }
@@ -130,6 +129,10 @@ class _Request(BaseModel):
     safety_identifier: str | None = None
     # extensions (vLLM's names)
     top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    prompt_logprobs: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
@@ -149,11 +152,12 @@ class _Request(BaseModel):
                 raise bad_request(f"{name} is not supported", name)
         if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
             raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0):
-                raise bad_request(f"{name} is not supported (only 0)", name)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            # checked here too: echo may raise the count SamplingParams sees (engine_logprobs)
+            raise bad_request(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+                              "prompt_logprobs")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: chunks have no place for them
+            raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
@@ -165,8 +169,39 @@ class _Request(BaseModel):
     def requested_max_tokens(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"
 
-    def sampling_params(self) -> SamplingParams:
+    @property
+    def samples(self) -> int:
+        """Requests run per prompt."""
+        return self.n or 1
+
+    @property
+    def returned_logprobs(self) -> int | None:
+        """The top log-probabilities each returned token carries; None: no log-probabilities."""
+        return None
+
+    def engine_logprobs(self) -> tuple[int | None, int | None]:
+        """SamplingParams' logprobs and prompt_logprobs: what the response returns, and what it needs besides."""
+        return self.returned_logprobs, self.prompt_logprobs
+
+    def logit_bias_ids(self, vocab_size: int) -> dict[int, float] | None:
+        """OpenAI's logit_bias (token-id strings to biases) with int keys, biases clamped to [-100, 100] as
+        OpenAI documents (and vLLM does)."""
+        if not self.logit_bias:
+            return None
+        biases = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                token_id = -1
+            if not 0 <= token_id < vocab_size:
+                raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias")
+            biases[token_id] = min(max(bias, -100.0), 100.0)
+        return biases
+
+    def sampling_params(self, vocab_size: int) -> SamplingParams:
         max_tokens, max_name = self.requested_max_tokens()
+        logprobs, prompt_logprobs = self.engine_logprobs()
         fields = dict(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -175,6 +210,10 @@ class _Request(BaseModel):
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos),
             seed=self.seed, speculative=True if self.speculative is None else self.speculative,
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0, logit_bias=self.logit_bias_ids(vocab_size),
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
         try:
             return SamplingParams(**fields)
@@ -201,14 +240,29 @@ class CompletionRequest(_Request):
 
     def check(self) -> None:
         super().check()
-        if self.best_of not in (None, 1, self.n):  # the best of more than n needs each sample's logprob
-            raise bad_request("best_of other than n is not supported", "best_of")
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
+        n = self.n or 1
+        if self.best_of is not None and not n <= self.best_of <= MAX_CHOICES:
+            raise bad_request(f"best_of must be in [n, {MAX_CHOICES}] (n is {n}), got {self.best_of}", "best_of")
+        if self.samples > n and self.stream:
+            raise bad_request("best_of can't be used with stream", "best_of")  # OpenAI's words
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if self.logprobs is not None:
-            raise bad_request("logprobs are not supported", "logprobs")
+
+    @property
+    def samples(self) -> int:
+        return self.best_of or self.n or 1
+
+    @property
+    def returned_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def engine_logprobs(self) -> tuple[int | None, int | None]:
+        logprobs, prompt_logprobs = self.logprobs, self.prompt_logprobs
+        if logprobs is None and self.samples > (self.n or 1):
+            logprobs = 0  # best_of keeps the samples of the highest cumulative log-probability
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens come with theirs
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        return logprobs, prompt_logprobs
 
     def default_max_tokens(self) -> int | None:
         return 16  # OpenAI's default for the legacy completions endpoint
@@ -220,8 +274,8 @@ class CompletionRequest(_Request):
         for j, item in enumerate(items):
             if not item:
                 raise bad_request("prompt is empty" if len(items) == 1 else f"prompt[{j}] is empty", "prompt")
-        if len(items) * (self.n or 1) > MAX_CHOICES:
-            raise bad_request(f"{len(items)} prompts x n = {self.n or 1} choices; at most {MAX_CHOICES}", "prompt")
+        if len(items) * self.samples > MAX_CHOICES:
+            raise bad_request(f"{len(items)} prompts x {self.samples} samples; at most {MAX_CHOICES}", "prompt")
         return items
 
 
@@ -249,12 +303,10 @@ class ChatCompletionRequest(_Request):
         if clash:
             raise bad_request(f"chat_template_kwargs cannot set the chat template's own argument {clash[0]!r}",
                               "chat_template_kwargs")
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
-        if self.logprobs:
-            raise bad_request("logprobs are not supported", "logprobs")
-        if self.top_logprobs not in (None, 0):
-            raise bad_request("top_logprobs is not supported", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         for name in ("tools", "functions"):
             if getattr(self, name):
                 raise bad_request(f"{name} (function calling) is not supported", name)
@@ -263,6 +315,10 @@ class ChatCompletionRequest(_Request):
                 raise bad_request(f"{name} is not supported", name)
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise bad_request("response_format other than {'type': 'text'} is not supported", "response_format")
+
+    @property
+    def returned_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
