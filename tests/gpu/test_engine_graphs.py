@@ -471,3 +471,40 @@ def test_overlapped_verify_of_a_hybrid_target(tmp_path, monkeypatch, temps):
     assert outs[0] == outs[1] and [o[0] for o in outs[1]] == want
     assert overlapped[0] == 0 and overlapped[1] > 10, overlapped
     assert moved and min(moved) < 4, moved  # launched ahead for fewer requests than the step before
+
+
+@pytest.mark.parametrize("tree", [None, 6])
+def test_processors_and_logprobs_through_graphs(tiny_llama, tmp_path, tree):
+    """Requests with penalties, logit_bias, min_p and log-probabilities beside plain ones, through the
+    captured step graphs (with async scheduling on CUDA): plain decoding's tokens and log-probabilities
+    (eager torch, no drafter), greedy and seeded, chains and token trees."""
+    from fixtures import build_random_drafter
+
+    from flashdraft import LLM, SamplingParams
+
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [9, 8, 7]]
+    params = [SamplingParams(max_tokens=18, ignore_eos=True, repetition_penalty=1.8, logprobs=3),
+              SamplingParams(max_tokens=22, ignore_eos=True, temperature=1.0, seed=3, frequency_penalty=1.0,
+                             min_p=0.05, logprobs=0),
+              SamplingParams(max_tokens=16, ignore_eos=True),
+              SamplingParams(max_tokens=20, ignore_eos=True, logit_bias={17: 5.0}, presence_penalty=-1.0,
+                             prompt_logprobs=2)]
+    plain = LLM(str(tiny_llama), draft=None, device=DEVICE, dtype="float32", attention_backend="torch",
+                cuda_graphs=False, async_scheduling=False, kv_block_size=8)
+    want = plain.generate(prompts, params)
+    graphed = LLM(str(tiny_llama), draft=draft, device=DEVICE, dtype="float32", attention_backend="triton",
+                  kv_block_size=8, speculative_tree_size=tree, speculative_min_acceptance_length=None)
+    runner = graphed.engine.runner
+    if not runner.use_graphs:  # the interpreter replays the same static buffers eagerly
+        runner.use_graphs = True
+        graphed.engine.spec.capture_graphs()
+    got = graphed.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert graphed.engine.spec_totals()["num_drafts"] > 0
+    for o, w in zip(got, want):
+        for a, b in ((o.logprobs or [], w.logprobs or []), ((o.prompt_logprobs or [None])[1:],
+                                                             (w.prompt_logprobs or [None])[1:])):
+            assert [e.token_id for e in a] == [e.token_id for e in b]
+            assert all(abs(x.logprob - y.logprob) < 1e-3 and [t for t, _ in x.top] == [t for t, _ in y.top]
+                       for x, y in zip(a, b))
