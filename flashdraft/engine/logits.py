@@ -14,7 +14,6 @@ the raw distribution's (vLLM's default logprobs mode), the chosen token's and th
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -85,26 +84,24 @@ def process(logits: torch.Tensor, seqs: list[Sequence], positions: torch.Tensor,
             ) -> torch.Tensor:
     """vLLM's processors over logits [R, V] float32 (changed in place and returned): row r belongs to
     seqs[r] and chooses the token at positions[r] (on the device), so its output so far is the request's
-    committed output up to that position, plus the step's own rows in `seen`."""
+    committed output up to that position, plus the step's own rows in `seen`. Flat scatters throughout:
+    nothing here waits for the device."""
     dev, V = logits.device, logits.shape[1]
-    out_len = positions - to_device([s.num_prompt_tokens for s in seqs], torch.long, dev)
-    # logit_bias: (row, token, bias)
-    bias = [(r, t, b) for r, s in enumerate(seqs) for t, b in (s.params.logit_bias or {}).items() if t < V]
+    flat = logits.view(-1)
+    bias = [(r * V + t, b) for r, s in enumerate(seqs) for t, b in (s.params.logit_bias or {}).items() if t < V]
     if bias:
-        r, t, b = zip(*bias)
-        logits.index_put_((to_device(r, torch.long, dev), to_device(t, torch.long, dev)),
-                          to_device(b, torch.float32, dev), accumulate=True)
+        at, b = zip(*bias)
+        flat.scatter_add_(0, to_device(at, torch.long, dev), to_device(b, torch.float32, dev))
     # min_tokens: the request's stop tokens (EOS unless ignored) barred while its output is shorter
-    bar = [(r, t) for r, s in enumerate(seqs) if s.params.min_tokens
-           for t in _stop_ids(s, eos_ids) if t < V]
+    bar = [(r, r * V + t) for r, s in enumerate(seqs) if s.params.min_tokens for t in _stop_ids(s, eos_ids) if t < V]
     if bar:
-        r, t = (to_device(x, torch.long, dev) for x in zip(*bar))
-        mins = to_device([s.params.min_tokens for s in seqs], torch.long, dev)
-        below = out_len[r] < mins[r]
-        logits.index_put_((r, t), torch.where(below, float("-inf"), 0.0), accumulate=True)
+        rows, at = zip(*bar)
+        x = to_device([rows, at, [seqs[r].num_prompt_tokens + seqs[r].params.min_tokens for r in rows]], torch.long,
+                      dev)
+        flat.scatter_add_(0, x[1], torch.where(positions[x[0]] < x[2], float("-inf"), 0.0))
     penalized = [r for r, s in enumerate(seqs) if _penalizes(s)]
     if penalized:
-        _penalties(logits, seqs, penalized, out_len, seen)
+        _penalties(logits, seqs, penalized, seen)
     return logits
 
 
@@ -118,47 +115,41 @@ def _penalizes(seq: Sequence) -> bool:
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
-def _penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int], out_len: torch.Tensor,
-               seen: Seen | None) -> None:
-    """Repetition, frequency and presence penalties of the rows `rows`, in vLLM's order."""
+def _penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int], seen: Seen | None) -> None:
+    """Repetition, frequency and presence penalties of the rows `rows`, in vLLM's order. A row's output counts
+    are its request's committed output (a verify row's request committed nothing past its block's start)
+    plus the step's own rows it sees; the committed part is made once per request, then taken by its rows."""
     dev, V = logits.device, logits.shape[1]
-    # each row's output counts: its request's committed output up to the row's position (a verify row's
-    # request committed nothing past its block's start, so that is the whole committed output) ...
-    base_idx, base_tok, base_n = [], [], []
-    prompt_idx, prompt_tok = [], []
-    at = {r: i for i, r in enumerate(rows)}
-    for i, r in enumerate(rows):
-        s = seqs[r]
-        for t, c in Counter(t for t in s.output_token_ids if t < V).items():
-            base_idx.append(i)
-            base_tok.append(t)
-            base_n.append(c)
-        if s.params.repetition_penalty != 1.0:
-            prompt_tok.extend(t for t in set(s.token_ids[: s.num_prompt_tokens]) if t < V)
-            prompt_idx.extend([i] * (len(prompt_tok) - len(prompt_idx)))
-    counts = torch.zeros(len(rows), V, dtype=torch.float32, device=dev)
-    if base_idx:
-        counts.index_put_((to_device(base_idx, torch.long, dev), to_device(base_tok, torch.long, dev)),
-                          to_device(base_n, torch.float32, dev), accumulate=True)
-    if seen is not None:  # ... plus the step's own rows each row sees
-        keep = [j for j, r in enumerate(seen.rows) if r in at]
-        if keep:
-            idx = to_device([[at[seen.rows[j]] for j in keep], [seen.src[j] for j in keep], keep], torch.long, dev)
-            w = seen.weights[idx[2]].float() if seen.weights is not None else torch.ones(len(keep), device=dev)
-            counts.index_put_((idx[0], seen.ids[idx[1]]), w, accumulate=True)
-    sub = logits[to_device(rows, torch.long, dev)]
+    owners: dict[int, int] = {}  # request -> its row in the per-request tensors
+    of_row = [owners.setdefault(id(seqs[r]), len(owners)) for r in rows]
+    reqs = list({id(seqs[r]): seqs[r] for r in rows}.values())
+    ints = to_device([rows, of_row], torch.long, dev)
     params = [seqs[r].params for r in rows]
-    rep = [p.repetition_penalty for p in params]
-    if any(x != 1.0 for x in rep):
-        seen_any = counts > 0
-        if prompt_idx:
-            seen_any[to_device(prompt_idx, torch.long, dev), to_device(prompt_tok, torch.long, dev)] = True
-        factor = torch.where(seen_any, to_device(rep, torch.float32, dev)[:, None], 1.0)
+    rep, freq, pres = to_device([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                                 [p.presence_penalty for p in params]], torch.float32, dev)[:, :, None]
+    counts = torch.zeros(len(reqs) * V, dtype=torch.float32, device=dev)
+    out = [u * V + t for u, s in enumerate(reqs) for t in s.output_token_ids]  # (sampled: every id is below V)
+    if out:
+        counts.scatter_add_(0, to_device(out, torch.long, dev), torch.ones(1, device=dev).expand(len(out)))
+    counts = counts.view(len(reqs), V).index_select(0, ints[1])
+    if seen is not None:  # the step's own rows each row sees
+        pos = {r: i for i, r in enumerate(rows)}
+        keep = [j for j, r in enumerate(seen.rows) if r in pos]
+        if keep:
+            idx = to_device([[pos[seen.rows[j]] * V for j in keep], [seen.src[j] for j in keep], keep], torch.long,
+                            dev)
+            w = torch.ones(1, device=dev).expand(len(keep)) if seen.weights is None else seen.weights[idx[2]].float()
+            counts.view(-1).scatter_add_(0, idx[0] + seen.ids[idx[1]], w)
+    sub = logits.index_select(0, ints[0])
+    if any(p.repetition_penalty != 1.0 for p in params):  # tokens of the prompt or the output so far
+        prompt = [u * V + t for u, s in enumerate(reqs) if s.params.repetition_penalty != 1.0
+                  for t in set(s.token_ids[: s.num_prompt_tokens])]  # (checked against the vocabulary)
+        in_prompt = torch.zeros(len(reqs) * V, dtype=torch.bool, device=dev)
+        if prompt:
+            in_prompt.scatter_(0, to_device(prompt, torch.long, dev), True)
+        factor = torch.where((counts > 0) | in_prompt.view(len(reqs), V).index_select(0, ints[1]), rep, 1.0)
         sub = torch.where(sub > 0, sub / factor, sub * factor)
-    freq = to_device([p.frequency_penalty for p in params], torch.float32, dev)[:, None]
-    pres = to_device([p.presence_penalty for p in params], torch.float32, dev)[:, None]
-    sub = sub - freq * counts - pres * (counts > 0).float()
-    logits[to_device(rows, torch.long, dev)] = sub
+    logits.index_copy_(0, ints[0], sub - freq * counts - pres * (counts > 0).float())
 
 
 def prompt_logprobs(model, hidden: torch.Tensor, seq: Sequence, start: int) -> None:
