@@ -93,10 +93,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def penalizes(self) -> bool:
+        """Whether the penalties (repetition, frequency, presence) change the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def processes_logits(self) -> bool:
         """Whether the target's logits change before the choice (beyond temperature, top-k and top-p)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_p or self.min_tokens or self.logit_bias)
+        return self.penalizes or bool(self.min_p or self.min_tokens or self.logit_bias)
 
     @property
     def needs_logits(self) -> bool:

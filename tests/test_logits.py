@@ -243,3 +243,13 @@ def test_graphed_and_overlapped_steps(tiny_llama, drafter, plain, tree, monkeypa
     assert llm.engine.stats["num_overlapped_steps"] == 0
     mixed = llm.generate(prompts + prompts, params + [SamplingParams(max_tokens=24, ignore_eos=True)] * 3)
     assert [o.token_ids for o in mixed[:3]] == [o.token_ids for o in outs]
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(plain):
+    """A bias for an id the model does not have would change nothing: refused by name, nothing queued."""
+    with pytest.raises(ValueError, match="logit_bias token id 320 is outside the vocabulary"):
+        plain.generate([PROMPTS[0], PROMPTS[1]], [SamplingParams(max_tokens=4),
+                                                  SamplingParams(max_tokens=4, logit_bias={5: 1.0, 320: 2.0})])
+    assert not plain.engine.has_unfinished()
+    with pytest.raises(ValueError, match="logit_bias"):
+        plain.engine.add_request(PROMPTS[0], SamplingParams(logit_bias={10**6: 1.0}))

@@ -151,6 +151,12 @@ class LLMEngine:
             raise ValueError("prompt must be a string or a list of token ids")
         return list(prompt)
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
+        bad = sorted(t for t in params.logit_bias or {} if t >= self.vocab_size)
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("prompt is empty")
@@ -169,6 +175,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        self.check_params(params)
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.check_prompt(ids)
         self._seed += 1

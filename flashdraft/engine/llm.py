@@ -82,6 +82,7 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"params must be SamplingParams, got {type(p).__name__}")
             p.validate()
+            self.engine.check_params(p)
             self.engine.check_prompt(toks)
         seqs = [self.engine.add_request(p if isinstance(p, str) else None, sp, prompt_token_ids=t)
                 for p, sp, t in zip(prompts, plist, ids)]

@@ -88,18 +88,19 @@ def process(logits: torch.Tensor, seqs: list[Sequence], positions: torch.Tensor,
     nothing here waits for the device."""
     dev, V = logits.device, logits.shape[1]
     flat = logits.view(-1)
-    bias = [(r * V + t, b) for r, s in enumerate(seqs) for t, b in (s.params.logit_bias or {}).items() if t < V]
+    bias = [(r * V + t, b) for r, s in enumerate(seqs) for t, b in (s.params.logit_bias or {}).items()]
     if bias:
         at, b = zip(*bias)
         flat.scatter_add_(0, to_device(at, torch.long, dev), to_device(b, torch.float32, dev))
-    # min_tokens: the request's stop tokens (EOS unless ignored) barred while its output is shorter
+    # min_tokens: the request's stop tokens (EOS unless ignored) barred while its output is shorter (a stop
+    # id past the vocabulary is never drawn: nothing to bar)
     bar = [(r, r * V + t) for r, s in enumerate(seqs) if s.params.min_tokens for t in _stop_ids(s, eos_ids) if t < V]
     if bar:
         rows, at = zip(*bar)
         x = to_device([rows, at, [seqs[r].num_prompt_tokens + seqs[r].params.min_tokens for r in rows]], torch.long,
                       dev)
         flat.scatter_add_(0, x[1], torch.where(positions[x[0]] < x[2], float("-inf"), 0.0))
-    penalized = [r for r, s in enumerate(seqs) if _penalizes(s)]
+    penalized = [r for r, s in enumerate(seqs) if s.params.penalizes]
     if penalized:
         _penalties(logits, seqs, penalized, seen)
     return logits
@@ -108,11 +109,6 @@ def process(logits: torch.Tensor, seqs: list[Sequence], positions: torch.Tensor,
 def _stop_ids(seq: Sequence, eos_ids) -> list[int]:
     p = seq.params
     return sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids)))
-
-
-def _penalizes(seq: Sequence) -> bool:
-    p = seq.params
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
 def _penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int], seen: Seen | None) -> None:

@@ -499,7 +499,9 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
                 prompt_logprobs(self.engine.runner.model, hidden[p.row: p.row + p.n], s, start)
             if p.verify:
                 width = p.n
-                if s.params.processes_logits and ids is not None:
+                if s.params.penalizes:
+                    if ids is None:  # (every path that verifies a penalized request passes them)
+                        raise RuntimeError("a penalized request's verify rows need the step's input ids")
                     for j in range(p.n):  # row j counts the drafts of rows 1..j (a tree: of its ancestors)
                         for d in range(1, p.n if tree_masks is not None else j + 1):
                             seen.rows.append(len(rows) + j)
