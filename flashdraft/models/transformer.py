@@ -352,6 +352,9 @@ class DecoderLM(nn.Module):
         self.lm_head = None if self.tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryTable | None = None
         self.layer_masks = target_layer_masks(cfg)
+        # tensor parallelism (models/parallel.py): this rank's group and its share of the LM head's rows
+        self.tp = None
+        self.lm_head_shard: torch.Tensor | None = None
 
     @property
     def head_dim(self) -> int:
@@ -388,7 +391,11 @@ class DecoderLM(nn.Module):
         """Logits of every row, in float32 for the sampler; float32=False keeps the activation dtype
         (an argmax over them picks the same token: the upcast is exact)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
-        logits = linear(flat, self.lm_head_weight).view(*hidden.shape[:-1], -1)
+        if self.tp is not None:  # each rank's share of the vocabulary, gathered
+            logits = self.tp.all_gather_last(linear(flat, self.lm_head_shard))[:, : self.config.vocab_size]
+            logits = logits.reshape(*hidden.shape[:-1], -1)
+        else:
+            logits = linear(flat, self.lm_head_weight).view(*hidden.shape[:-1], -1)
         return logits.float() if float32 else logits
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:

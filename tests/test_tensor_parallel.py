@@ -1,0 +1,91 @@
+"""Tensor parallelism (models/parallel.py) on the CPU: two processes over gloo, each with its share of a
+tiny model's layers and its own KV cache of its KV heads, give the unsplit model's hidden states and
+logits through a batched prefill and decode steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from flashdraft.attention.base import AttentionBatch
+from flashdraft.attention.torch_ref import TorchAttention
+from flashdraft.models.loader import load_model
+from flashdraft.models.parallel import TPGroup, check_shardable, shard_decoder
+
+PAGE = 4
+
+
+def _caches(model, blocks: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    a = model.layers[0].self_attn
+    return [tuple(torch.zeros(blocks, PAGE, a.n_kv, a.head_dim, device=device) for _ in "kv") for _ in model.layers]
+
+
+def _step(model, kv, ids: list[list[int]], starts: list[int], tables: list[list[int]], device):
+    """One forward of sequences s (rows ids[s] at positions starts[s]...): final hidden and logits."""
+    flat, pos, slots, qsl = [], [], [], [0]
+    for toks, start, table in zip(ids, starts, tables):
+        for j, t in enumerate(toks):
+            p = start + j
+            flat.append(t)
+            pos.append(p)
+            slots.append(table[p // PAGE] * PAGE + p % PAGE)
+        qsl.append(qsl[-1] + len(toks))
+    batch = AttentionBatch(torch.tensor(slots, device=device), qsl, [s + len(t) for s, t in zip(starts, ids)], tables,
+                           PAGE)
+    attn = TorchAttention()
+    attn.prepare(batch, device)
+    hidden, _ = model(torch.tensor(flat, device=device), torch.tensor(pos, device=device), kv, attn, batch)
+    return hidden, model.compute_logits(hidden), qsl
+
+
+def _worker(rank: int, size: int, init: str, folder: str, backend: str = "gloo") -> None:
+    """One rank (gloo: on the CPU; nccl: on GPU `rank`, the fused layer path): the split model against the
+    whole one, which every rank also runs."""
+    device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=size)
+    try:
+        with torch.inference_mode():
+            ref = load_model(folder, device, torch.float32).model
+            tp = shard_decoder(load_model(folder, device, torch.float32).model, TPGroup(rank, size))
+            for m in (ref, tp):
+                m.setup_rope(64)
+            assert tp.layers[0].self_attn.n_kv == ref.layers[0].self_attn.n_kv // size
+            kv_ref, kv_tp = _caches(ref, 12, device), _caches(tp, 12, device)
+            prompts, tables = [[5, 17, 33, 80, 9, 1, 44], list(range(40, 52))], [[0, 1, 2, 3], [4, 5, 6, 7, 8]]
+            ids, starts = prompts, [0, 0]
+            for _ in range(4):  # the prefill, then three decode steps of both sequences
+                h_ref, l_ref, qsl = _step(ref, kv_ref, ids, starts, tables, device)
+                h_tp, l_tp, _ = _step(tp, kv_tp, ids, starts, tables, device)
+                torch.testing.assert_close(h_tp, h_ref, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(l_tp, l_ref, rtol=1e-5, atol=1e-5)
+                last = l_ref[[q - 1 for q in qsl[1:]]].argmax(-1).tolist()
+                starts = [s + len(t) for s, t in zip(starts, ids)]
+                ids = [[t] for t in last]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "odd-vocab"])
+def test_two_ranks_equal_the_unsplit_model(kind, tmp_path, tiny_llama, tiny_qwen3):
+    """(odd-vocab: 321 rows of LM head, shares of 161, the last padded)"""
+    if kind == "odd-vocab":
+        from fixtures import build_tiny_model
+
+        folder = build_tiny_model(tmp_path / "m", "qwen3", vocab_size=321)
+    else:
+        folder = {"llama": tiny_llama, "qwen3": tiny_qwen3}[kind]
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(folder)), nprocs=2, join=True)
+
+
+def test_unsplittable_models_are_refused(tiny_llama):
+    from flashdraft.models.loader import load_config
+
+    cfg = load_config(tiny_llama)
+    with pytest.raises(ValueError, match="does not divide num_attention_heads"):
+        check_shardable(cfg, cfg.num_attention_heads + 1)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        check_shardable(cfg, 0)
