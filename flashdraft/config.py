@@ -73,6 +73,8 @@ class EngineConfig:
     # share full KV pages between requests with the same prefix, the drafter's context with them
     # (engine/block_manager.py); None: on, except for hybrid targets, whose recurrent state pages cannot restore
     enable_prefix_caching: bool | None = None
+    # split the target over this many devices (one process each; engine/parallel.py); vLLM's name
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -98,6 +100,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.kv_block_size < 1:
             raise ValueError(f"kv_block_size must be >= 1, got {self.kv_block_size}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose auto, torch or triton")
         if self.load_format not in ("auto", "dummy"):
@@ -271,6 +275,8 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = False) -> None:
     if seed:
         p.add_argument("--seed", dest="engine_seed", type=int, default=0, metavar="N",
                        help="engine seed: sampled requests without a seed of their own draw from it")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the target over N GPUs of this host, one process each (vLLM's; on a CPU N processes)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: triton on CUDA when it imports, else torch")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA")
@@ -316,7 +322,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 speculative_tree_size=args.speculative_tree_size,
                 speculative_disable_batch_size=args.speculative_disable_batch_size,
                 speculative_min_acceptance_length=args.speculative_min_acceptance_length,
-                speculative_config=args.speculative_config,
+                speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
                 **({"seed": args.engine_seed} if hasattr(args, "engine_seed") else {}))
 
 

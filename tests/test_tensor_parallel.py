@@ -1,6 +1,8 @@
-"""Tensor parallelism (models/parallel.py) on the CPU: two processes over gloo, each with its share of a
-tiny model's layers and its own KV cache of its KV heads, give the unsplit model's hidden states and
-logits through a batched prefill and decode steps."""
+"""Tensor parallelism on the CPU, two processes over gloo. The split (models/parallel.py): each rank's share
+of a tiny model's layers and its own KV cache of its KV heads give the whole model's hidden states and
+logits through a batched prefill and decode steps. The engine (engine/parallel.py): LLM(tensor_parallel_size=2)
+gives the tokens of one process, plain and DFlash (oracle drafts: every verify row checked), greedy and
+seeded, batched, with preemption; a rank that dies is an error naming it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from flashdraft import LLM, SamplingParams
 from flashdraft.attention.base import AttentionBatch
 from flashdraft.attention.torch_ref import TorchAttention
 from flashdraft.models.loader import load_model
@@ -81,7 +84,7 @@ def test_two_ranks_equal_the_unsplit_model(kind, tmp_path, tiny_llama, tiny_qwen
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(folder)), nprocs=2, join=True)
 
 
-def test_unsplittable_models_are_refused(tiny_llama):
+def test_unsplittable_models_are_refused(tiny_llama, tmp_path):
     from flashdraft.models.loader import load_config
 
     cfg = load_config(tiny_llama)
@@ -89,3 +92,59 @@ def test_unsplittable_models_are_refused(tiny_llama):
         check_shardable(cfg, cfg.num_attention_heads + 1)
     with pytest.raises(ValueError, match="must be >= 1"):
         check_shardable(cfg, 0)
+    from fixtures import build_tiny_model
+
+    moe = load_config(build_tiny_model(tmp_path / "moe", "qwen3_moe"))
+    with pytest.raises(ValueError, match="not 'qwen3_moe'"):
+        check_shardable(moe, 2)
+    from flashdraft.cli import build_parser
+    from flashdraft.config import engine_kwargs
+
+    args = build_parser().parse_args(["serve", "-tp", "2"])
+    assert engine_kwargs(args)["tensor_parallel_size"] == 2
+
+
+PROMPTS = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12]]
+PARAMS = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n)
+          for n, t in ((24, 0.0), (30, 1.0), (17, 0.0), (28, 0.8))]
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_engine_over_two_ranks_equals_one_process(tiny_llama, tmp_path, draft):
+    from fixtures import build_random_drafter
+    from test_dflash import install_oracle
+
+    d = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)) if draft else None
+    kw = dict(draft=d, device="cpu", dtype="float32", speculative_min_acceptance_length=None)
+    one = LLM(str(tiny_llama), **kw)
+    want = one.generate(PROMPTS, PARAMS)
+    two = LLM(str(tiny_llama), tensor_parallel_size=2, num_kv_blocks=14, kv_block_size=8, **kw)
+    try:
+        if draft:  # the target's own continuations: blocks accepted whole, the verify's every row compared
+            ref = one.generate(PROMPTS, [SamplingParams(max_tokens=60, ignore_eos=True) for _ in PROMPTS])
+            install_oracle(two, {tuple(p): o.token_ids for p, o in zip(PROMPTS, ref)})
+            got = two.generate(PROMPTS, [SamplingParams(max_tokens=30, ignore_eos=True) for _ in PROMPTS])
+            assert [o.token_ids for o in got] == [o.token_ids[:30] for o in ref]
+            assert two.engine.spec_totals()["acceptance_length"] > 3.5
+            del two.engine.spec.propose
+        got = two.generate(PROMPTS, PARAMS)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert two.engine.stats["num_preemptions"] > 0  # (14 pages of 8 for 4 requests of up to 61 tokens)
+    finally:
+        two.engine.shutdown()
+
+
+def test_a_rank_that_dies_is_an_error(tiny_llama):
+    import time
+
+    llm = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32", tensor_parallel_size=2)
+    try:
+        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))[0].token_ids
+        llm.engine.ranks.procs[0].kill()
+        time.sleep(0.5)
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3))
+    finally:
+        llm.engine.shutdown()
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide num_attention_heads"):
+        LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32", tensor_parallel_size=3)

@@ -99,6 +99,17 @@ class LLMEngine:
         if draft is not None:  # before the target's weights: a bad drafter fails in seconds, not after them
             check_drafter(draft, config)
         loaded = load_model(config.model, self.device, self.dtype, config.load_format, config.revision)
+        self.ranks = None
+        if config.tensor_parallel_size > 1:  # the other ranks start, load and split it too (engine/parallel.py)
+            from flashdraft.engine.parallel import Ranks, TPModel
+            from flashdraft.models.parallel import check_shardable, shard_decoder
+
+            check_shardable(loaded.model.config, config.tensor_parallel_size)
+            if config.cuda_graphs and self.device.type == "cuda":
+                log.info("tensor_parallel_size %d: steps run eagerly (no CUDA graphs yet)", config.tensor_parallel_size)
+            config.cuda_graphs = False
+            self.ranks = Ranks(config, self.device)
+            loaded.model = TPModel(shard_decoder(loaded.model, self.ranks.tp), self.ranks)
         self.model_dir = loaded.folder
         self.model_config = loaded.model.config  # the language model's (a composite config's text_config)
         self.tokenizer = loaded.tokenizer
@@ -123,6 +134,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.kv_block_size, config.max_num_seqs if state else 0,
                                           prefix_caching=caching)
         self.scheduler = Scheduler(config, self.block_manager)
+        if self.ranks is not None:  # the other ranks' KV pages: as many, of their KV heads
+            self.ranks.send("setup", num_blocks, self.max_model_len)
         self.runner = ModelRunner(loaded.model, config, self.device, self.dtype, num_blocks, self.max_model_len)
         collect_before_capture(self.device)
         self.runner.capture_graphs(("target", ()), 1, True, self.runner.attn, self.runner.target_step(()),
@@ -142,6 +155,11 @@ class LLMEngine:
         self._inflight: InFlight | None = None
         self.stats = {"num_steps": 0, "num_preemptions": 0, "num_generated_tokens": 0, "num_overlapped_steps": 0}
         log_ready(self, draft)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (also done at exit); nothing to do on one device."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -46,9 +46,15 @@ def kv_layers(model: DecoderLM) -> list[int]:
     return getattr(model, "kv_layers", None) or list(range(model.config.num_hidden_layers))
 
 
+def local_heads(model: DecoderLM) -> tuple[int, int]:
+    """(query heads, KV heads) this process computes: a tensor-parallel rank's share (models/parallel.py)."""
+    cfg, tp = model.config, getattr(model, "tp", None)
+    n = tp.size if tp is not None else 1
+    return cfg.num_attention_heads // n, cfg.num_key_value_heads // n
+
+
 def kv_bytes_per_token(model: DecoderLM, dtype: torch.dtype) -> int:
-    cfg = model.config
-    return 2 * len(kv_layers(model)) * cfg.num_key_value_heads * model.head_dim * torch.finfo(dtype).bits // 8
+    return 2 * len(kv_layers(model)) * local_heads(model)[1] * model.head_dim * torch.finfo(dtype).bits // 8
 
 
 def state_bytes_per_seq(model: DecoderLM, dtype: torch.dtype) -> int:
@@ -160,7 +166,8 @@ class ModelRunner:
         # max_model_len plus room for draft slots past the end of a sequence
         model.setup_rope(max_model_len + 64)
         paged = kv_layers(model)
-        shape = (len(paged), num_blocks, self.block_size, cfg.num_key_value_heads, model.head_dim)
+        n_heads, n_kv = local_heads(model)
+        shape = (len(paged), num_blocks, self.block_size, n_kv, model.head_dim)
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         # per layer: its (k, v) pages, or a hybrid target's recurrent state
@@ -172,7 +179,7 @@ class ModelRunner:
             from flashdraft.attention.triton_paged import compile_variants
 
             for _, window in dict.fromkeys(model.layer_masks):
-                compile_variants(cfg.num_attention_heads, cfg.num_key_value_heads, model.head_dim, self.block_size,
+                compile_variants(n_heads, n_kv, model.head_dim, self.block_size,
                                  dtype, device, window=window, sinks=model.has_sinks)
         with torch.inference_mode():  # the sampler's greedy kernels, both logits dtypes
             if device.type == "cuda" and fused_enabled(self.k_cache):

@@ -23,6 +23,8 @@ from torch import nn
 
 from flashdraft.models.transformer import MLP, DecoderLM, Linear, linear
 
+DENSE = ("llama", "mistral", "qwen2", "qwen3")  # the model types whose layers shard_decoder splits
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -58,8 +60,9 @@ def check_shardable(cfg, size: int) -> None:
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     model_type = getattr(cfg, "model_type", None)
-    if model_type in ("qwen3_moe", "gpt_oss") or getattr(cfg, "num_experts", None):
-        raise ValueError(f"tensor parallelism does not split mixture-of-experts layers yet ({model_type})")
+    if model_type not in DENSE:
+        raise ValueError(f"tensor parallelism splits dense transformers ({', '.join(DENSE)}) so far, not "
+                         f"{model_type!r} (mixture-of-experts and hybrid targets are not split yet)")
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         n = getattr(cfg, name)
         if n % size:

@@ -18,3 +18,22 @@ def test_two_gpus_equal_the_unsplit_model(kind, tmp_path, tiny_llama, tiny_qwen3
 
     folder = {"llama": tiny_llama, "qwen3": tiny_qwen3}[kind]
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(folder), "nccl"), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_engine_over_two_gpus_equals_one(tiny_llama, tmp_path, draft):
+    """LLM(tensor_parallel_size=2) on two GPUs over NCCL (eager steps) gives one GPU's eager tokens, plain and
+    DFlash, greedy and seeded, batched."""
+    from fixtures import build_random_drafter
+    from test_tensor_parallel import PARAMS, PROMPTS
+
+    from flashdraft import LLM
+
+    d = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)) if draft else None
+    kw = dict(draft=d, device="cuda", dtype="float32", speculative_min_acceptance_length=None, enforce_eager=True)
+    want = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(PROMPTS, PARAMS)]
+    two = LLM(str(tiny_llama), tensor_parallel_size=2, **kw)
+    try:
+        assert [o.token_ids for o in two.generate(PROMPTS, PARAMS)] == want
+    finally:
+        two.engine.shutdown()
