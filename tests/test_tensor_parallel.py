@@ -68,6 +68,7 @@ def _worker(rank: int, size: int, init: str, folder: str, backend: str = "gloo")
                 last = l_ref[[q - 1 for q in qsl[1:]]].argmax(-1).tolist()
                 starts = [s + len(t) for s, t in zip(starts, ids)]
                 ids = [[t] for t in last]
+        dist.barrier()  # every rank past its last collective before any leaves the group
     finally:
         dist.destroy_process_group()
 
@@ -148,3 +149,28 @@ def test_a_rank_that_dies_is_an_error(tiny_llama):
         llm.engine.shutdown()
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide num_attention_heads"):
         LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32", tensor_parallel_size=3)
+
+
+def test_server_over_two_ranks(tiny_llama):
+    """`flashdraft serve -tp 2`'s app: the engine thread drives the ranks; the answer is one process's."""
+    import openai
+    from fixtures import Served
+
+    from flashdraft.config import EngineConfig
+    from flashdraft.engine.engine import LLMEngine
+    from flashdraft.server.app import build_app
+
+    want = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32").generate(
+        [PROMPTS[2]], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), draft=None, device="cpu", dtype="float32",
+                                    tensor_parallel_size=2))
+    served = Served(build_app(engine))
+    try:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        out = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[2], max_tokens=12,
+                                        temperature=0, extra_body={"ignore_eos": True}, logprobs=0)
+        assert out.usage.completion_tokens == 12
+        assert engine.tokenizer.decode(want) == out.choices[0].text
+    finally:
+        served.close()
+        engine.shutdown()

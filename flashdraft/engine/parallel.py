@@ -7,10 +7,11 @@ the same order. The other ranks hold nothing but their share, their KV pages (th
 rank 0's block tables name) and an attention backend; `worker` is their whole loop. The drafter runs on
 rank 0 only: the target's taps and logits reach it whole (all-reduced and gathered).
 
-Commands travel as pickled objects over a gloo group (host memory); a hidden-state tensor whose logits
-are wanted travels over the main group. A rank that fails stops the others through the group's timeout
-(`TP_TIMEOUT_S`), and rank 0 raises. On CUDA the steps run eagerly (CUDA graphs are not captured per rank
-yet).
+A call's host fields (the step's lengths and block tables) travel as a pickled command over a gloo group;
+its tensors (input ids, positions, cache slots, tree masks, a hidden state whose logits are wanted) over
+the main group, from wherever they are, so announcing a call never waits for the GPU. A rank that has
+exited is named by rank 0's next call; a rank stuck in a collective ends it at the group's timeout
+(`TP_TIMEOUT_S`). On CUDA the steps run eagerly (CUDA graphs are not captured per rank yet).
 """
 
 from __future__ import annotations
@@ -107,7 +108,13 @@ class TPModel:
         return getattr(self._model, name)
 
     def __call__(self, input_ids, positions, kv, attn, batch, tap_layers=()):
-        self._ranks.send("forward", input_ids.cpu(), positions.cpu(), _host_batch(batch), tuple(tap_layers))
+        """The step's host fields over the control group; its tensors (ids, positions, slots, tree masks)
+        over the main group, from the device where they are: nothing waits for the GPU here."""
+        tensors = _step_tensors(input_ids, positions, batch)
+        host = replace(batch, slot_mapping=None, tree_mask=None)
+        self._ranks.send("forward", [tuple(t.shape) for t in tensors], host, tuple(tap_layers))
+        for t in tensors:
+            dist.broadcast(t, src=0)
         return self._model(input_ids, positions, kv, attn, batch, tap_layers)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
@@ -117,10 +124,10 @@ class TPModel:
         return self._model.compute_logits(hidden, float32)
 
 
-def _host_batch(batch):
-    """An AttentionBatch with its tensors in host memory, to pickle."""
-    return replace(batch, slot_mapping=batch.slot_mapping.cpu(),
-                   tree_mask=None if batch.tree_mask is None else batch.tree_mask.cpu())
+def _step_tensors(input_ids, positions, batch) -> list[torch.Tensor]:
+    """A forward's int64 tensors the other ranks receive: ids, positions, slots, and tree masks if any."""
+    ts = [input_ids, positions, batch.slot_mapping] + ([batch.tree_mask] if batch.tree_mask is not None else [])
+    return [t.contiguous().long() for t in ts]
 
 
 def worker(rank: int, size: int, init: str, config: dict, device_name: str) -> None:
@@ -157,11 +164,13 @@ def worker(rank: int, size: int, init: str, config: dict, device_name: str) -> N
                 if command[0] == "stop":
                     return
                 if command[0] == "forward":
-                    ids, positions, batch, taps = command[1:]
-                    batch = replace(batch, slot_mapping=batch.slot_mapping.to(device),
-                                    tree_mask=None if batch.tree_mask is None else batch.tree_mask.to(device))
+                    shapes, batch, taps = command[1:]
+                    ts = [torch.empty(shape, dtype=torch.long, device=device) for shape in shapes]
+                    for t in ts:
+                        dist.broadcast(t, src=0)
+                    batch = replace(batch, slot_mapping=ts[2], tree_mask=ts[3] if len(ts) > 3 else None)
                     attn.prepare(batch, device)
-                    model(ids.to(device), positions.to(device), kv, attn, batch, taps)
+                    model(ts[0], ts[1], kv, attn, batch, taps)
                 elif command[0] == "logits":
                     shape, dt, float32 = command[1:]
                     hidden = torch.empty(shape, device=device, dtype=dt)
