@@ -127,7 +127,7 @@ class TPModel:
 def _step_tensors(input_ids, positions, batch) -> list[torch.Tensor]:
     """A forward's int64 tensors the other ranks receive: ids, positions, slots, and tree masks if any."""
     ts = [input_ids, positions, batch.slot_mapping] + ([batch.tree_mask] if batch.tree_mask is not None else [])
-    return [t.contiguous().long() for t in ts]
+    return [t.to(input_ids.device, torch.long).contiguous() for t in ts]  # (NCCL: all on the GPU)
 
 
 def worker(rank: int, size: int, init: str, config: dict, device_name: str) -> None:
