@@ -23,6 +23,30 @@ def tiny_qwen3(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
 
 
+@pytest.fixture(scope="module")
+def drafter(tiny_llama, tmp_path_factory) -> Path:
+    """A random z-lab-format drafter (block 4) for tiny_llama, per module (a module may define its own)."""
+    from fixtures import build_random_drafter
+
+    return build_random_drafter(tmp_path_factory.mktemp("draft"), tiny_llama, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    """tiny_llama decoded plainly, float32 on CPU, per module."""
+    from flashdraft import LLM
+
+    return LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_llama, drafter):
+    """tiny_llama with `drafter`, float32 on CPU, per module."""
+    from flashdraft import LLM
+
+    return LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real embedded default, plain decoding, float32 on CPU (shared across tests)."""

@@ -162,13 +162,6 @@ def test_async_scheduling_option_is_checked():
 
 
 # ---- DFlash engines: steps without drafts overlap too (speculative/dflash.py, step) ------------
-@pytest.fixture(scope="module")
-def drafter(tiny_llama, tmp_path_factory):
-    from fixtures import build_random_drafter
-
-    return build_random_drafter(tmp_path_factory.mktemp("async-draft"), tiny_llama, block_size=4)
-
-
 def spec_engines(folder, drafter, **cfg):
     return [LLM(str(folder), draft=str(drafter), device="cpu", dtype="float32", async_scheduling=a, **cfg)
             for a in (False, True)]

@@ -24,16 +24,6 @@ def serve_config(*argv: str) -> EngineConfig:
     return EngineConfig.from_kwargs(**serve_engine_kwargs(build_parser().parse_args(["serve", *argv])))
 
 
-@pytest.fixture(scope="module")
-def drafter(tiny_llama, tmp_path_factory):
-    return build_random_drafter(tmp_path_factory.mktemp("draft"), tiny_llama, block_size=4)
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_llama):
-    return LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
-
-
 # ---- serve MODEL -------------------------------------------------------------------------------
 def test_serve_takes_the_model_as_vllm_serve_does():
     assert serve_config("org/model").model == "org/model"

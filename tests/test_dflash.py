@@ -19,21 +19,6 @@ MIXED = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 1
          [66] * 3, [5, 6], [17, 18, 19, 20, 21, 22, 23], [88, 77, 66, 55], [123, 45, 67, 89, 10, 11]]
 
 
-@pytest.fixture(scope="module")
-def drafter(tiny_llama, tmp_path_factory):
-    return build_random_drafter(tmp_path_factory.mktemp("draft"), tiny_llama, block_size=4)
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_llama):
-    return LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def spec(tiny_llama, drafter):
-    return LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32")
-
-
 def install_oracle(llm, futures: dict[tuple, list[int]], corrupt=None):
     """Replace the drafter's proposals with the target's own future tokens (optionally corrupted)."""
     sp = llm.engine.spec
@@ -431,7 +416,6 @@ def test_speculation_pauses_at_large_batches(tiny_llama, drafter, plain):
     assert 0 < runs[2]["num_drafts"] < runs[None]["num_drafts"] and runs[2]["paused_steps"] > 0
     with pytest.raises(ValueError, match="speculative_disable_batch_size must be >= 1"):
         LLM(str(tiny_llama), draft=None, device="cpu", speculative_disable_batch_size=0)
-
 
 
 @pytest.mark.parametrize("coupled", [True, False])

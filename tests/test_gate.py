@@ -7,23 +7,13 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from fixtures import build_random_drafter, step_gated
+from fixtures import step_gated
 from test_dflash import MIXED, install_oracle
 
 import flashdraft.config
 from flashdraft import LLM, SamplingParams
 from flashdraft.speculative.costs import Observed, StepCosts
 from flashdraft.speculative.gate import AcceptanceGate, StepGate, first_pause, pause_cap
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_llama):
-    return LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def drafter(tiny_llama, tmp_path_factory):
-    return build_random_drafter(tmp_path_factory.mktemp("gate-draft"), tiny_llama, block_size=4)
 
 
 def test_gate_policy_by_hand():

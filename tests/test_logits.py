@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fixtures import build_random_drafter, hf_model
+from fixtures import hf_model
 from test_dflash import install_oracle
 
 from flashdraft import LLM, SamplingParams
@@ -88,21 +88,6 @@ def test_min_p_matches_transformers():
         assert torch.equal(got[r: r + 1].isinf(), want.isinf()), r
         keep = ~want.isinf()
         assert torch.allclose(got[r: r + 1][keep], want[keep])
-
-
-@pytest.fixture(scope="module")
-def drafter(tiny_llama, tmp_path_factory):
-    return build_random_drafter(tmp_path_factory.mktemp("draft"), tiny_llama, block_size=4)
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_llama):
-    return LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def spec(tiny_llama, drafter):
-    return LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32")
 
 
 def _same_logprobs(a, b, atol=1e-4):

@@ -7,17 +7,11 @@ static buffers eagerly, so the device-side inputs are checked here without a GPU
 from __future__ import annotations
 
 import pytest
-from fixtures import build_random_drafter
 from test_graphs import _graphed_llm
 
 from flashdraft import SamplingParams
 
 PROMPTS = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12]]
-
-
-@pytest.fixture(scope="module")
-def drafter(tiny_llama, tmp_path_factory):
-    return build_random_drafter(tmp_path_factory.mktemp("draft"), tiny_llama, block_size=4)
 
 
 def pair(tiny_llama, drafter, **cfg):
