@@ -75,6 +75,10 @@ class EngineConfig:
     enable_prefix_caching: bool | None = None
     # split the target over this many devices (one process each; engine/parallel.py); vLLM's name
     tensor_parallel_size: int = 1
+    # vLLM's: where requests that leave sampling fields unset take them from: "auto", the model folder's
+    # generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); "vllm",
+    # nowhere (flashdraft's own defaults); or a folder holding a generation_config.json
+    generation_config: str = "auto"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -275,6 +279,9 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = False) -> None:
     if seed:
         p.add_argument("--seed", dest="engine_seed", type=int, default=0, metavar="N",
                        help="engine seed: sampled requests without a seed of their own draw from it")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="default sampling settings of requests that leave them unset: auto, the model's "
+                        "generation_config.json; vllm, none (flashdraft's); or a folder's generation_config.json")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the target over N GPUs of this host, one process each (vLLM's; on a CPU N processes)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
@@ -323,6 +330,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 speculative_disable_batch_size=args.speculative_disable_batch_size,
                 speculative_min_acceptance_length=args.speculative_min_acceptance_length,
                 speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
+                generation_config=args.generation_config,
                 **({"seed": args.engine_seed} if hasattr(args, "engine_seed") else {}))
 
 

@@ -111,6 +111,7 @@ class LLMEngine:
             self.ranks = Ranks(config, self.device)
             loaded.model = TPModel(shard_decoder(loaded.model, self.ranks.tp), self.ranks)
         self.model_dir = loaded.folder
+        self.sampling_defaults = self._sampling_defaults(config.generation_config, loaded.folder)
         self.model_config = loaded.model.config  # the language model's (a composite config's text_config)
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
@@ -155,6 +156,32 @@ class LLMEngine:
         self._inflight: InFlight | None = None
         self.stats = {"num_steps": 0, "num_preemptions": 0, "num_generated_tokens": 0, "num_overlapped_steps": 0}
         log_ready(self, draft)
+
+    @staticmethod
+    def _sampling_defaults(source: str, folder) -> dict:
+        """SamplingParams fields a request that leaves them unset takes (generation_config, as vLLM)."""
+        from pathlib import Path
+
+        from flashdraft.models.loader import generation_defaults
+
+        if source == "vllm":
+            return {}
+        if source != "auto" and not (Path(source) / "generation_config.json").is_file():
+            raise ValueError(f"generation_config must be auto, vllm or a folder with a generation_config.json, "
+                             f"got {source!r}")
+        defaults = generation_defaults(folder if source == "auto" else Path(source))
+        try:
+            SamplingParams(**defaults)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"the model's generation_config.json: {e}") from None
+        if defaults:
+            log.info("default sampling settings from generation_config.json: %s (generation_config='vllm' "
+                     "turns them off)", defaults)
+        return defaults
+
+    def default_params(self, **fields) -> SamplingParams:
+        """SamplingParams of `fields`, each field left out taken from the model's defaults (sampling_defaults)."""
+        return SamplingParams(**{**self.sampling_defaults, **fields})
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks (also done at exit); nothing to do on one device."""

@@ -69,12 +69,17 @@ class LLM:
         ids = [self.engine.apply_chat_template(c, **(chat_template_kwargs or {})) for c in conversations]
         return self._run([None] * len(ids), ids, params, use_tqdm)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use without params (vLLM's name): the model's generation_config.json
+        defaults over SamplingParams' own (greedy), unless the engine's generation_config is "vllm"."""
+        return self.engine.default_params()
+
     def reset_prefix_cache(self) -> None:
         """Forget the prefix cache: later requests prefill their prompts whole."""
         self.engine.reset_prefix_cache()
 
     def _run(self, prompts: list, ids: list[list[int]], params, use_tqdm: bool) -> list[Output]:
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.get_default_sampling_params()
         plist = params if isinstance(params, list) else [params] * len(ids)
         if len(plist) != len(ids):
             raise ValueError(f"got {len(plist)} SamplingParams for {len(ids)} prompts")

@@ -99,6 +99,21 @@ def load_tokenizer(folder: Path):
         raise ValueError(f"cannot load a tokenizer from {str(folder)!r}: {e}") from None
 
 
+# generation_config.json's sampling fields that become default SamplingParams (vLLM's set and names)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(folder: Path) -> dict:
+    """The model's default sampling settings, as vLLM reads them from generation_config.json (do_sample and
+    the rest are not read, as there): SamplingParams field -> value; {} without the file."""
+    gen = Path(folder) / "generation_config.json"
+    if not gen.exists():
+        return {}
+    fields = json.loads(gen.read_text())
+    return {name: fields[key] for key, name in GENERATION_DEFAULTS.items() if fields.get(key) is not None}
+
+
 def eos_token_ids(folder: Path, cfg, tokenizer) -> list[int]:
     ids: list[int] = []
     gen = folder / "generation_config.json"

@@ -163,8 +163,8 @@ class _Request(BaseModel):
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise bad_request("stream_options.continuous_usage_stats is not supported", "stream_options")
 
-    def default_max_tokens(self) -> int | None:
-        return None
+    def default_max_tokens(self, defaults: dict) -> int | None:
+        return defaults.get("max_tokens")  # (None: up to the context window)
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_tokens"
@@ -199,20 +199,28 @@ class _Request(BaseModel):
             biases[token_id] = min(max(bias, -100.0), 100.0)
         return biases
 
-    def sampling_params(self, vocab_size: int) -> SamplingParams:
+    def sampling_params(self, vocab_size: int, defaults: dict | None = None) -> SamplingParams:
+        """defaults: the model's sampling defaults (LLMEngine.sampling_defaults), for the fields the request
+        leaves unset, before OpenAI's."""
         max_tokens, max_name = self.requested_max_tokens()
         logprobs, prompt_logprobs = self.engine_logprobs()
+        d = defaults or {}
+
+        def given(value, name: str, default):
+            return value if value is not None else d.get(name, default)
+
         fields = dict(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            max_tokens=self.default_max_tokens() if max_tokens is None else max_tokens,
+            temperature=given(self.temperature, "temperature", 1.0),
+            top_p=given(self.top_p, "top_p", 1.0),
+            top_k=given(self.top_k, "top_k", -1),
+            max_tokens=self.default_max_tokens(d) if max_tokens is None else max_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos),
             seed=self.seed, speculative=True if self.speculative is None else self.speculative,
             skip_special_tokens=True if self.skip_special_tokens is None else self.skip_special_tokens,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0, logit_bias=self.logit_bias_ids(vocab_size),
+            repetition_penalty=given(self.repetition_penalty, "repetition_penalty", 1.0),
+            min_p=given(self.min_p, "min_p", 0.0), min_tokens=self.min_tokens or 0,
+            logit_bias=self.logit_bias_ids(vocab_size),
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
         try:
@@ -264,8 +272,8 @@ class CompletionRequest(_Request):
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         return logprobs, prompt_logprobs
 
-    def default_max_tokens(self) -> int | None:
-        return 16  # OpenAI's default for the legacy completions endpoint
+    def default_max_tokens(self, defaults: dict) -> int | None:
+        return 16  # OpenAI's default for the legacy completions endpoint (vLLM's too, whatever the model's)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt, or each of a list of prompts (texts or token-id lists)."""

@@ -306,7 +306,7 @@ class Serving:
         ignored = req.ignored_fields()
         if ignored:
             log.warning("request fields not used by this server, ignored: %s", ", ".join(ignored))
-        return req, req.sampling_params(self.vocab_size)
+        return req, req.sampling_params(self.vocab_size, self.aengine.engine.sampling_defaults)
 
     async def completions(self, request: Request, data: dict) -> Response:
         req, params = self._parsed(CompletionRequest, data)
