@@ -131,6 +131,12 @@ def test_engine_over_two_ranks_equals_one_process(tiny_llama, tmp_path, draft):
         got = two.generate(PROMPTS, PARAMS)
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         assert two.engine.stats["num_preemptions"] > 0  # (14 pages of 8 for 4 requests of up to 61 tokens)
+        processed = [SamplingParams(max_tokens=16, ignore_eos=True, repetition_penalty=1.5, logprobs=2,
+                                    temperature=t, seed=3) for t in (0.0, 1.0, 0.0, 0.7)]
+        for a, b in zip(two.generate(PROMPTS, processed), one.generate(PROMPTS, processed)):
+            assert a.token_ids == b.token_ids
+            assert all(abs(x.logprob - y.logprob) < 1e-4 and [t for t, _ in x.top] == [t for t, _ in y.top]
+                       for x, y in zip(a.logprobs, b.logprobs))
     finally:
         two.engine.shutdown()
 

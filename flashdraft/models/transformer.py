@@ -393,7 +393,7 @@ class DecoderLM(nn.Module):
         flat = hidden.reshape(-1, hidden.shape[-1])
         if self.tp is not None:  # each rank's share of the vocabulary, gathered
             logits = self.tp.all_gather_last(linear(flat, self.lm_head_shard))[:, : self.config.vocab_size]
-            logits = logits.reshape(*hidden.shape[:-1], -1)
+            logits = logits.contiguous().view(*hidden.shape[:-1], -1)  # (the padding rows cut: one copy)
         else:
             logits = linear(flat, self.lm_head_weight).view(*hidden.shape[:-1], -1)
         return logits.float() if float32 else logits
