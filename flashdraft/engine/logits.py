@@ -72,7 +72,7 @@ def choose(model, hidden: torch.Tensor, seqs: list[Sequence], positions: list[in
     logp = logits.log_softmax(-1) if k is not None else None
     if any(s.params.processes_logits for s in seqs):
         pos = positions if isinstance(positions, torch.Tensor) else to_device(positions, torch.long, logits.device)
-        logits = process(logits.clone(), seqs, pos, eos_ids, seen)
+        logits = process(logits, seqs, pos, eos_ids, seen)  # (in place: compute_logits made it, logp is apart)
     toks = sample(logits, sb)
     if logp is None:
         return toks, None
