@@ -18,7 +18,11 @@ drafts below the break-even tau of the step costs, on CUDA measured at start, el
 serving, speculative/costs.py). For each
 DFlash arm, `speedup`: its tokens per second over the plain arm's at each concurrency.
 
+With --tensor-parallel-size N the target is split over N GPUs (engine/parallel.py) and the roofline is one
+GPU's: the bytes rank 0 reads (its share of every layer and of the LM head) over its bandwidth.
+
     python benchmarks/e2e_step.py --target qwen3.5-0.8b --out e2e.json        # a GPU
+    python benchmarks/e2e_step.py --target qwen3-8b -tp 2 --out e2e-tp2.json  # two GPUs
     python benchmarks/e2e_step.py --target tiny-hybrid --device cpu            # smoke test, anywhere
 
 Writes one JSON document (stdout, and --out)."""
@@ -65,6 +69,9 @@ TARGETS = {
     "qwen3.5-0.8b": dict(QWEN35, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
                          num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=16,
                          linear_num_value_heads=16, tie_word_embeddings=True),
+    "llama-3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                        rope_theta=500000.0, max_position_embeddings=131072, tie_word_embeddings=False),
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      tie_word_embeddings=False),
@@ -366,6 +373,8 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--block", type=int, default=16)
     ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="split the target over this many GPUs; figures are rank 0's (its share's roofline)")
     ap.add_argument("--arms", default="plain,dflash",
                     help="plain (async scheduling, the CUDA default), plain-sync (each step read before the "
                          "next is scheduled), dflash (every step verifies), dflash-sync (the same, each step read "
@@ -388,7 +397,8 @@ def main() -> None:
     conc = [int(c) for c in args.concurrency.split(",")]
     result = {"target": args.target, "shape": TARGETS[args.target], "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "torch": torch.__version__, "prompt_len": args.prompt_len,
-              "new_tokens": args.new_tokens, "copy_bytes_per_s": copy_bandwidth(device), "arms": {}}
+              "new_tokens": args.new_tokens, "tensor_parallel_size": args.tensor_parallel_size,
+              "copy_bytes_per_s": copy_bandwidth(device), "arms": {}}
     bw = result["copy_bytes_per_s"]
     arms = args.arms.split(",")
     if device.type == "cuda" and len(arms) > 1:  # one process per arm: each gets the whole GPU
@@ -408,7 +418,8 @@ def main() -> None:
                       load_format="dummy", max_num_seqs=max(conc), kv_cache_memory_gb=args.kv_cache_memory_gb,
                       max_model_len=args.prompt_len + args.new_tokens + 64,
                       async_scheduling=False if arm.endswith("-sync") else None,
-                      enable_prefix_caching=False, **gate)  # each timed run prefills its prompts alike
+                      enable_prefix_caching=False, tensor_parallel_size=args.tensor_parallel_size,
+                      **gate)  # each timed run prefills its prompts alike
             if args.router_std > 0:
                 spread_routers(llm, args.router_std)
             if args.settle_s > 0:
@@ -471,6 +482,7 @@ def main() -> None:
                 result["state_bytes_per_seq"] = state_bytes_per_seq(llm.engine.runner.model, llm.engine.dtype)
                 result["graphs"] = llm.engine.runner.use_graphs
             gc.unfreeze()
+            llm.engine.shutdown()
             del llm
             gc.collect()  # the engine and its speculator refer to each other
             if device.type == "cuda":

@@ -1,8 +1,9 @@
 """Tensor parallelism on the CPU, two processes over gloo. The split (models/parallel.py): each rank's share
 of a tiny model's layers and its own KV cache of its KV heads give the whole model's hidden states and
-logits through a batched prefill and decode steps. The engine (engine/parallel.py): LLM(tensor_parallel_size=2)
-gives the tokens of one process, plain and DFlash (oracle drafts: every verify row checked), greedy and
-seeded, batched, with preemption; a rank that dies is an error naming it."""
+logits through a batched prefill and decode steps, dense and mixture-of-experts (every expert's share of its
+intermediate size). The engine (engine/parallel.py): LLM(tensor_parallel_size=2) gives the tokens of one
+process, plain and DFlash (oracle drafts: every verify row checked), greedy and seeded, batched, with
+preemption; a rank that dies is an error naming it."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ def _worker(rank: int, size: int, init: str, folder: str, backend: str = "gloo")
     device = torch.device("cpu") if backend == "gloo" else torch.device("cuda", rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:  # one thread a rank: ranks sharing two cores thrashed (the MoE layers' small ops took 2-3x longer)
+        torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=size)
     try:
         with torch.inference_mode():
@@ -57,6 +60,7 @@ def _worker(rank: int, size: int, init: str, folder: str, backend: str = "gloo")
             for m in (ref, tp):
                 m.setup_rope(64)
             assert tp.layers[0].self_attn.n_kv == ref.layers[0].self_attn.n_kv // size
+            assert [x.mlp.inter for x in tp.layers] == [x.mlp.inter // size for x in ref.layers]
             kv_ref, kv_tp = _caches(ref, 12, device), _caches(tp, 12, device)
             prompts, tables = [[5, 17, 33, 80, 9, 1, 44], list(range(40, 52))], [[0, 1, 2, 3], [4, 5, 6, 7, 8]]
             ids, starts = prompts, [0, 0]
@@ -73,19 +77,32 @@ def _worker(rank: int, size: int, init: str, folder: str, backend: str = "gloo")
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "odd-vocab"])
-def test_two_ranks_equal_the_unsplit_model(kind, tmp_path, tiny_llama, tiny_qwen3):
-    """(odd-vocab: 321 rows of LM head, shares of 161, the last padded)"""
-    if kind == "odd-vocab":
-        from fixtures import build_tiny_model
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """A Qwen3-MoE whose second layer is a dense MLP (mlp_only_layers): both splits in one model."""
+    from fixtures import build_tiny_model
 
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-moe"), "qwen3_moe", mlp_only_layers=[1])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "odd-vocab", "qwen3_moe", "gpt_oss"])
+def test_two_ranks_equal_the_unsplit_model(kind, tmp_path, tiny_llama, tiny_qwen3, tiny_moe):
+    """(odd-vocab: 321 rows of LM head, shares of 161, the last padded; gpt_oss: expert biases, the down
+    projection's added once)"""
+    from fixtures import build_tiny_model
+
+    if kind == "odd-vocab":
         folder = build_tiny_model(tmp_path / "m", "qwen3", vocab_size=321)
+    elif kind == "gpt_oss":
+        folder = build_tiny_model(tmp_path / "m", "gpt_oss")
     else:
-        folder = {"llama": tiny_llama, "qwen3": tiny_qwen3}[kind]
+        folder = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_moe": tiny_moe}[kind]
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(folder)), nprocs=2, join=True)
 
 
-def test_unsplittable_models_are_refused(tiny_llama, tmp_path):
+def test_unsplittable_models_are_refused(tiny_llama):
+    from fixtures import tiny_config
+
     from flashdraft.models.loader import load_config
 
     cfg = load_config(tiny_llama)
@@ -93,11 +110,15 @@ def test_unsplittable_models_are_refused(tiny_llama, tmp_path):
         check_shardable(cfg, cfg.num_attention_heads + 1)
     with pytest.raises(ValueError, match="must be >= 1"):
         check_shardable(cfg, 0)
-    from fixtures import build_tiny_model
-
-    moe = load_config(build_tiny_model(tmp_path / "moe", "qwen3_moe"))
-    with pytest.raises(ValueError, match="not 'qwen3_moe'"):
-        check_shardable(moe, 2)
+    with pytest.raises(ValueError, match="not 'qwen3_next'"):
+        check_shardable(tiny_config("qwen3_next", 320), 2)
+    with pytest.raises(ValueError, match=r"does not divide moe_intermediate_size \(33\)"):
+        check_shardable(tiny_config("qwen3_moe", 320, moe_intermediate_size=33), 2)
+    with pytest.raises(ValueError, match=r"does not divide intermediate_size \(33\)"):  # GPT-OSS's experts'
+        check_shardable(tiny_config("gpt_oss", 320, intermediate_size=33), 2)
+    check_shardable(tiny_config("qwen3_moe", 320, intermediate_size=33), 2)  # no dense layer reads it
+    with pytest.raises(ValueError, match=r"does not divide intermediate_size \(33\)"):
+        check_shardable(tiny_config("qwen3_moe", 320, intermediate_size=33, mlp_only_layers=[1]), 2)
     from flashdraft.cli import build_parser
     from flashdraft.config import engine_kwargs
 
@@ -141,6 +162,17 @@ def test_engine_over_two_ranks_equals_one_process(tiny_llama, tmp_path, draft):
         two.engine.shutdown()
 
 
+def test_moe_engine_over_two_ranks_equals_one_process(tiny_moe):
+    kw = dict(draft=None, device="cpu", dtype="float32")
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(tiny_moe), **kw).generate(PROMPTS, params)]
+    two = LLM(str(tiny_moe), tensor_parallel_size=2, **kw)
+    try:
+        assert [o.token_ids for o in two.generate(PROMPTS, params)] == want
+    finally:
+        two.engine.shutdown()
+
+
 def test_a_rank_that_dies_is_an_error(tiny_llama):
     import time
 
@@ -180,3 +212,23 @@ def test_server_over_two_ranks(tiny_llama):
     finally:
         served.close()
         engine.shutdown()
+
+
+@pytest.mark.parametrize("tree", [None, 3])
+def test_graphed_steps_over_two_ranks_equal_one_process(tiny_llama, tmp_path, tree):
+    """Steps through the graph runner (on a CPU, eager replays over its static buffers: the other rank
+    receives each step as device tensors, as from a captured graph) give one process's tokens; DFlash
+    chains and trees, greedy and seeded."""
+    from fixtures import build_random_drafter
+    from test_graphs import _graphed_llm
+
+    d = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
+    kw = dict(draft=d, device="cpu", dtype="float32", speculative_min_acceptance_length=None,
+              speculative_tree_size=tree, kv_block_size=8)
+    want = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(PROMPTS, PARAMS)]
+    llm, replays = _graphed_llm(str(tiny_llama), dict(kw, tensor_parallel_size=2))
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == want
+        assert replays["dflash-tree" if tree else "dflash"] > 0 and replays["ragged"] > 0, replays
+    finally:
+        llm.engine.shutdown()

@@ -17,7 +17,7 @@ from flashdraft.engine.prompts import encode_chat, encode_text
 from flashdraft.engine.scheduler import Scheduler, kept_rows
 from flashdraft.engine.sequence import Output, Sequence
 from flashdraft.engine.startup import check_drafter, log_ready
-from flashdraft.models.loader import load_model
+from flashdraft.models.loader import load_config, load_model, resolve_model_dir
 from flashdraft.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -98,18 +98,24 @@ class LLMEngine:
         draft = shipped_drafter(config.model) if config.draft == "auto" else config.draft
         if draft is not None:  # before the target's weights: a bad drafter fails in seconds, not after them
             check_drafter(draft, config)
-        loaded = load_model(config.model, self.device, self.dtype, config.load_format, config.revision)
         self.ranks = None
-        if config.tensor_parallel_size > 1:  # the other ranks start, load and split it too (engine/parallel.py)
-            from flashdraft.engine.parallel import Ranks, TPModel
-            from flashdraft.models.parallel import check_shardable, shard_decoder
+        if config.tensor_parallel_size > 1:  # the other ranks start, load their share too (engine/parallel.py)
+            from flashdraft.engine.parallel import Ranks
+            from flashdraft.models.parallel import check_shardable
 
-            check_shardable(loaded.model.config, config.tensor_parallel_size)
-            if config.cuda_graphs and self.device.type == "cuda":
-                log.info("tensor_parallel_size %d: steps run eagerly (no CUDA graphs yet)", config.tensor_parallel_size)
-            config.cuda_graphs = False
+            folder = resolve_model_dir(config.model, config.revision, weights=config.load_format != "dummy")
+            check_shardable(load_config(folder), config.tensor_parallel_size)  # before any rank starts
             self.ranks = Ranks(config, self.device)
-            loaded.model = TPModel(shard_decoder(loaded.model, self.ranks.tp), self.ranks)
+        try:
+            loaded = load_model(config.model, self.device, self.dtype, config.load_format, config.revision,
+                                self.ranks.tp if self.ranks is not None else None)
+        except BaseException:
+            self.shutdown()
+            raise
+        if self.ranks is not None:
+            from flashdraft.engine.parallel import TPModel
+
+            loaded.model = TPModel(loaded.model, self.ranks)
         self.model_dir = loaded.folder
         self.sampling_defaults = self._sampling_defaults(config.generation_config, loaded.folder)
         self.model_config = loaded.model.config  # the language model's (a composite config's text_config)

@@ -42,8 +42,29 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) 
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+class Graph(torch.cuda.CUDAGraph):
+    """torch's CUDA graph, and a `follower` told before each replay: a tensor-parallel target run
+    inside the capture sets it (engine/parallel.py), so that the other ranks replay their graph of
+    the same collectives."""
+
+    follower: Callable[[], None] | None = None
+
+    def replay(self) -> None:
+        if self.follower is not None:
+            self.follower()
+        super().replay()
+
+
+_capturing: list[Graph] = []
+
+
+def capturing() -> Graph | None:
+    """The graph this process is capturing now (through `capture`), or None."""
+    return _capturing[-1] if _capturing else None
+
+
 @contextlib.contextmanager
-def capture(graph: torch.cuda.CUDAGraph, pool=None):
+def capture(graph: Graph, pool=None):
     """torch.cuda.graph with Python's cyclic garbage collector held off: a collection during a capture
     can finalise an earlier engine's graphs, streams or memory, CUDA calls that invalidate the capture
     in progress (it then fails at a later launch, e.g. cuBLAS's EXECUTION_FAILED). torch no longer
@@ -51,10 +72,12 @@ def capture(graph: torch.cuda.CUDAGraph, pool=None):
     before its first (collect_before_capture)."""
     enabled = gc.isenabled()
     gc.disable()
+    _capturing.append(graph)
     try:
         with torch.cuda.graph(graph, pool=pool):
             yield
     finally:
+        _capturing.pop()
         if enabled:
             gc.enable()
 
@@ -106,7 +129,7 @@ class StepGraph:
         self.extra = dict(extra or {})
         self.aux: dict[str, Any] = {}  # anything else a step function keeps with its buffers
         self.attn = list(attn)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: Graph | None = None
         self.outputs: Any = None
 
     @property
@@ -136,7 +159,7 @@ class StepGraph:
                 self._call()
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
+        graph = Graph()
         self._install()  # outside the capture; index tensors derived from the meta are built inside
         with capture(graph, pool):
             self.outputs = self._call()

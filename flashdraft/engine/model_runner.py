@@ -11,11 +11,12 @@ from flashdraft.attention.base import AttentionBackend, AttentionBatch, LayerMas
 from flashdraft.attention.torch_ref import TorchAttention
 from flashdraft.config import EngineConfig
 from flashdraft.engine.block_manager import BlockManager
-from flashdraft.engine.graphs import StepGraph, capture, to_device
+from flashdraft.engine.graphs import Graph, StepGraph, capture, to_device
 from flashdraft.engine.sampler import SamplingBatch, greedy_tokens
 from flashdraft.engine.sequence import Sequence
 from flashdraft.models.hybrid import RecurrentRows, take_rows
 from flashdraft.models.transformer import DecoderLM, fused_enabled
+from flashdraft.speculative.kv_slots import move_rows
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +279,7 @@ class ModelRunner:
             self.model.commit_pending(self.states, pending, take)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
+        graph = Graph()
         with capture(graph, self.graph_pool), torch.inference_mode():
             self.model.commit_pending(self.states, pending, take)
         torch.cuda.synchronize(self.device)
@@ -321,6 +322,14 @@ class ModelRunner:
             ids[: input_ids.shape[0]] = input_ids
         hidden, taps = self.run(ids, positions, batch, tap_layers)
         return hidden, taps, batch.query_start_loc
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor, kernel: bool = False) -> None:
+        """The target's K/V of every layer from slots src to slots dst (kv_slots.move_rows; token trees'
+        accepted rows), on every tensor-parallel rank: a split target announces it (engine/parallel.py)."""
+        announce = getattr(self.model, "announce_move", None)
+        if announce is not None:
+            announce(src, dst, kernel)
+        move_rows(self.k_cache, self.v_cache, src, dst, kernel)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
             tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -9,26 +9,40 @@ rank 0 only: the target's taps and logits reach it whole (all-reduced and gather
 
 A call's host fields (the step's lengths and block tables) travel as a pickled command over a gloo group;
 its tensors (input ids, positions, cache slots, tree masks, a hidden state whose logits are wanted) over
-the main group, from wherever they are, so announcing a call never waits for the GPU. A rank that has
-exited is named by rank 0's next call; a rank stuck in a collective ends it at the group's timeout
-(`TP_TIMEOUT_S`). On CUDA the steps run eagerly (CUDA graphs are not captured per rank yet).
+the main group, from wherever they are, so announcing a call never waits for the GPU.
+
+CUDA graphs: when rank 0 captures a graph that runs the split target, the calls it announces during the
+capture are captured by the other ranks too, into one graph of theirs: the broadcast of the step's
+tensors (from rank 0's static buffers, inside its graph), the forward and its all-reduces. Rank 0's graph
+then announces each of its replays (`Graph.follower`), and the other ranks replay theirs: one small
+command a step, and the collectives meet inside the two graphs.
+
+A rank that has exited is named by rank 0's next call; a rank stuck in a collective ends it at the
+group's timeout (`TP_TIMEOUT_S`).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
+import math
 import os
 import socket
+import threading
 from dataclasses import asdict, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from flashdraft.attention.base import DeviceMeta
 from flashdraft.config import EngineConfig
+from flashdraft.engine.graphs import Graph, capture, capturing
 from flashdraft.models.parallel import TPGroup
+from flashdraft.speculative.kv_slots import move_rows
 
 log = logging.getLogger(__name__)
 TP_TIMEOUT_S = int(os.environ.get("FLASHDRAFT_TP_TIMEOUT_S", "300"))
@@ -70,6 +84,7 @@ class Ranks:
         dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=size, timeout=timeout)
         self.control = dist.new_group(backend="gloo", timeout=timeout)
         self.tp = TPGroup(0, size)
+        self.graphs: list[Graph] = []  # rank 0's graphs that hold collectives (TPModel._announce)
         self.closed = False
         atexit.register(self.close)
 
@@ -90,52 +105,106 @@ class Ranks:
         except RuntimeError:
             pass  # (a rank is gone: the others are stopped below)
         self.closed = True
+        _leave(self.graphs)  # with the other ranks, which leave on "stop" (NCCL's teardown is collective)
         for p in self.procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-        dist.destroy_process_group()
 
 
 class TPModel:
     """Rank 0's split target: its forward and its logits announced to the other ranks first; every other
-    attribute is the split model's."""
+    attribute is the split model's. Inside a CUDA graph's capture (engine/graphs.py) the announced calls
+    are captured by the other ranks too, as one graph of theirs that the captured graph's replays replay."""
 
     def __init__(self, model, ranks: Ranks):
         self._model, self._ranks = model, ranks
+        self._followed = 0  # graphs of rank 0 with a graph on the other ranks (their ids)
 
     def __getattr__(self, name):
         return getattr(self._model, name)
 
     def __call__(self, input_ids, positions, kv, attn, batch, tap_layers=()):
-        """The step's host fields over the control group; its tensors (ids, positions, slots, tree masks)
-        over the main group, from the device where they are: nothing waits for the GPU here."""
-        tensors = _step_tensors(input_ids, positions, batch)
-        host = replace(batch, slot_mapping=None, tree_mask=None)
-        self._ranks.send("forward", [tuple(t.shape) for t in tensors], host, tuple(tap_layers))
-        for t in tensors:
-            dist.broadcast(t, src=0)
+        """The step's host fields over the control group; its tensors (ids, positions, slots, tree masks; a
+        DeviceMeta's every tensor) over the main group, from the device where they are, as one packed
+        broadcast: nothing waits for the GPU here."""
+        tensors = [input_ids, positions, batch.slot_mapping]
+        if isinstance(batch, DeviceMeta):  # a graphed step (or its warm-up): the step is on the device
+            tensors += [batch.query_start_loc, batch.seq_lens, batch.block_tables]
+            host = replace(batch, slot_mapping=None, query_start_loc=None, seq_lens=None, block_tables=None,
+                           tree_mask=None, recurrent=None)
+        else:
+            host = replace(batch, slot_mapping=None, tree_mask=None)
+        if batch.tree_mask is not None:
+            tensors.append(batch.tree_mask)
+        self._announce("forward", [(tuple(t.shape), t.dtype) for t in tensors], host, tuple(tap_layers))
+        dist.broadcast(_pack(tensors), src=0)
         return self._model(input_ids, positions, kv, attn, batch, tap_layers)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         hidden = hidden.contiguous()
-        self._ranks.send("logits", tuple(hidden.shape), hidden.dtype, float32)
+        self._announce("logits", tuple(hidden.shape), hidden.dtype, float32)
         dist.broadcast(hidden, src=0)
         return self._model.compute_logits(hidden, float32)
 
+    def announce_move(self, src: torch.Tensor, dst: torch.Tensor, kernel: bool) -> None:
+        """The other ranks move their K/V rows as rank 0 moves its (ModelRunner.move_kv)."""
+        self._announce("move", [(tuple(t.shape), t.dtype) for t in (src, dst)], kernel)
+        dist.broadcast(_pack([src, dst]), src=0)
 
-def _step_tensors(input_ids, positions, batch) -> list[torch.Tensor]:
-    """A forward's int64 tensors the other ranks receive: ids, positions, slots, and tree masks if any."""
-    ts = [input_ids, positions, batch.slot_mapping] + ([batch.tree_mask] if batch.tree_mask is not None else [])
-    return [t.to(input_ids.device, torch.long).contiguous() for t in ts]  # (NCCL: all on the GPU)
+    def _announce(self, *command) -> None:
+        """Send a call; the first one inside a capture first opens the other ranks' graph of it, and
+        gives the graph being captured its follower (the command that replays theirs)."""
+        graph = capturing()
+        if graph is not None and graph.follower is None:
+            self._followed += 1
+            self._ranks.send("capture", self._followed)
+            graph.follower = partial(self._ranks.send, "replay", self._followed)
+            self._ranks.graphs.append(graph)
+        self._ranks.send(*command, graph is not None)
+
+
+def _leave(graphs) -> None:
+    """Leave the group: first destroy the CUDA graphs that captured its collectives (NCCL's communicator
+    waits for them: with them alive, destroy_process_group never returned on two H200s)."""
+    for g in graphs:
+        g.reset()
+    graphs.clear()
+    leaving = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    leaving.start()
+    leaving.join(TP_TIMEOUT_S)
+    if leaving.is_alive():
+        log.error("the tensor-parallel group did not close in %d s; left behind", TP_TIMEOUT_S)
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Integer tensors as one int64 vector, each part padded to an even length (16-byte aligned views
+    on the receiving side: kernels are compiled per pointer alignment)."""
+    parts = []
+    for t in tensors:
+        flat = t.reshape(-1).to(torch.long)
+        parts += [flat, flat.new_zeros(1)] if flat.numel() % 2 else [flat]
+    return torch.cat(parts)
+
+
+def _unpack(specs: list[tuple], device: torch.device) -> list[torch.Tensor]:
+    """Receive _pack's vector of tensors of these (shape, dtype)s."""
+    sizes = [math.prod(shape) for shape, _ in specs]
+    flat = torch.empty(sum(n + n % 2 for n in sizes), dtype=torch.long, device=device)
+    dist.broadcast(flat, src=0)
+    out, at = [], 0
+    for (shape, dtype), n in zip(specs, sizes):
+        out.append(flat[at: at + n].view(shape).to(dtype))
+        at += n + n % 2
+    return out
 
 
 def worker(rank: int, size: int, init: str, config: dict, device_name: str) -> None:
     """Rank `rank`'s process: load and split the target, then run rank 0's calls until told to stop."""
     from flashdraft.attention.base import LayerMasks
+    from flashdraft.attention.torch_ref import StaticTorchAttention
     from flashdraft.engine.model_runner import make_backend
     from flashdraft.models.loader import load_model
-    from flashdraft.models.parallel import shard_decoder
 
     config = EngineConfig(**config)
     device = rank_device(torch.device(device_name), rank)
@@ -144,40 +213,68 @@ def worker(rank: int, size: int, init: str, config: dict, device_name: str) -> N
     timeout = datetime.timedelta(seconds=TP_TIMEOUT_S)
     dist.init_process_group(_backend(device), init_method=init, rank=rank, world_size=size, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)
+    graphs: dict[int, Graph] = {}
     try:
         dtype = config.resolved_dtype(device)
-        loaded = load_model(config.model, device, dtype, config.load_format, config.revision)
-        model = shard_decoder(loaded.model, TPGroup(rank, size))
+        model = load_model(config.model, device, dtype, config.load_format, config.revision,
+                           TPGroup(rank, size)).model
         _, blocks, max_len = _receive(control)  # rank 0's plan
         model.setup_rope(max_len + 64)
         a = model.layers[0].self_attn
-        shape = (blocks, config.kv_block_size, a.n_kv, a.head_dim)
-        kv = [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-              for _ in model.layers]
+        shape = (len(model.layers), blocks, config.kv_block_size, a.n_kv, a.head_dim)  # as ModelRunner's
+        caches = torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
         name = config.resolved_attention_backend(device)
-        attn = make_backend(name)
-        if any(window is not None for _, window in model.layer_masks):  # as ModelRunner builds it
-            attn = LayerMasks(lambda: make_backend(name), model.layer_masks)
-        with torch.inference_mode():
-            while True:
-                command = _receive(control)
-                if command[0] == "stop":
-                    return
-                if command[0] == "forward":
-                    shapes, batch, taps = command[1:]
-                    ts = [torch.empty(shape, dtype=torch.long, device=device) for shape in shapes]
-                    for t in ts:
-                        dist.broadcast(t, src=0)
-                    batch = replace(batch, slot_mapping=ts[2], tree_mask=ts[3] if len(ts) > 3 else None)
-                    attn.prepare(batch, device)
-                    model(ts[0], ts[1], kv, attn, batch, taps)
-                elif command[0] == "logits":
-                    shape, dt, float32 = command[1:]
-                    hidden = torch.empty(shape, device=device, dtype=dt)
-                    dist.broadcast(hidden, src=0)
-                    model.compute_logits(hidden, float32)
+        # steps built on the host, and steps described by device tensors (graphed ones): on a CPU the
+        # latter need the torch backend's static variant (the triton backend reads both)
+        own = lambda: make_backend(name)  # noqa: E731
+        makers = [own, own if name == "triton" else StaticTorchAttention]
+        windows = any(window is not None for _, window in model.layer_masks)  # as ModelRunner builds it
+        attn, static = (LayerMasks(make, model.layer_masks) if windows else make() for make in makers)
+        _follow(control, device, model, caches, attn, static, graphs)
     finally:
-        dist.destroy_process_group()
+        _leave(list(graphs.values()))
+
+
+def _follow(control, device: torch.device, model, caches: tuple, attn, static, graphs: dict) -> None:
+    """Run rank 0's calls as they come: eagerly, or into a graph of this rank's while rank 0 captures
+    (a "capture" command opens it, the first call not captured or any other command closes it), and
+    replay those graphs when rank 0 replays its own."""
+    kv = list(zip(*caches))
+    pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+    open_ = contextlib.ExitStack()  # the capture in progress, if any
+    with torch.inference_mode():
+        while True:
+            command = _receive(control)
+            kind, captured = command[0], command[-1]
+            if kind not in ("forward", "logits", "move") or not captured:
+                open_.close()
+            if kind == "stop":
+                return
+            if kind == "capture":
+                graphs[command[1]] = Graph()
+                open_.enter_context(capture(graphs[command[1]], pool))
+            elif kind == "replay":
+                graphs[command[1]].replay()
+            elif kind == "forward":
+                specs, batch, taps = command[1:4]
+                ts = _unpack(specs, device)
+                if isinstance(batch, DeviceMeta):
+                    batch = replace(batch, slot_mapping=ts[2], query_start_loc=ts[3], seq_lens=ts[4],
+                                    block_tables=ts[5], tree_mask=ts[6] if len(ts) > 6 else None)
+                    backend = static
+                    backend.set_meta(batch)
+                else:
+                    batch = replace(batch, slot_mapping=ts[2], tree_mask=ts[3] if len(ts) > 3 else None)
+                    backend = attn
+                    backend.prepare(batch, device)
+                model(ts[0], ts[1], kv, backend, batch, taps)
+            elif kind == "move":
+                move_rows(*caches, *_unpack(command[1], device), kernel=command[2])
+            elif kind == "logits":
+                shape, dt, float32 = command[1:4]
+                hidden = torch.empty(shape, device=device, dtype=dt)
+                dist.broadcast(hidden, src=0)
+                model.compute_logits(hidden, float32)
 
 
 def _receive(control) -> tuple:

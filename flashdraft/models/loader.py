@@ -147,17 +147,25 @@ def dummy_weights(net: torch.nn.Module, seed: int = 0) -> None:
 
 
 def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
-               load_format: str = "auto", revision: str | None = None) -> LoadedModel:
+               load_format: str = "auto", revision: str | None = None, tp=None) -> LoadedModel:
+    """tp: a tensor-parallel rank's TPGroup (models/parallel.py): the model is split before its weights
+    are placed, so the device holds this rank's share only (its host reads the whole checkpoint)."""
     folder = resolve_model_dir(model, revision, weights=load_format != "dummy")
     cfg = load_config(folder)
     tokenizer = load_tokenizer(folder)
     weights = load_weights(folder) if load_format != "dummy" else None
     with torch.device("meta"):
         net = HybridLM(cfg) if cfg.model_type in HYBRID_MODEL_TYPES else DecoderLM(cfg)
+    if tp is not None:
+        from flashdraft.models.parallel import shard_decoder, tie_head
+
+        shard_decoder(net, tp)
     net = net.to_empty(device=device).to(dtype)
     if weights is None:
         dummy_weights(net)
     else:
         net.load_hf_state_dict(weights)
+    if tp is not None and tp.size > 1 and net.tied:
+        tie_head(net)
     net.eval().requires_grad_(False)
     return LoadedModel(folder, cfg, net, tokenizer, eos_token_ids(folder, cfg, tokenizer))

@@ -17,7 +17,10 @@ gate_up_proj_bias [E, 2I] and down_proj_bias [E, H] when the family has them.
 
 On CPU the experts a step hits run one after another (transformers' loop). On the fused GPU path
 the routed rows are sorted by expert and go through grouped Triton GEMMs (models/moe_triton.py), with
-shapes fixed by the row count, so decode, verify and draft blocks replay inside CUDA graphs."""
+shapes fixed by the row count, so decode, verify and draft blocks replay inside CUDA graphs.
+
+Under tensor parallelism (models/parallel.py) each rank holds every expert's share of the intermediate size
+and `tp`, which sums the layer's combined output over the ranks: one all-reduce per layer."""
 
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
+    tp = None  # tensor parallelism: this rank's models.parallel.TPGroup (its experts' outputs are partial sums)
+
     def __init__(self, cfg, act):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.num_experts_per_tok
@@ -74,11 +79,14 @@ class MoE(nn.Module):
             for e in range(self.num_experts):
                 we = (w * (idx == e)).sum(-1, keepdim=True)
                 out += self._expert(x, e) * we
-            return out
-        for e in idx.unique().tolist():  # the experts this step hits, as transformers loops
-            rows, slot = torch.where(idx == e)
-            out.index_add_(0, rows, self._expert(x[rows], e) * w[rows, slot, None])
-        return out
+        else:
+            for e in idx.unique().tolist():  # the experts this step hits, as transformers loops
+                rows, slot = torch.where(idx == e)
+                out.index_add_(0, rows, self._expert(x[rows], e) * w[rows, slot, None])
+        return self._summed(out)
+
+    def _summed(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.act(gate) * up
@@ -122,22 +130,23 @@ class MoE(nn.Module):
             return self.forward_fused(x, slots=True), residual
         x, residual, logits = moe_triton.norm_router(a, residual, norm.weight, norm.eps, weight, bias)
         ex = self.experts
-        return moe_triton.fused_moe(x, ex.gate_up_proj, ex.down_proj, None, None, act, ex.gate_up_proj_bias,
-                                    ex.down_proj_bias, slots=True,
-                                    route=(logits, self.top_k, softmax_all, renorm)), residual
+        return self._summed(moe_triton.fused_moe(x, ex.gate_up_proj, ex.down_proj, None, None, act,
+                                                 ex.gate_up_proj_bias, ex.down_proj_bias, slots=self.tp is None,
+                                                 route=(logits, self.top_k, softmax_all, renorm))), residual
 
     def forward_fused(self, x: torch.Tensor, slots: bool = False) -> torch.Tensor:
         """The kernel path: [T, H], or with slots the k weighted expert outputs [T, k, H] for the next
-        fused.add_rmsnorm to sum (the torch fallback then still returns [T, H])."""
+        fused.add_rmsnorm to sum (the torch fallback, and tensor parallelism, then still return [T, H]:
+        the k outputs are joined before the all-reduce, which then moves [T, H] rather than [T, k, H])."""
         from flashdraft.models.moe_triton import fused_moe
 
         act = self.kernel_act()
         if act is None:
-            return self.forward(x)
+            return self.forward(x)  # (all-reduced there)
         w, idx = self.route_fused(x)
         ex = self.experts
-        return fused_moe(x, ex.gate_up_proj, ex.down_proj, w, idx, act, ex.gate_up_proj_bias, ex.down_proj_bias,
-                         slots=slots)
+        return self._summed(fused_moe(x, ex.gate_up_proj, ex.down_proj, w, idx, act, ex.gate_up_proj_bias,
+                                      ex.down_proj_bias, slots=slots and self.tp is None))
 
 
 class GptOssMoE(MoE):

@@ -1,9 +1,13 @@
-"""Tensor parallelism for the dense decoder (Megatron's split): each of N ranks keeps 1/N of every layer.
+"""Tensor parallelism for the decoder (Megatron's split): each of N ranks keeps 1/N of every layer.
 
 - Attention: its share of the query heads and of the KV heads (qkv_proj's rows, o_proj's columns); the
   KV cache of a rank holds only its KV heads. o_proj's outputs are summed over the ranks (all-reduce).
 - MLP: its share of the intermediate columns (gate_up_proj's rows, down_proj's columns); down_proj's
   outputs are summed over the ranks.
+- Mixture of experts (vLLM's split): every expert, with its share of the expert's intermediate size
+  (gate_up_proj's gate rows and up rows, down_proj's columns); the router whole, so every rank routes
+  each token alike (its input is the same on every rank). The layer's combined output is summed over the
+  ranks, once.
 - Embedding and norms: whole on every rank (the embedding is a gather, not a matmul).
 - LM head: its share of the vocabulary's rows (padded to N equal shares); the logits are gathered, so
   every rank holds the whole row and chooses the same token.
@@ -15,15 +19,18 @@ process each, the scheduler on rank 0); this module only splits a loaded model a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from flashdraft.models.moe import MoE, is_moe_layer
 from flashdraft.models.transformer import MLP, DecoderLM, Linear, linear
 
-DENSE = ("llama", "mistral", "qwen2", "qwen3")  # the model types whose layers shard_decoder splits
+DENSE = ("llama", "mistral", "qwen2", "qwen3")
+MOE_TYPES = ("qwen3_moe", "gpt_oss")  # the model types whose layers shard_decoder splits: DENSE + MOE_TYPES
 
 
 @dataclass(frozen=True)
@@ -60,10 +67,14 @@ def check_shardable(cfg, size: int) -> None:
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     model_type = getattr(cfg, "model_type", None)
-    if model_type not in DENSE:
-        raise ValueError(f"tensor parallelism splits dense transformers ({', '.join(DENSE)}) so far, not "
-                         f"{model_type!r} (mixture-of-experts and hybrid targets are not split yet)")
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    if model_type not in DENSE + MOE_TYPES:
+        raise ValueError(f"tensor parallelism splits transformers ({', '.join(DENSE + MOE_TYPES)}) so far, not "
+                         f"{model_type!r} (hybrid targets are not split yet)")
+    sizes = ["intermediate_size"]  # dense MLPs' and GPT-OSS experts'; Qwen3-MoE: those its layers have
+    if model_type == "qwen3_moe":
+        moe = [is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        sizes = ["moe_intermediate_size"] * any(moe) + ["intermediate_size"] * (not all(moe))
+    for name in ["num_attention_heads", "num_key_value_heads", *sizes]:
         n = getattr(cfg, name)
         if n % size:
             raise ValueError(f"tensor_parallel_size {size} does not divide {name} ({n})")
@@ -84,9 +95,12 @@ def shard_decoder(model: DecoderLM, tp: TPGroup) -> DecoderLM:
         a.qkv_proj = _rows(a.qkv_proj, rows)
         a.o_proj = _columns(a.o_proj, torch.arange(r * q * hd, (r + 1) * q * hd), tp)
         if a.sinks is not None:
-            a.sinks = nn.Parameter(a.sinks.data[r * q: (r + 1) * q].clone(), requires_grad=False)
+            a.sinks = _share(a.sinks, lambda w, heads=slice(r * q, (r + 1) * q): w[heads])
         a.n_heads, a.n_kv, a.q_size, a.kv_size = q, kv, q * hd, kv * hd
         m = layer.mlp
+        if isinstance(m, MoE):
+            _split_experts(m, tp)
+            continue
         if not isinstance(m, MLP):
             raise ValueError(f"tensor parallelism splits dense MLPs only, not {type(m).__name__}")
         i = m.inter // n
@@ -94,30 +108,67 @@ def shard_decoder(model: DecoderLM, tp: TPGroup) -> DecoderLM:
                                                           m.inter + torch.arange(r * i, (r + 1) * i)]))
         m.down_proj = _columns(m.down_proj, torch.arange(r * i, (r + 1) * i), tp)
         m.inter = i
-    V = model.config.vocab_size
-    share = -(-V // n)
-    w = model.lm_head_weight.data
-    head = torch.zeros(share, w.shape[1], dtype=w.dtype, device=w.device)
-    mine = w[r * share: (r + 1) * share]
-    head[: mine.shape[0]] = mine
-    model.lm_head_shard = head
     model.tp = tp
+    if model.tied:  # the embedding stays whole: the share is a copy of its rows (tie_head after a load)
+        tie_head(model)
+    else:
+        model.lm_head.weight = _share(model.lm_head.weight, partial(_head_rows, tp=tp))
+    # by name: moving the module (to_empty) makes new parameters, without the attribute
+    model.tp_takes = {name: p.tp_take for name, p in model.named_parameters() if hasattr(p, "tp_take")}
     return model
+
+
+def _head_rows(w: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Rank tp.rank's share of the LM head's rows: the vocabulary in equal shares, the last one padded."""
+    share = -(-w.shape[0] // tp.size)
+    head = torch.zeros(share, w.shape[1], dtype=w.dtype, device=w.device)
+    mine = w[tp.rank * share: (tp.rank + 1) * share]
+    head[: mine.shape[0]] = mine
+    return head
+
+
+def tie_head(model: DecoderLM) -> None:
+    """A tied model's LM head share, from its (whole) embedding: again whenever the embedding is loaded."""
+    model.lm_head_shard = _head_rows(model.embed_tokens.weight.data, model.tp)
+
+
+def _share(whole: torch.Tensor, take) -> nn.Parameter:
+    """This rank's share take(whole) of a parameter, as a parameter that remembers `take`: a model split
+    before its weights are loaded (on the meta device, so that no rank holds more than its share) loads
+    each checkpoint tensor through it (model.tp_takes, transformer.load_packed)."""
+    share = nn.Parameter(take(whole.data).contiguous().clone(), requires_grad=False)
+    share.tp_take = take
+    return share
+
+
+def _split_experts(m: MoE, tp: TPGroup) -> None:
+    """Keep every expert's share of its intermediate size (gate and up rows, down columns); m.tp then sums
+    the layer's output over the ranks."""
+    ex, inter, i = m.experts, m.inter, m.inter // tp.size
+    s = slice(tp.rank * i, (tp.rank + 1) * i)
+    gate_up = lambda w: w.unflatten(1, (2, inter))[:, :, s].flatten(1, 2)  # noqa: E731 ([E, 2I, ...])
+    ex.gate_up_proj = _share(ex.gate_up_proj, gate_up)
+    if ex.gate_up_proj_bias is not None:
+        ex.gate_up_proj_bias = _share(ex.gate_up_proj_bias, gate_up)
+    ex.down_proj = _share(ex.down_proj, lambda w: w[:, :, s])
+    if ex.down_proj_bias is not None and tp.rank:  # added once; zeros, not None: the Triton experts take both
+        ex.down_proj_bias = _share(ex.down_proj_bias, torch.zeros_like)  # biases or neither
+    m.inter, m.tp = i, tp
 
 
 def _rows(lin: Linear, rows: torch.Tensor) -> Linear:
     out = Linear(lin.in_features, rows.numel(), bias=lin.bias is not None, device="meta")
-    out.weight = nn.Parameter(lin.weight.data[rows.to(lin.weight.device)].clone(), requires_grad=False)
+    take = lambda w: w[rows.to(w.device)]  # noqa: E731
+    out.weight = _share(lin.weight, take)
     if lin.bias is not None:
-        out.bias = nn.Parameter(lin.bias.data[rows.to(lin.bias.device)].clone(), requires_grad=False)
+        out.bias = _share(lin.bias, take)
     return out
 
 
 def _columns(lin: Linear, cols: torch.Tensor, tp: TPGroup) -> RowParallelLinear:
-    out = RowParallelLinear(cols.numel(), lin.out_features, bias=lin.bias is not None and tp.rank == 0,
-                            device="meta")
-    out.weight = nn.Parameter(lin.weight.data[:, cols.to(lin.weight.device)].contiguous(), requires_grad=False)
-    if out.bias is not None:
-        out.bias = nn.Parameter(lin.bias.data.clone(), requires_grad=False)
+    out = RowParallelLinear(cols.numel(), lin.out_features, bias=lin.bias is not None, device="meta")
+    out.weight = _share(lin.weight, lambda w: w[:, cols.to(w.device)])
+    if out.bias is not None:  # added once: zeros on the other ranks (the checkpoint's tensor still has a place)
+        out.bias = _share(lin.bias, (lambda w: w) if tp.rank == 0 else torch.zeros_like)
     out.tp = tp
     return out

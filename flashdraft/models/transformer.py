@@ -352,9 +352,11 @@ class DecoderLM(nn.Module):
         self.lm_head = None if self.tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryTable | None = None
         self.layer_masks = target_layer_masks(cfg)
-        # tensor parallelism (models/parallel.py): this rank's group and its share of the LM head's rows
+        # tensor parallelism (models/parallel.py): this rank's group; a tied model's share of the LM head's
+        # rows (an untied one's lm_head holds only its share)
         self.tp = None
         self.lm_head_shard: torch.Tensor | None = None
+        self.tp_takes: dict = {}  # parameter name -> how its share comes from a checkpoint's whole tensor
 
     @property
     def head_dim(self) -> int:
@@ -391,8 +393,9 @@ class DecoderLM(nn.Module):
         """Logits of every row, in float32 for the sampler; float32=False keeps the activation dtype
         (an argmax over them picks the same token: the upcast is exact)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
-        if self.tp is not None:  # each rank's share of the vocabulary, gathered
-            logits = self.tp.all_gather_last(linear(flat, self.lm_head_shard))[:, : self.config.vocab_size]
+        if self.tp is not None:  # each rank's share of the vocabulary (models/parallel.py), gathered
+            head = self.lm_head_shard if self.tied else self.lm_head.weight
+            logits = self.tp.all_gather_last(linear(flat, head))[:, : self.config.vocab_size]
             logits = logits.contiguous().view(*hidden.shape[:-1], -1)  # (the padding rows cut: one copy)
         else:
             logits = linear(flat, self.lm_head_weight).view(*hidden.shape[:-1], -1)
@@ -416,6 +419,7 @@ def load_packed(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Copy HF-named weights into `module`, concatenating q/k/v and gate/up into their packed
     matrices. Unknown, missing or mis-shaped tensors are errors that name the tensor."""
     own = dict(module.named_parameters()) | dict(module.named_buffers())
+    takes = getattr(module, "tp_takes", None) or {}  # a split model's shares (models/parallel.py)
     loaded: set[str] = set()
     pending: dict[str, dict[int, torch.Tensor]] = {}
     for name, w in weights.items():
@@ -426,20 +430,22 @@ def load_packed(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
             continue
         if name not in own:
             raise ValueError(f"unexpected weight {name!r}")
-        _copy(own[name], w, name)
+        _copy(own[name], w, name, takes.get(name))
         loaded.add(name)
     for key, chunks in pending.items():
         want = 3 if ".qkv_proj." in key else 2
         if key not in own or len(chunks) != want:
             raise ValueError(f"incomplete packed weight {key!r}")
-        _copy(own[key], torch.cat([chunks[i] for i in range(want)], 0), key)
+        _copy(own[key], torch.cat([chunks[i] for i in range(want)], 0), key, takes.get(key))
         loaded.add(key)
     missing = sorted(n for n in own if n not in loaded and n in dict(module.named_parameters()))
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
 
 
-def _copy(param: torch.Tensor, w: torch.Tensor, name: str) -> None:
+def _copy(param: torch.Tensor, w: torch.Tensor, name: str, take=None) -> None:
+    if take is not None:  # a tensor-parallel rank's share of it (models/parallel.py)
+        w = take(w)
     if tuple(param.shape) != tuple(w.shape):
         raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(param.shape)}")
     with torch.no_grad():

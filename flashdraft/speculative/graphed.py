@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flashdraft.engine.graphs import StepGraph, capture
+from flashdraft.engine.graphs import Graph, StepGraph, capture
 from flashdraft.engine.model_runner import WARM_ROWS
 from flashdraft.engine.sampler import greedy_tokens
 from flashdraft.engine.sequence import Sequence
@@ -246,7 +246,7 @@ class GraphedSteps:
         lens.copy_(torch.where(live, start[:, 0].to(torch.int32) + B, lens))
         first.copy_(torch.where(live, toks.gather(1, acc[:, None])[:, 0], first))
 
-    def _capture_post(self, g: StepGraph) -> torch.cuda.CUDAGraph | None:
+    def _capture_post(self, g: StepGraph) -> Graph | None:
         """_post_step as a CUDA graph over a captured step graph's buffers (None off CUDA: it runs
         eagerly); warmed up with the step's buffers saved and restored (the warm-up advances them)."""
         if not g.captured:
@@ -258,7 +258,7 @@ class GraphedSteps:
             for _ in range(2):
                 self._post_step(g)
         torch.cuda.current_stream(g.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        graph = Graph()
         with capture(graph, self.engine.runner.graph_pool), torch.inference_mode():
             self._post_step(g)
         for t, s in zip((g._rows, g._ints), saved):

@@ -138,8 +138,7 @@ class TreeSteps:
         speculative/tree_triton.py's kernel."""
         from flashdraft.speculative.tree_triton import move_slots
 
-        runner = self.engine.runner
-        move_slots(runner.k_cache, runner.v_cache, src, dst)
+        self.engine.runner.move_kv(src, dst, kernel=True)
         move_slots(self.k_cache, self.v_cache, src, dst)
 
     def _move_path(self, path: torch.Tensor, a: torch.Tensor, start: torch.Tensor, meta) -> None:
@@ -147,8 +146,9 @@ class TreeSteps:
         fused GPU path (the selection of the moves waits for the device there)."""
         src, dst = path_moves(path, a, start, meta.block_tables[: path.shape[0]], meta.block_size)
         keep = src >= 0
-        r = self.engine.runner
-        copy_slots((r.k_cache, r.v_cache, self.k_cache, self.v_cache), src[keep], dst[keep])
+        src, dst = src[keep], dst[keep]
+        self.engine.runner.move_kv(src, dst)
+        copy_slots((self.k_cache, self.v_cache), src, dst)
 
     def _forward_tree(self, plans: list[Plan]) -> tuple[torch.Tensor, torch.Tensor, Trees, torch.Tensor, torch.Tensor]:
         """The trees of the verifying requests (propose_tree), then the target over every row with
@@ -293,7 +293,7 @@ class TreeSteps:
         from flashdraft.speculative.tree_triton import accept_paths, move_slots
 
         a, path, committed, src, dst = accept_paths(trees, target, first, m.block_tables, m.block_size)
-        move_slots(runner.k_cache, runner.v_cache, src, dst)
+        runner.move_kv(src, dst, kernel=True)
         move_slots(self.k_cache, self.v_cache, src, dst)
         g.aux["moves_kv"] = True
         return result + (a, path, committed, torch.cat([a, committed.flatten()]))  # the host's one read
@@ -310,5 +310,5 @@ class TreeSteps:
         """Copy K/V of every target and draft layer between slots (all reads before any write)."""
         self._flush_context()
         idx = to_device([m[0] for m in moves] + [m[1] for m in moves], torch.long, self.engine.device)
-        r = self.engine.runner
-        copy_slots((r.k_cache, r.v_cache, self.k_cache, self.v_cache), idx[: len(moves)], idx[len(moves):])
+        self.engine.runner.move_kv(idx[: len(moves)], idx[len(moves):])
+        copy_slots((self.k_cache, self.v_cache), idx[: len(moves)], idx[len(moves):])

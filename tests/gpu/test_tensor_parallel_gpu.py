@@ -37,3 +37,28 @@ def test_engine_over_two_gpus_equals_one(tiny_llama, tmp_path, draft):
         assert [o.token_ids for o in two.generate(PROMPTS, PARAMS)] == want
     finally:
         two.engine.shutdown()
+
+
+@pytest.mark.parametrize("draft,tree", [(False, None), (True, None), (True, 3)])
+def test_graphs_over_two_gpus_equal_one(tiny_llama, tmp_path, draft, tree):
+    """With CUDA graphs (the default): every rank captures its graphs (the other rank's follow rank 0's
+    replays) and the tokens are one GPU's graphed tokens; plain, DFlash chains and trees (their accepted
+    rows' K/V moved on both ranks), greedy and seeded, batched."""
+    from fixtures import build_random_drafter
+    from test_tensor_parallel import PARAMS, PROMPTS
+
+    from flashdraft import LLM
+
+    d = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)) if draft else None
+    kw = dict(draft=d, device="cuda", dtype="float32", speculative_min_acceptance_length=None,
+              speculative_tree_size=tree, max_num_seqs=4)  # (few graphs to capture)
+    want = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(PROMPTS, PARAMS)]
+    two = LLM(str(tiny_llama), tensor_parallel_size=2, **kw)
+    try:
+        runner = two.engine.runner
+        # every kind runs the split target or its LM head (the drafts are chosen through it): all followed
+        kinds = {key[0][0]: g.graph.follower is not None for key, g in runner.graphs.items() if g.captured}
+        assert kinds and all(kinds.values()), kinds
+        assert [o.token_ids for o in two.generate(PROMPTS, PARAMS)] == want
+    finally:
+        two.engine.shutdown()

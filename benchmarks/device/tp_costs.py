@@ -1,0 +1,158 @@
+"""What tensor parallelism adds to a step, measured on the GPUs of one host: the all-reduces and the
+logits' all-gather of one target step over N ranks (NCCL, inside a CUDA graph, as the engine replays
+them), and a sharded against a whole DFlash drafter's weight GEMMs.
+
+- all-reduce: a step of an L-layer target sums two [rows, hidden] activations a layer (o_proj's and
+  down_proj's outputs): 2L all-reduces in one graph, timed per replay, for each row count (decode: the
+  batch; a DFlash verify: batch x block).
+- all-gather: the LM head's [rows, vocab / N] shares, once a step.
+- drafter: its layers' GEMMs (q/k/v, o, gate/up, down) at the draft's rows (batch x block), whole on one
+  GPU against one rank's share (heads and intermediate size / N) plus the 2 x layers all-reduces that a
+  sharded drafter adds. Attention itself (split by heads, short context) is left out of both.
+
+    python benchmarks/device/tp_costs.py --tp 2 --target qwen3-8b --out tp_costs.json
+    python benchmarks/device/tp_costs.py --tp 2 --device cpu       # smoke test (gloo, no graphs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+SHAPES = {  # hidden, layers, vocab, heads, kv heads, head dim, intermediate (drafter: 5 layers of the target's)
+    "qwen3-8b": (4096, 36, 151936, 32, 8, 128, 12288),
+    "llama-3-70b": (8192, 80, 128256, 64, 8, 128, 28672),
+    "tiny": (256, 4, 1000, 4, 2, 64, 512),
+}
+
+
+def timed(fn, device: torch.device, replays: int, together: bool = True) -> float:
+    """ms per call of fn: its CUDA graph replayed (CPU: called); together: every rank times it at once."""
+    if device.type != "cuda":
+        import time
+
+        fn()
+        t = time.perf_counter()
+        for _ in range(replays):
+            fn()
+        return 1e3 * (time.perf_counter() - t) / replays
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if together:
+        dist.barrier()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(replays):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def run(rank: int, size: int, port: int, args, out: dict) -> None:
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size, timeout=datetime.timedelta(seconds=300))
+    H, L, V, heads, kv, hd, inter = SHAPES[args.target]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows_list = [int(r) for r in args.rows.split(",")]
+    result = {"all_reduce_ms": {}, "all_gather_ms": {}, "drafter": {}}
+    share = -(-V // size)
+    for rows in rows_list:
+        x = torch.randn(rows, H, device=device, dtype=dtype)
+
+        def reduces(x=x):
+            for _ in range(2 * L):
+                dist.all_reduce(x)
+        result["all_reduce_ms"][rows] = timed(reduces, device, args.replays)
+        part = torch.randn(rows, share, device=device, dtype=dtype)
+        parts = [torch.empty_like(part) for _ in range(size)]
+        result["all_gather_ms"][rows] = timed(lambda p=parts, x=part: dist.all_gather(p, x), device, args.replays)
+        if rank == 0:
+            print(f"rows {rows}: 2L all-reduces {result['all_reduce_ms'][rows]:.3f} ms, all-gather "
+                  f"{result['all_gather_ms'][rows]:.3f} ms", flush=True)
+    # the drafter: 5 layers of the target's width, its GEMMs whole (rank 0 alone) and as one rank's share
+    layers = 5
+    for rows in (int(r) for r in args.draft_rows.split(",")):
+        def gemms(n: int, reduce: bool, rows: int = rows):
+            q, k, i = heads * hd // n, kv * hd // n, inter // n
+            ws = [torch.randn(q + 2 * k, H, device=device, dtype=dtype) * 0.02,
+                  torch.randn(H, q, device=device, dtype=dtype) * 0.02,
+                  torch.randn(2 * i, H, device=device, dtype=dtype) * 0.02,
+                  torch.randn(H, i, device=device, dtype=dtype) * 0.02]
+            x = torch.randn(rows, H, device=device, dtype=dtype)
+
+            def step():
+                h = x
+                for _ in range(layers):
+                    a = torch.nn.functional.linear(torch.nn.functional.linear(h, ws[0])[:, :q], ws[1])
+                    if reduce:
+                        dist.all_reduce(a)
+                    m = torch.nn.functional.linear(torch.nn.functional.linear(a, ws[2])[:, :i], ws[3])
+                    if reduce:
+                        dist.all_reduce(m)
+                    h = m
+            return step
+        whole = timed(gemms(1, False), device, args.replays, together=False) if rank == 0 else None
+        dist.barrier()
+        sharded = timed(gemms(size, True), device, args.replays)
+        result["drafter"][rows] = {"whole_ms": whole, "sharded_ms": sharded}
+        if rank == 0:
+            print(f"drafter rows {rows}: whole {whole:.3f} ms, sharded {sharded:.3f} ms", flush=True)
+    if rank == 0:
+        out.update(result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--target", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rows", default="1,8,32,16,128,512")
+    ap.add_argument("--draft-rows", default="16,128,512")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.device == "cpu" and args.target != "tiny":
+        args.target = "tiny"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    manager = mp.get_context("spawn").Manager()
+    out = manager.dict()
+    mp.start_processes(run, args=(args.tp, port, args, out), nprocs=args.tp, start_method="spawn")
+    result = {"tp": args.tp, "target": args.target, "shape": SHAPES[args.target], "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", **dict(out)}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast: not available on these hosts
+    main()
