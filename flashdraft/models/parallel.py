@@ -12,8 +12,11 @@
 - LM head: its share of the vocabulary's rows (padded to N equal shares); the logits are gathered, so
   every rank holds the whole row and chooses the same token.
 
-Biases of the summed projections stay on rank 0 only (added once). The engine drives the ranks (one
-process each, the scheduler on rank 0); this module only splits a loaded model and does its collectives.
+Biases of the summed projections are added once: rank 0 keeps them, the other ranks hold zeros. A model
+is split loaded or not: every share remembers how it is cut from the whole tensor (`model.tp_takes`), so
+loaders split on the meta device first and each rank reads only its share onto its GPU (loader.load_model).
+The engine drives the ranks (one process each, the scheduler on rank 0; engine/parallel.py); this module
+splits a model and does its collectives.
 """
 
 from __future__ import annotations
