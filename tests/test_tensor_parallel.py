@@ -232,3 +232,20 @@ def test_graphed_steps_over_two_ranks_equal_one_process(tiny_llama, tmp_path, tr
         assert replays["dflash-tree" if tree else "dflash"] > 0 and replays["ragged"] > 0, replays
     finally:
         llm.engine.shutdown()
+
+
+def test_a_rank_that_dies_mid_generate_is_named(tiny_llama):
+    """A rank killed while rank 0 is stepping (inside a collective or between two): the generate call ends in an
+    error naming the rank, soon, instead of waiting on it."""
+    import threading
+    import time
+
+    llm = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32", tensor_parallel_size=2)
+    try:
+        threading.Timer(0.5, llm.engine.ranks.procs[0].kill).start()
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
+            llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=400, ignore_eos=True))
+        assert time.monotonic() - started < 30
+    finally:
+        llm.engine.shutdown()

@@ -253,6 +253,19 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
+        """Run one forward over a scheduled batch; return the sequences that advanced (_step). Under
+        tensor parallelism a step that fails because another rank exited says which."""
+        if self.ranks is None:
+            return self._step()
+        try:
+            return self._step()
+        except RuntimeError as e:  # (torch.distributed's errors are RuntimeErrors)
+            named = self.ranks.named(e)
+            if named is e:
+                raise
+            raise named from e
+
+    def _step(self) -> list[Sequence]:
         """Run one forward over a scheduled batch; return the sequences that advanced.
 
         With async scheduling (plain decoding), a step whose every row samples a token is left in

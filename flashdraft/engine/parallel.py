@@ -17,8 +17,10 @@ tensors (from rank 0's static buffers, inside its graph), the forward and its al
 then announces each of its replays (`Graph.follower`), and the other ranks replay theirs: one small
 command a step, and the collectives meet inside the two graphs.
 
-A rank that has exited is named by rank 0's next call; a rank stuck in a collective ends it at the
-group's timeout (`TP_TIMEOUT_S`).
+A rank that exits is seen within half a second by rank 0's watchdog thread, which logs it by name and aborts
+the group, so that rank 0, if it waits on that rank in a collective, gets an error at once; the engine's step
+then raises one naming the rank. A rank that hangs without exiting ends the group at its timeout
+(`TP_TIMEOUT_S`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import math
 import os
 import socket
 import threading
+import time
 from dataclasses import asdict, replace
 from functools import partial
 
@@ -87,10 +90,38 @@ class Ranks:
         self.graphs: list[Graph] = []  # rank 0's graphs that hold collectives (TPModel._announce)
         self.closed = False
         atexit.register(self.close)
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def gone(self) -> list[tuple[int, int | None]]:
+        """(rank, exit code) of each other rank whose process has exited."""
+        return [(r, p.exitcode) for r, p in enumerate(self.procs, 1) if not p.is_alive()]
+
+    def named(self, error: BaseException, wait_s: float = 2.0) -> BaseException:
+        """The error to raise for `error` (a failed call of rank 0): naming the rank that exited, if one did
+        (given a moment to be reaped), else `error` itself."""
+        deadline = time.monotonic() + wait_s
+        while not self.gone() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self.gone():
+            return error
+        r, code = self.gone()[0]
+        return RuntimeError(f"tensor-parallel rank {r} exited (code {code}); the engine cannot go on")
+
+    def _watch(self) -> None:
+        """A rank that exits while rank 0 waits on it in a collective: logged at once by name, and the group
+        aborted, so that the wait ends in an error now (NCCL would wait for its timeout, TP_TIMEOUT_S)."""
+        while not self.closed:
+            if self.gone():
+                r, code = self.gone()[0]
+                log.error("tensor-parallel rank %d exited (code %s): aborting the group", r, code)
+                with contextlib.suppress(Exception):  # (a private call of torch's; gloo fails on its own)
+                    dist.distributed_c10d._abort_process_group()
+                return
+            time.sleep(0.5)
 
     def send(self, *command) -> None:
         """Announce a call to the other ranks; a rank that is gone is an error naming it."""
-        gone = [(r, p.exitcode) for r, p in enumerate(self.procs, 1) if not p.is_alive()]
+        gone = self.gone()
         if self.closed or gone:
             raise RuntimeError("the tensor-parallel engine is shut down" if self.closed else
                                f"tensor-parallel rank {gone[0][0]} exited (code {gone[0][1]}); the engine cannot go on")
@@ -170,6 +201,8 @@ def _leave(graphs) -> None:
     for g in graphs:
         g.reset()
     graphs.clear()
+    if not dist.is_initialized():  # (aborted by the watchdog)
+        return
     leaving = threading.Thread(target=dist.destroy_process_group, daemon=True)
     leaving.start()
     leaving.join(TP_TIMEOUT_S)
