@@ -249,3 +249,34 @@ def test_a_rank_that_dies_mid_generate_is_named(tiny_llama):
         assert time.monotonic() - started < 30
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_rank_loads_its_share_streaming(kind, tiny_llama, tiny_qwen3, monkeypatch):
+    """load_model(tp=...) splits the model on the meta device, then streams the checkpoint into the shares: the
+    same parameters as splitting the whole loaded model, with no more than about a pack's parts held at once."""
+    import gc
+    import weakref
+
+    from flashdraft.models import loader
+    from flashdraft.models.loader import load_model
+    from flashdraft.models.parallel import TPGroup, shard_decoder
+
+    folder = {"llama": tiny_llama, "qwen3": tiny_qwen3}[kind]
+    want = shard_decoder(load_model(folder, torch.device("cpu"), torch.float32).model, TPGroup(1, 2))
+    stream, alive, most = loader.stream_weights, [], [0]
+
+    def watched(f):
+        for name, w in stream(f):
+            gc.collect()
+            alive[:] = [r for r in alive if r() is not None]
+            most[0] = max(most[0], len(alive))
+            alive.append(weakref.ref(w))
+            yield name, w
+    monkeypatch.setattr(loader, "stream_weights", watched)
+    got = load_model(folder, torch.device("cpu"), torch.float32, tp=TPGroup(1, 2)).model
+    assert 0 < most[0] <= 4, most  # (the parts of one pack still pending, and the tensor read last)
+    mine, theirs = dict(got.named_parameters()), dict(want.named_parameters())
+    assert mine.keys() == theirs.keys()
+    for name, p in mine.items():
+        assert torch.equal(p, theirs[name]), name

@@ -7,10 +7,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from flashdraft.hub import local_path
@@ -90,6 +92,18 @@ def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def stream_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every *.safetensors tensor, read one at a time: a loader that copies each into its
+    model and lets it go never holds the checkpoint in host memory (a tensor-parallel rank keeps a share)."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{str(folder)!r} has no *.safetensors weights")
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
 def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
@@ -149,13 +163,14 @@ def dummy_weights(net: torch.nn.Module, seed: int = 0) -> None:
 def load_model(model: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
                load_format: str = "auto", revision: str | None = None, tp=None) -> LoadedModel:
     """tp: a tensor-parallel rank's TPGroup (models/parallel.py): the model is split before its weights
-    are placed, so the device holds this rank's share only (its host reads the whole checkpoint)."""
+    are placed, so the device holds this rank's share only (the checkpoint is read one tensor at a time)."""
     folder = resolve_model_dir(model, revision, weights=load_format != "dummy")
     cfg = load_config(folder)
     tokenizer = load_tokenizer(folder)
-    weights = load_weights(folder) if load_format != "dummy" else None
+    hybrid = cfg.model_type in HYBRID_MODEL_TYPES
+    weights = None if load_format == "dummy" else load_weights(folder) if hybrid else stream_weights(folder)
     with torch.device("meta"):
-        net = HybridLM(cfg) if cfg.model_type in HYBRID_MODEL_TYPES else DecoderLM(cfg)
+        net = HybridLM(cfg) if hybrid else DecoderLM(cfg)
     if tp is not None:
         from flashdraft.models.parallel import shard_decoder, tie_head
 

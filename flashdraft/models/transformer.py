@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -401,43 +401,51 @@ class DecoderLM(nn.Module):
             logits = linear(flat, self.lm_head_weight).view(*hidden.shape[:-1], -1)
         return logits.float() if float32 else logits
 
-    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load HF-named tensors (model.* prefix), packing q/k/v and gate/up."""
+    def load_hf_state_dict(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors (model.* prefix), packing q/k/v and gate/up. weights: a dict, or (name,
+        tensor) pairs read one at a time (loader.stream_weights): a dense model holds no more of them at once
+        than a pack's parts; experts are gathered whole (stacked per layer)."""
         skip = {"lm_head.weight"} if self.tied else set()
-        weights = {k.removeprefix("model."): w for k, w in weights.items()
-                   if not k.endswith("rotary_emb.inv_freq") and k not in skip}
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
+        pairs = ((k.removeprefix("model."), w) for k, w in pairs
+                 if not k.endswith("rotary_emb.inv_freq") and k not in skip)
         if self.config.model_type == "gpt_oss":
-            weights = gpt_oss_experts(weights, self.embed_tokens.weight.dtype)
-        load_packed(self, stack_experts(weights))
+            pairs = gpt_oss_experts(dict(pairs), self.embed_tokens.weight.dtype).items()
+        if any(not isinstance(layer.mlp, MLP) for layer in self.layers):
+            pairs = stack_experts(dict(pairs)).items()
+        load_packed(self, pairs)
 
 
 _PACKS = {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),
           "gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2)}
 
 
-def load_packed(module: nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Copy HF-named weights into `module`, concatenating q/k/v and gate/up into their packed
-    matrices. Unknown, missing or mis-shaped tensors are errors that name the tensor."""
+def load_packed(module: nn.Module, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named weights (a dict, or (name, tensor) pairs) into `module`, concatenating q/k/v and
+    gate/up into their packed matrices as soon as a pack's parts are in. Unknown, missing or mis-shaped
+    tensors are errors that name the tensor."""
     own = dict(module.named_parameters()) | dict(module.named_buffers())
     takes = getattr(module, "tp_takes", None) or {}  # a split model's shares (models/parallel.py)
     loaded: set[str] = set()
     pending: dict[str, dict[int, torch.Tensor]] = {}
-    for name, w in weights.items():
+    for name, w in weights.items() if isinstance(weights, Mapping) else weights:
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in _PACKS:
-            fused, idx, _ = _PACKS[parts[-2]]
-            pending.setdefault(".".join(parts[:-2] + [fused, parts[-1]]), {})[idx] = w
+            fused, idx, want = _PACKS[parts[-2]]
+            key = ".".join(parts[:-2] + [fused, parts[-1]])
+            chunks = pending.setdefault(key, {})
+            chunks[idx] = w
+            if len(chunks) == want and key in own:
+                _copy(own[key], torch.cat([chunks[i] for i in range(want)], 0), key, takes.get(key))
+                del pending[key]
+                loaded.add(key)
             continue
         if name not in own:
             raise ValueError(f"unexpected weight {name!r}")
         _copy(own[name], w, name, takes.get(name))
         loaded.add(name)
-    for key, chunks in pending.items():
-        want = 3 if ".qkv_proj." in key else 2
-        if key not in own or len(chunks) != want:
-            raise ValueError(f"incomplete packed weight {key!r}")
-        _copy(own[key], torch.cat([chunks[i] for i in range(want)], 0), key, takes.get(key))
-        loaded.add(key)
+    if pending:
+        raise ValueError(f"incomplete packed weight {next(iter(pending))!r}")
     missing = sorted(n for n in own if n not in loaded and n in dict(module.named_parameters()))
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
