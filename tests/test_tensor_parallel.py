@@ -87,12 +87,12 @@ def tiny_moe(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "odd-vocab", "qwen3_moe", "gpt_oss"])
 def test_two_ranks_equal_the_unsplit_model(kind, tmp_path, tiny_llama, tiny_qwen3, tiny_moe):
-    """(odd-vocab: 321 rows of LM head, shares of 161, the last padded; gpt_oss: expert biases, the down
-    projection's added once)"""
+    """(odd-vocab: 321 rows of a tied embedding and LM head, shares of 161, the last padded; gpt_oss: expert
+    biases, the down projection's added once)"""
     from fixtures import build_tiny_model
 
     if kind == "odd-vocab":
-        folder = build_tiny_model(tmp_path / "m", "qwen3", vocab_size=321)
+        folder = build_tiny_model(tmp_path / "m", "qwen3", vocab_size=321, tie_word_embeddings=True)
     elif kind == "gpt_oss":
         folder = build_tiny_model(tmp_path / "m", "gpt_oss")
     else:
@@ -251,18 +251,20 @@ def test_a_rank_that_dies_mid_generate_is_named(tiny_llama):
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_a_rank_loads_its_share_streaming(kind, tiny_llama, tiny_qwen3, monkeypatch):
+@pytest.mark.parametrize("kind", ["llama", "qwen3-tied"])
+def test_a_rank_loads_its_share_streaming(kind, tiny_llama, tmp_path, monkeypatch):
     """load_model(tp=...) splits the model on the meta device, then streams the checkpoint into the shares: the
     same parameters as splitting the whole loaded model, with no more than about a pack's parts held at once."""
     import gc
     import weakref
 
+    from fixtures import build_tiny_model
+
     from flashdraft.models import loader
     from flashdraft.models.loader import load_model
     from flashdraft.models.parallel import TPGroup, shard_decoder
 
-    folder = {"llama": tiny_llama, "qwen3": tiny_qwen3}[kind]
+    folder = tiny_llama if kind == "llama" else build_tiny_model(tmp_path / "m", "qwen3", tie_word_embeddings=True)
     want = shard_decoder(load_model(folder, torch.device("cpu"), torch.float32).model, TPGroup(1, 2))
     stream, alive, most = loader.stream_weights, [], [0]
 

@@ -8,8 +8,9 @@ rank 0's block tables name) and an attention backend; `worker` is their whole lo
 rank 0 only: the target's taps and logits reach it whole (all-reduced and gathered).
 
 A call's host fields (the step's lengths and block tables) travel as a pickled command down a pipe to each
-rank (tens of microseconds; a gloo broadcast of the same object took about a millisecond on a CPU); its tensors (input ids, positions, cache slots, tree masks, a hidden state whose logits are wanted) over
-the main group, from wherever they are, so announcing a call never waits for the GPU.
+rank (microseconds; a gloo broadcast of the same object took about a millisecond on a CPU); its tensors
+(input ids, positions, cache slots, tree masks, a hidden state whose logits are wanted, the ids the drafter
+embeds) over the main group, from wherever they are, so announcing a call never waits for the GPU.
 
 CUDA graphs: when rank 0 captures a graph that runs the split target, the calls it announces during the
 capture are captured by the other ranks too, into one graph of theirs: the broadcast of the step's
@@ -187,6 +188,16 @@ class TPModel:
         dist.broadcast(hidden, src=0)
         return self._model.compute_logits(hidden, float32)
 
+    @property
+    def embed_tokens(self) -> _Embedding:
+        """The split embedding as rank 0's drafter embeds its blocks with it: each lookup announced."""
+        return _Embedding(self)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        self._announce("embed", [(tuple(ids.shape), ids.dtype)])
+        dist.broadcast(_pack([ids]), src=0)
+        return self._model.embed_tokens(ids)
+
     def announce_move(self, src: torch.Tensor, dst: torch.Tensor, kernel: bool) -> None:
         """The other ranks move their K/V rows as rank 0 moves its (ModelRunner.move_kv)."""
         self._announce("move", [(tuple(t.shape), t.dtype) for t in (src, dst)], kernel)
@@ -202,6 +213,19 @@ class TPModel:
             graph.follower = partial(self._ranks.send, "replay", self._followed)
             self._ranks.graphs.append(graph)
         self._ranks.send(*command, graph is not None)
+
+
+class _Embedding:
+    """TPModel.embed_tokens: called, an announced lookup; any attribute, the split embedding's."""
+
+    def __init__(self, model: TPModel):
+        self._tp = model
+
+    def __getattr__(self, name):
+        return getattr(self._tp._model.embed_tokens, name)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._tp.embed(ids)
 
 
 def _leave(graphs) -> None:
@@ -287,7 +311,7 @@ def _follow(control, device: torch.device, model, caches: tuple, attn, static, g
         while True:
             command = _receive(control)
             kind, captured = command[0], command[-1]
-            if kind not in ("forward", "logits", "move") or not captured:
+            if kind not in ("forward", "logits", "move", "embed") or not captured:
                 open_.close()
             if kind == "stop":
                 return
@@ -309,6 +333,8 @@ def _follow(control, device: torch.device, model, caches: tuple, attn, static, g
                     backend = attn
                     backend.prepare(batch, device)
                 model(ts[0], ts[1], kv, backend, batch, taps)
+            elif kind == "embed":
+                model.embed_tokens(*_unpack(command[1], device))
             elif kind == "move":
                 move_rows(*caches, *_unpack(command[1], device), kernel=command[2])
             elif kind == "logits":

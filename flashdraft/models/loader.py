@@ -172,7 +172,7 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     with torch.device("meta"):
         net = HybridLM(cfg) if hybrid else DecoderLM(cfg)
     if tp is not None:
-        from flashdraft.models.parallel import shard_decoder, tie_head
+        from flashdraft.models.parallel import shard_decoder
 
         shard_decoder(net, tp)
     net = net.to_empty(device=device).to(dtype)
@@ -180,7 +180,5 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
         dummy_weights(net)
     else:
         net.load_hf_state_dict(weights)
-    if tp is not None and tp.size > 1 and net.tied:
-        tie_head(net)
     net.eval().requires_grad_(False)
     return LoadedModel(folder, cfg, net, tokenizer, eos_token_ids(folder, cfg, tokenizer))

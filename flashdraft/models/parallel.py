@@ -8,9 +8,10 @@
   (gate_up_proj's gate rows and up rows, down_proj's columns); the router whole, so every rank routes
   each token alike (its input is the same on every rank). The layer's combined output is summed over the
   ranks, once.
-- Embedding and norms: whole on every rank (the embedding is a gather, not a matmul).
-- LM head: its share of the vocabulary's rows (padded to N equal shares); the logits are gathered, so
-  every rank holds the whole row and chooses the same token.
+- Embedding: its share of the vocabulary's rows (padded to N equal shares); a token outside the share looks
+  up zeros, and the lookups are summed over the ranks (VocabParallelEmbedding). Norms: whole.
+- LM head: its share of the vocabulary's rows, as the embedding's (a tied model's is the embedding's share);
+  the logits are gathered, so every rank holds the whole row and chooses the same token.
 
 Biases of the summed projections are added once: rank 0 keeps them, the other ranks hold zeros. A model
 is split loaded or not: every share remembers how it is cut from the whole tensor (`model.tp_takes`), so
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flashdraft.models.moe import MoE, is_moe_layer
-from flashdraft.models.transformer import MLP, DecoderLM, Linear, linear
+from flashdraft.models.transformer import MLP, DecoderLM, Embedding, Linear, linear
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
 MOE_TYPES = ("qwen3_moe", "gpt_oss")  # the model types whose layers shard_decoder splits: DENSE + MOE_TYPES
@@ -54,6 +55,19 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, -1)
+
+
+class VocabParallelEmbedding(Embedding):
+    """An embedding that holds its share of the vocabulary's rows: a token outside it looks up zeros, and
+    the sum over the ranks is the whole lookup."""
+
+    tp: TPGroup
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.tp.rank * self.num_embeddings
+        inside = (local >= 0) & (local < self.num_embeddings)
+        h = super().forward(torch.where(inside, local, 0))
+        return self.tp.all_reduce(h * inside.unsqueeze(-1).to(h.dtype))
 
 
 class RowParallelLinear(Linear):
@@ -112,27 +126,26 @@ def shard_decoder(model: DecoderLM, tp: TPGroup) -> DecoderLM:
         m.down_proj = _columns(m.down_proj, torch.arange(r * i, (r + 1) * i), tp)
         m.inter = i
     model.tp = tp
-    if model.tied:  # the embedding stays whole: the share is a copy of its rows (tie_head after a load)
-        tie_head(model)
-    else:
-        model.lm_head.weight = _share(model.lm_head.weight, partial(_head_rows, tp=tp))
+    rows = partial(_vocab_rows, tp=tp)  # the embedding's and the LM head's (a tied model's are one)
+    whole = model.embed_tokens
+    model.embed_tokens = VocabParallelEmbedding(-(-whole.num_embeddings // n), whole.embedding_dim, device="meta")
+    model.embed_tokens.weight = _share(whole.weight, rows)
+    model.embed_tokens.tp = tp
+    if not model.tied:
+        model.lm_head.weight = _share(model.lm_head.weight, rows)
     # by name: moving the module (to_empty) makes new parameters, without the attribute
     model.tp_takes = {name: p.tp_take for name, p in model.named_parameters() if hasattr(p, "tp_take")}
     return model
 
 
-def _head_rows(w: torch.Tensor, tp: TPGroup) -> torch.Tensor:
-    """Rank tp.rank's share of the LM head's rows: the vocabulary in equal shares, the last one padded."""
+def _vocab_rows(w: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Rank tp.rank's share of a [vocab, hidden] table's rows: the vocabulary in equal shares, the last one
+    padded with zero rows."""
     share = -(-w.shape[0] // tp.size)
     head = torch.zeros(share, w.shape[1], dtype=w.dtype, device=w.device)
     mine = w[tp.rank * share: (tp.rank + 1) * share]
     head[: mine.shape[0]] = mine
     return head
-
-
-def tie_head(model: DecoderLM) -> None:
-    """A tied model's LM head share, from its (whole) embedding: again whenever the embedding is loaded."""
-    model.lm_head_shard = _head_rows(model.embed_tokens.weight.data, model.tp)
 
 
 def _share(whole: torch.Tensor, take) -> nn.Parameter:

@@ -352,10 +352,9 @@ class DecoderLM(nn.Module):
         self.lm_head = None if self.tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: RotaryTable | None = None
         self.layer_masks = target_layer_masks(cfg)
-        # tensor parallelism (models/parallel.py): this rank's group; a tied model's share of the LM head's
-        # rows (an untied one's lm_head holds only its share)
+        # tensor parallelism (models/parallel.py): this rank's group (its embedding and LM head then hold its
+        # share of the vocabulary's rows)
         self.tp = None
-        self.lm_head_shard: torch.Tensor | None = None
         self.tp_takes: dict = {}  # parameter name -> how its share comes from a checkpoint's whole tensor
 
     @property
@@ -394,8 +393,7 @@ class DecoderLM(nn.Module):
         (an argmax over them picks the same token: the upcast is exact)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         if self.tp is not None:  # each rank's share of the vocabulary (models/parallel.py), gathered
-            head = self.lm_head_shard if self.tied else self.lm_head.weight
-            logits = self.tp.all_gather_last(linear(flat, head))[:, : self.config.vocab_size]
+            logits = self.tp.all_gather_last(linear(flat, self.lm_head_weight))[:, : self.config.vocab_size]
             logits = logits.contiguous().view(*hidden.shape[:-1], -1)  # (the padding rows cut: one copy)
         else:
             logits = linear(flat, self.lm_head_weight).view(*hidden.shape[:-1], -1)
