@@ -6,6 +6,8 @@ them), and a sharded against a whole DFlash drafter's weight GEMMs.
   down_proj's outputs): 2L all-reduces in one graph, timed per replay, for each row count (decode: the
   batch; a DFlash verify: batch x block).
 - all-gather: the LM head's [rows, vocab / N] shares, once a step.
+- symmetric memory (CUDA): the same 2L all-reduces through torch's one-shot all-reduce over symmetric memory
+  (peer loads over NVLink, no multicast), where this torch has it; an error is recorded, not raised.
 - drafter: its layers' GEMMs (q/k/v, o, gate/up, down) at the draft's rows (batch x block), whole on one
   GPU against one rank's share (heads and intermediate size / N) plus the 2 x layers all-reduces that a
   sharded drafter adds. Attention itself (split by heads, short context) is left out of both.
@@ -69,6 +71,28 @@ def timed(fn, device: torch.device, replays: int, together: bool = True) -> floa
     return start.elapsed_time(end) / replays
 
 
+def symm_mem_ms(rows: int, hidden: int, count: int, dtype, device: torch.device, replays: int):
+    """ms for `count` one-shot all-reduces of [rows, hidden] over symmetric memory, or the error's text."""
+    if device.type != "cuda":
+        return None
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        name = dist.group.WORLD.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):
+            symm_mem.enable_symm_mem_for_group(name)
+        x = symm_mem.empty(rows, hidden, dtype=dtype, device=device)
+        symm_mem.rendezvous(x, name)
+        x.normal_()
+
+        def reduces():
+            for _ in range(count):
+                torch.ops.symm_mem.one_shot_all_reduce(x, "sum", name)
+        return timed(reduces, device, replays)
+    except Exception as e:  # noqa: BLE001 (recorded: this torch or host may not have it)
+        return f"{type(e).__name__}: {str(e)[:200]}"
+
+
 def run(rank: int, size: int, port: int, args, out: dict) -> None:
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -78,7 +102,7 @@ def run(rank: int, size: int, port: int, args, out: dict) -> None:
     H, L, V, heads, kv, hd, inter = SHAPES[args.target]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows_list = [int(r) for r in args.rows.split(",")]
-    result = {"all_reduce_ms": {}, "all_gather_ms": {}, "drafter": {}}
+    result = {"all_reduce_ms": {}, "all_gather_ms": {}, "symm_mem_all_reduce_ms": {}, "drafter": {}}
     share = -(-V // size)
     for rows in rows_list:
         x = torch.randn(rows, H, device=device, dtype=dtype)
@@ -90,9 +114,11 @@ def run(rank: int, size: int, port: int, args, out: dict) -> None:
         part = torch.randn(rows, share, device=device, dtype=dtype)
         parts = [torch.empty_like(part) for _ in range(size)]
         result["all_gather_ms"][rows] = timed(lambda p=parts, x=part: dist.all_gather(p, x), device, args.replays)
+        result["symm_mem_all_reduce_ms"][rows] = symm_mem_ms(rows, H, 2 * L, dtype, device, args.replays)
         if rank == 0:
-            print(f"rows {rows}: 2L all-reduces {result['all_reduce_ms'][rows]:.3f} ms, all-gather "
-                  f"{result['all_gather_ms'][rows]:.3f} ms", flush=True)
+            print(f"rows {rows}: 2L all-reduces {result['all_reduce_ms'][rows]:.3f} ms (symmetric memory: "
+                  f"{result['symm_mem_all_reduce_ms'][rows]}), all-gather {result['all_gather_ms'][rows]:.3f} ms",
+                  flush=True)
     # the drafter: 5 layers of the target's width, its GEMMs whole (rank 0 alone) and as one rank's share
     layers = 5
     for rows in (int(r) for r in args.draft_rows.split(",")):

@@ -101,16 +101,19 @@ class Ranks:
         """(rank, exit code) of each other rank whose process has exited."""
         return [(r, p.exitcode) for r, p in enumerate(self.procs, 1) if not p.is_alive()]
 
+    def exited(self) -> RuntimeError | None:
+        """The error that names another rank whose process has exited, if one has."""
+        gone = self.gone()
+        return RuntimeError(f"tensor-parallel rank {gone[0][0]} exited (code {gone[0][1]}); the engine cannot "
+                            "go on") if gone else None
+
     def named(self, error: BaseException, wait_s: float = 2.0) -> BaseException:
-        """The error to raise for `error` (a failed call of rank 0): naming the rank that exited, if one did
-        (given a moment to be reaped), else `error` itself."""
+        """The error to raise for `error` (a failed call of rank 0): the one naming a rank that exited, if one
+        did (given a moment to be reaped), else `error` itself."""
         deadline = time.monotonic() + wait_s
-        while not self.gone() and time.monotonic() < deadline:
+        while self.exited() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        if not self.gone():
-            return error
-        r, code = self.gone()[0]
-        return RuntimeError(f"tensor-parallel rank {r} exited (code {code}); the engine cannot go on")
+        return self.exited() or error
 
     def _watch(self) -> None:
         """A rank that exits while rank 0 waits on it in a collective: logged at once by name, and the group
@@ -126,10 +129,11 @@ class Ranks:
 
     def send(self, *command) -> None:
         """Announce a call to the other ranks; a rank that is gone is an error naming it."""
-        gone = self.gone()
-        if self.closed or gone:
-            raise RuntimeError("the tensor-parallel engine is shut down" if self.closed else
-                               f"tensor-parallel rank {gone[0][0]} exited (code {gone[0][1]}); the engine cannot go on")
+        if self.closed:
+            raise RuntimeError("the tensor-parallel engine is shut down")
+        exited = self.exited()
+        if exited is not None:
+            raise exited
         data = pickle.dumps(command)
         try:
             for pipe in self.pipes:
@@ -141,11 +145,11 @@ class Ranks:
         """Stop the other ranks and leave the group (once; also at exit), whatever state they are in."""
         if self.closed:
             return
-        try:
-            self.send("stop")
-        except RuntimeError:
-            pass  # (a rank is gone: the others are stopped below)
         self.closed = True
+        stop = pickle.dumps(("stop",))
+        for pipe in self.pipes:  # every rank still there (one that is gone: its pipe is broken)
+            with contextlib.suppress(OSError):
+                pipe.send_bytes(stop)
         _leave(self.graphs)  # with the other ranks, which leave on "stop" (NCCL's teardown is collective)
         for p in self.procs:
             p.join(timeout=30)
