@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -183,54 +184,65 @@ class GptOssMoE(MoE):
         return ("swiglu_oai", self.alpha, self.limit)
 
 
-def gpt_oss_experts(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+Named = tuple[str, torch.Tensor]  # a checkpoint tensor and its name
+
+
+def gpt_oss_experts(weights: Iterable[Named], dtype: torch.dtype) -> Iterator[Named]:
     """GPT-OSS checkpoint experts (bf16, or MXFP4 `_blocks` + `_scales` dequantized to `dtype` by
-    transformers' own routine) -> the stacked layout above: transposed, gate rows before up rows."""
+    transformers' own routine) -> the stacked layout above: transposed, gate rows before up rows. Streamed:
+    each (name, tensor) pair out as soon as it is in (an MXFP4 weight once both of its parts are)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    out, packed = {}, {}
-    for name, w in weights.items():
+    packed: dict[str, dict[str, torch.Tensor]] = {}
+    for name, w in weights:
         base, _, part = name.rpartition("_")
         if part in ("blocks", "scales") and base.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            packed.setdefault(base, {})[part] = w
-        else:
-            out[name] = w
-    for base, parts in packed.items():
-        if len(parts) != 2:
-            raise ValueError(f"MXFP4 expert weight {base!r} needs both {base}_blocks and {base}_scales")
-        out[base] = convert_moe_packed_tensors(parts["blocks"], parts["scales"], dtype=dtype)
-    for name in list(out):
-        w = out[name]
+            parts = packed.setdefault(base, {})
+            parts[part] = w
+            if len(parts) < 2:
+                continue
+            del packed[base]
+            name, w = base, convert_moe_packed_tensors(parts["blocks"], parts["scales"], dtype=dtype)
         if name.endswith("experts.gate_up_proj"):  # [E, H, 2I] interleaved -> [E, 2I, H] gate rows first
             w = w.transpose(1, 2)
-            out[name] = torch.cat([w[:, 0::2], w[:, 1::2]], 1)
+            w = torch.cat([w[:, 0::2], w[:, 1::2]], 1)
         elif name.endswith("experts.gate_up_proj_bias"):
-            out[name] = torch.cat([w[:, 0::2], w[:, 1::2]], 1)
+            w = torch.cat([w[:, 0::2], w[:, 1::2]], 1)
         elif name.endswith("experts.down_proj"):  # [E, I, H] -> [E, H, I]
-            out[name] = w.transpose(1, 2).contiguous()
-    return out
+            w = w.transpose(1, 2).contiguous()
+        yield name, w
+    if packed:
+        base = next(iter(packed))
+        raise ValueError(f"MXFP4 expert weight {base!r} needs both {base}_blocks and {base}_scales")
 
 
 _EXPERT = re.compile(r"(.*mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def stack_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert checkpoint tensors -> the stacked gate_up_proj / down_proj of each layer."""
+def stack_experts(weights: Mapping[str, torch.Tensor] | Iterable[Named],
+                  num_experts: int | None = None) -> Iterator[Named]:
+    """Per-expert checkpoint tensors -> the stacked gate_up_proj / down_proj of each layer, out as soon as
+    the layer's num_experts experts are in (None: at the end); every other tensor passes straight through."""
     per: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    out = {}
-    for name, w in weights.items():
+    for name, w in weights.items() if isinstance(weights, Mapping) else weights:
         m = _EXPERT.match(name)
         if m is None:
-            out[name] = w
+            yield name, w
             continue
-        per.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = w
+        parts = per.setdefault(m.group(1), {})
+        parts.setdefault(m.group(3), {})[int(m.group(2))] = w
+        if num_experts and all(len(parts.get(k, ())) == num_experts for k in ("gate_proj", "up_proj", "down_proj")):
+            yield from _stacked(m.group(1), per.pop(m.group(1)), num_experts)
     for prefix, parts in per.items():
-        n = 1 + max(max(p) for p in parts.values())
-        missing = [f"{prefix}.{e}.{k}" for k in ("gate_proj", "up_proj", "down_proj") for e in range(n)
-                   if e not in parts.get(k, {})]
-        if missing:
-            raise ValueError(f"checkpoint is missing expert weights: {', '.join(missing[:4])}")
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([parts["gate_proj"][e], parts["up_proj"][e]])
-                                                     for e in range(n)])
-        out[f"{prefix}.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
-    return out
+        yield from _stacked(prefix, parts, num_experts)
+
+
+def _stacked(prefix: str, parts: dict[str, dict[int, torch.Tensor]], n: int | None) -> Iterator[Named]:
+    n = n or 1 + max(max(p) for p in parts.values())
+    missing = [f"{prefix}.{e}.{k}" for k in ("gate_proj", "up_proj", "down_proj") for e in range(n)
+               if e not in parts.get(k, {})]
+    if missing:
+        raise ValueError(f"checkpoint is missing expert weights: {', '.join(missing[:4])}")
+    yield f"{prefix}.gate_up_proj", torch.stack([torch.cat([parts["gate_proj"][e], parts["up_proj"][e]])
+                                                 for e in range(n)])
+    yield f"{prefix}.down_proj", torch.stack([parts["down_proj"][e] for e in range(n)])

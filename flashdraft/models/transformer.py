@@ -401,17 +401,15 @@ class DecoderLM(nn.Module):
 
     def load_hf_state_dict(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors (model.* prefix), packing q/k/v and gate/up. weights: a dict, or (name,
-        tensor) pairs read one at a time (loader.stream_weights): a dense model holds no more of them at once
-        than a pack's parts; experts are gathered whole (stacked per layer)."""
+        tensor) pairs read one at a time (loader.stream_weights): a model holds no more of them at once than
+        a pack's parts, or one layer's experts (stacked as soon as they are in)."""
         skip = {"lm_head.weight"} if self.tied else set()
         pairs = weights.items() if isinstance(weights, Mapping) else weights
         pairs = ((k.removeprefix("model."), w) for k, w in pairs
                  if not k.endswith("rotary_emb.inv_freq") and k not in skip)
         if self.config.model_type == "gpt_oss":
-            pairs = gpt_oss_experts(dict(pairs), self.embed_tokens.weight.dtype).items()
-        if any(not isinstance(layer.mlp, MLP) for layer in self.layers):
-            pairs = stack_experts(dict(pairs)).items()
-        load_packed(self, pairs)
+            pairs = gpt_oss_experts(pairs, self.embed_tokens.weight.dtype)
+        load_packed(self, stack_experts(pairs, getattr(self.config, "num_experts", None)))
 
 
 _PACKS = {"q_proj": ("qkv_proj", 0, 3), "k_proj": ("qkv_proj", 1, 3), "v_proj": ("qkv_proj", 2, 3),
