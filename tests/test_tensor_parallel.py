@@ -44,6 +44,13 @@ def _step(model, kv, ids: list[list[int]], starts: list[int], tables: list[list[
     return hidden, model.compute_logits(hidden), qsl
 
 
+def tcp_init() -> str:
+    """A rendezvous for spawned ranks (a TCP store: a file store's teardown aborted a rank now and then)."""
+    from flashdraft.engine.parallel import _free_port
+
+    return f"tcp://127.0.0.1:{_free_port()}"
+
+
 def _worker(rank: int, size: int, init: str, folder: str, backend: str = "gloo") -> None:
     """One rank (gloo: on the CPU; nccl: on GPU `rank`, the fused layer path): the split model against the
     whole one, which every rank also runs."""
@@ -52,7 +59,7 @@ def _worker(rank: int, size: int, init: str, folder: str, backend: str = "gloo")
         torch.cuda.set_device(device)
     else:  # one thread a rank: ranks sharing two cores thrashed (the MoE layers' small ops took 2-3x longer)
         torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"file://{init}", rank=rank, world_size=size)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=size)
     try:
         with torch.inference_mode():
             ref = load_model(folder, device, torch.float32).model
@@ -97,7 +104,7 @@ def test_two_ranks_equal_the_unsplit_model(kind, tmp_path, tiny_llama, tiny_qwen
         folder = build_tiny_model(tmp_path / "m", "gpt_oss")
     else:
         folder = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_moe": tiny_moe}[kind]
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(folder)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, tcp_init(), str(folder)), nprocs=2, join=True)
 
 
 def test_unsplittable_models_are_refused(tiny_llama):

@@ -16,7 +16,7 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
 def test_two_gpus_equal_the_unsplit_model(kind, tmp_path, tiny_llama, tiny_qwen3):
     """(the fused path's experts under the split too; tied: a tied vocabulary of 321 rows, shares padded)"""
     from fixtures import build_tiny_model
-    from test_tensor_parallel import _worker
+    from test_tensor_parallel import _worker, tcp_init
 
     if kind in ("qwen3_moe", "gpt_oss"):
         folder = build_tiny_model(tmp_path / "m", kind)
@@ -24,7 +24,7 @@ def test_two_gpus_equal_the_unsplit_model(kind, tmp_path, tiny_llama, tiny_qwen3
         folder = build_tiny_model(tmp_path / "m", "qwen3", vocab_size=321, tie_word_embeddings=True)
     else:
         folder = {"llama": tiny_llama, "qwen3": tiny_qwen3}[kind]
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(folder), "nccl"), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, tcp_init(), str(folder), "nccl"), nprocs=2, join=True)
 
 
 @pytest.mark.parametrize("draft", [False, True])
