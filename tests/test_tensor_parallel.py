@@ -7,6 +7,8 @@ preemption; a rank that dies is an error naming it."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -80,8 +82,12 @@ def _worker(rank: int, size: int, init: str, folder: str, backend: str = "gloo")
                 starts = [s + len(t) for s, t in zip(starts, ids)]
                 ids = [[t] for t in last]
         dist.barrier()  # every rank past its last collective before any leaves the group
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # done: out without the process's teardown of the group's threads, which aborted a rank now and then
+    # ("terminate called without an active exception", about 1 run in 5 of this file on 2 cores)
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
