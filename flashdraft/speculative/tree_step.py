@@ -18,7 +18,7 @@ import torch
 from flashdraft.engine.graphs import StepGraph, to_device
 from flashdraft.engine.sampler import draw_candidates, greedy_tokens
 from flashdraft.engine.sequence import Sequence
-from flashdraft.speculative.kv_slots import copy_slots, poison_slots, position_slots
+from flashdraft.speculative.kv_slots import move_rows, poison_slots, position_slots
 from flashdraft.speculative.overlap import VerifyInFlight
 from flashdraft.speculative.tree import Trees, accept, build_trees, path_moves, use_kernels
 
@@ -121,7 +121,7 @@ class TreeSteps:
                 from flashdraft.speculative.tree_triton import accept_paths
 
                 a, path, committed, src, dst = accept_paths(trees, target, start, m.block_tables[:n], m.block_size)
-                self._move_slots(src, dst)
+                self._move_rows(src, dst, kernel=True)
             else:
                 a, path = accept(trees, target)
                 committed = target.gather(1, path)
@@ -133,22 +133,18 @@ class TreeSteps:
             self._move_path(path, a, start, m)
         return VerifyInFlight(plans, g, torch.cat([a, committed.flatten()]), n, owner, started, whole, logprobs)
 
-    def _move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """The moves (from slot, to slot) [S, D] (-1: none) of every target and draft layer's K/V, in
-        speculative/tree_triton.py's kernel."""
-        from flashdraft.speculative.tree_triton import move_slots
-
-        self.engine.runner.move_kv(src, dst, kernel=True)
-        move_slots(self.k_cache, self.v_cache, src, dst)
+    def _move_rows(self, src: torch.Tensor, dst: torch.Tensor, kernel: bool = False) -> None:
+        """Every target and draft layer's K/V from slots src to slots dst (kv_slots.move_rows: [S, D] per
+        request, -1 none, in speculative/tree_triton.py's kernel when kernel; else flat slot lists)."""
+        self.engine.runner.move_kv(src, dst, kernel)
+        move_rows(self.k_cache, self.v_cache, src, dst, kernel)
 
     def _move_path(self, path: torch.Tensor, a: torch.Tensor, start: torch.Tensor, meta) -> None:
         """The accepted rows' K/V to their positions' slots with torch ops (tree.path_moves): off the
         fused GPU path (the selection of the moves waits for the device there)."""
         src, dst = path_moves(path, a, start, meta.block_tables[: path.shape[0]], meta.block_size)
         keep = src >= 0
-        src, dst = src[keep], dst[keep]
-        self.engine.runner.move_kv(src, dst)
-        copy_slots((self.k_cache, self.v_cache), src, dst)
+        self._move_rows(src[keep], dst[keep])
 
     def _forward_tree(self, plans: list[Plan]) -> tuple[torch.Tensor, torch.Tensor, Trees, torch.Tensor, torch.Tensor]:
         """The trees of the verifying requests (propose_tree), then the target over every row with
@@ -290,11 +286,10 @@ class TreeSteps:
             a, path = accept(trees, target)
             return result + (a, path, target.gather(1, path))
         # the acceptance and the accepted rows' K/V moves in the graph too (padding requests move nothing)
-        from flashdraft.speculative.tree_triton import accept_paths, move_slots
+        from flashdraft.speculative.tree_triton import accept_paths
 
         a, path, committed, src, dst = accept_paths(trees, target, first, m.block_tables, m.block_size)
-        runner.move_kv(src, dst, kernel=True)
-        move_slots(self.k_cache, self.v_cache, src, dst)
+        self._move_rows(src, dst, kernel=True)
         g.aux["moves_kv"] = True
         return result + (a, path, committed, torch.cat([a, committed.flatten()]))  # the host's one read
 
@@ -310,5 +305,4 @@ class TreeSteps:
         """Copy K/V of every target and draft layer between slots (all reads before any write)."""
         self._flush_context()
         idx = to_device([m[0] for m in moves] + [m[1] for m in moves], torch.long, self.engine.device)
-        self.engine.runner.move_kv(idx[: len(moves)], idx[len(moves):])
-        copy_slots((self.k_cache, self.v_cache), idx[: len(moves)], idx[len(moves):])
+        self._move_rows(idx[: len(moves)], idx[len(moves):])
