@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -68,3 +69,11 @@ def _chain_unless_asked():
     yield
     flashdraft.config.CPU_TREE = True
     flashdraft.config.STEP_GATE = True
+
+
+@pytest.fixture(autouse=True, scope="module")
+def collect_engines():
+    """After each test file, collect its engines: an engine and its speculator refer to each other, so their
+    KV pages wait for the cycle collector; the suite's process once reached the machine's 24 GB in test_tree."""
+    yield
+    gc.collect()
