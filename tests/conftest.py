@@ -57,6 +57,18 @@ def smollm2():
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _small_cpu_kv():
+    """Every CPU engine in the suite takes 512 MiB of KV pages instead of the 2 GiB default: an engine
+    zero-fills its pages, and the suite's engines are many (a collected engine frees them late), so at
+    2 GiB each the process outgrew a 24 GB machine. Tests that size the cache say so themselves."""
+    from flashdraft.engine import model_runner
+
+    default, model_runner.CPU_KV_BYTES = model_runner.CPU_KV_BYTES, 512 << 20
+    yield
+    model_runner.CPU_KV_BYTES = default
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _chain_unless_asked():
     """Engines verify the drafter's chain unless a test asks for token trees (the CPU default is a tree;
     its own tests turn it on). Session-wide: module-scoped engines are built before function fixtures."""

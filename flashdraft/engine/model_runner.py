@@ -67,6 +67,8 @@ def state_bytes_per_seq(model: DecoderLM, dtype: torch.dtype) -> int:
 # of the GPU memory left after the target's weights, the share the KV pages take: the rest is kept for
 # activations, CUDA graphs and the drafter, which are sized after the cache (an estimate, not a profile run)
 KV_SHARE = 0.85
+# the KV budget on a CPU, where there is no free-memory figure to take a share of
+CPU_KV_BYTES = 2 << 30
 
 
 def memory_budget(config: EngineConfig, device: torch.device) -> float:
@@ -80,7 +82,7 @@ def memory_budget(config: EngineConfig, device: torch.device) -> float:
         if config.gpu_memory_utilization is not None:
             return utilization_budget(config.gpu_memory_utilization, total, free, torch.cuda.memory_reserved(device))
         return KV_SHARE * free
-    return 2 * (1 << 30)
+    return CPU_KV_BYTES
 
 
 def utilization_budget(fraction: float, total: int, free: int, held: int) -> float:
