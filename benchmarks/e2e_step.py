@@ -375,6 +375,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory-gb", type=float, default=None)
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                     help="split the target over this many GPUs; figures are rank 0's (its share's roofline)")
+    ap.add_argument("--disable-custom-all-reduce", action="store_true",
+                    help="tensor parallel: every all-reduce through NCCL (not the one-shot one for small messages)")
     ap.add_argument("--arms", default="plain,dflash",
                     help="plain (async scheduling, the CUDA default), plain-sync (each step read before the "
                          "next is scheduled), dflash (every step verifies), dflash-sync (the same, each step read "
@@ -398,6 +400,7 @@ def main() -> None:
     result = {"target": args.target, "shape": TARGETS[args.target], "device": torch.cuda.get_device_name(device)
               if device.type == "cuda" else "cpu", "torch": torch.__version__, "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "tensor_parallel_size": args.tensor_parallel_size,
+              "disable_custom_all_reduce": args.disable_custom_all_reduce,
               "copy_bytes_per_s": copy_bandwidth(device), "arms": {}}
     bw = result["copy_bytes_per_s"]
     arms = args.arms.split(",")
@@ -419,6 +422,7 @@ def main() -> None:
                       max_model_len=args.prompt_len + args.new_tokens + 64,
                       async_scheduling=False if arm.endswith("-sync") else None,
                       enable_prefix_caching=False, tensor_parallel_size=args.tensor_parallel_size,
+                      disable_custom_all_reduce=args.disable_custom_all_reduce,
                       **gate)  # each timed run prefills its prompts alike
             if args.router_std > 0:
                 spread_routers(llm, args.router_std)

@@ -75,6 +75,9 @@ class EngineConfig:
     enable_prefix_caching: bool | None = None
     # split the target over this many devices (one process each; engine/parallel.py); vLLM's name
     tensor_parallel_size: int = 1
+    # vLLM's: sum every tensor-parallel message through NCCL; else (on GPUs) small messages go through torch's
+    # one-shot all-reduce over symmetric memory (models/parallel.py ONE_SHOT_MAX_BYTES)
+    disable_custom_all_reduce: bool = False
     # vLLM's: where requests that leave sampling fields unset take them from: "auto", the model folder's
     # generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); "vllm",
     # nowhere (flashdraft's own defaults); or a folder holding a generation_config.json
@@ -284,6 +287,8 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = False) -> None:
                         "generation_config.json; vllm, none (flashdraft's); or a folder's generation_config.json")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the target over N GPUs of this host, one process each (vLLM's; on a CPU N processes)")
+    p.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="tensor parallel: sum through NCCL alone, not the one-shot all-reduce for small messages")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: triton on CUDA when it imports, else torch")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run every step eagerly on CUDA")
@@ -330,6 +335,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 speculative_disable_batch_size=args.speculative_disable_batch_size,
                 speculative_min_acceptance_length=args.speculative_min_acceptance_length,
                 speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
+                disable_custom_all_reduce=args.disable_custom_all_reduce,
                 generation_config=args.generation_config,
                 **({"seed": args.engine_seed} if hasattr(args, "engine_seed") else {}))
 

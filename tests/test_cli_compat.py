@@ -164,6 +164,15 @@ def test_enforce_eager_turns_cuda_graphs_off():
         EngineConfig.from_kwargs(enforce_eager=True, cuda_graphs=True)
 
 
+def test_disable_custom_all_reduce_keeps_nccl_alone():
+    """vLLM's --disable-custom-all-reduce: the one-shot all-reduce is never built; on a CPU it never is."""
+    from flashdraft.engine.parallel import tp_group
+
+    assert serve_config().disable_custom_all_reduce is False
+    assert serve_config("--disable-custom-all-reduce", "-tp", "2").disable_custom_all_reduce is True
+    assert tp_group(0, 2, torch.device("cpu"), EngineConfig()).one_shot is None  # (CUDA only)
+
+
 # ---- --version, --help -------------------------------------------------------------------------
 def test_version(capsys, monkeypatch):
     from importlib import metadata

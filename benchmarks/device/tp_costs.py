@@ -8,6 +8,9 @@ them), and a sharded against a whole DFlash drafter's weight GEMMs.
 - all-gather: the LM head's [rows, vocab / N] shares, once a step.
 - symmetric memory (CUDA): the same 2L all-reduces through torch's one-shot all-reduce over symmetric memory
   (peer loads over NVLink, no multicast), where this torch has it; an error is recorded, not raised.
+- engine path (CUDA): 2L all-reduces as a step makes them, each of a message a kernel has just written
+  (TPGroup.all_reduce after a scale), through NCCL and through the engine's one-shot all-reduce
+  (models/parallel.py). Back-to-back collectives on one buffer, as above, cost NCCL more than a step pays.
 - drafter: its layers' GEMMs (q/k/v, o, gate/up, down) at the draft's rows (batch x block), whole on one
   GPU against one rank's share (heads and intermediate size / N) plus the 2 x layers all-reduces that a
   sharded drafter adds. Attention itself (split by heads, short context) is left out of both.
@@ -31,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 SHAPES = {  # hidden, layers, vocab, heads, kv heads, head dim, intermediate (drafter: 5 layers of the target's)
     "qwen3-8b": (4096, 36, 151936, 32, 8, 128, 12288),
@@ -104,6 +107,11 @@ def run(rank: int, size: int, port: int, args, out: dict) -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     result = {"all_reduce_ms": {}, "all_gather_ms": {}, "symm_mem_all_reduce_ms": {}, "drafter": {}}
     share = -(-V // size)
+    if device.type == "cuda":
+        from flashdraft.models.parallel import TPGroup, one_shot_or_none
+
+        one_shot = one_shot_or_none(device, size)
+        groups = [("nccl", TPGroup(rank, size)), ("one_shot", TPGroup(rank, size, one_shot=one_shot))]
     for rows in rows_list:
         x = torch.randn(rows, H, device=device, dtype=dtype)
 
@@ -115,6 +123,17 @@ def run(rank: int, size: int, port: int, args, out: dict) -> None:
         parts = [torch.empty_like(part) for _ in range(size)]
         result["all_gather_ms"][rows] = timed(lambda p=parts, x=part: dist.all_gather(p, x), device, args.replays)
         result["symm_mem_all_reduce_ms"][rows] = symm_mem_ms(rows, H, 2 * L, dtype, device, args.replays)
+        if device.type == "cuda":  # the engine's path (TPGroup.all_reduce): each message made by a kernel first
+            for name, tp in groups:
+                def made(x=x, tp=tp):
+                    h = x
+                    for _ in range(2 * L):
+                        h = tp.all_reduce(h * 0.5)
+                result.setdefault(f"engine_{name}_ms", {})[rows] = timed(made, device, args.replays)
+            if rank == 0:
+                print(f"rows {rows}: engine path, 2L (scale + all-reduce): nccl "
+                      f"{result['engine_nccl_ms'][rows]:.3f} ms, one-shot {result['engine_one_shot_ms'][rows]:.3f} ms",
+                      flush=True)
         if rank == 0:
             print(f"rows {rows}: 2L all-reduces {result['all_reduce_ms'][rows]:.3f} ms (symmetric memory: "
                   f"{result['symm_mem_all_reduce_ms'][rows]}), all-gather {result['all_gather_ms'][rows]:.3f} ms",

@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 from flashdraft.attention.base import DeviceMeta
 from flashdraft.config import EngineConfig
 from flashdraft.engine.graphs import Graph, capture, capturing
-from flashdraft.models.parallel import TPGroup
+from flashdraft.models.parallel import TPGroup, one_shot_or_none
 from flashdraft.speculative.kv_slots import move_rows
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,13 @@ def _free_port() -> int:
 
 def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def tp_group(rank: int, size: int, device: torch.device, config: EngineConfig) -> TPGroup:
+    """This rank's TPGroup, once the group has started: on GPUs with the one-shot all-reduce for small
+    messages unless config.disable_custom_all_reduce (building it is collective: every rank calls this)."""
+    one_shot = None if config.disable_custom_all_reduce else one_shot_or_none(device, size)
+    return TPGroup(rank, size, one_shot=one_shot)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -91,7 +98,7 @@ class Ranks:
         self.pipes = [write for _, write in pipes]
         timeout = datetime.timedelta(seconds=TP_TIMEOUT_S)
         dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=size, timeout=timeout)
-        self.tp = TPGroup(0, size)
+        self.tp = tp_group(0, size, rank_device(device, 0), config)
         self.graphs: list[Graph] = []  # rank 0's graphs that hold collectives (TPModel._announce)
         self.closed = False
         atexit.register(self.close)
@@ -282,11 +289,11 @@ def worker(rank: int, size: int, init: str, config: dict, device_name: str, cont
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=TP_TIMEOUT_S)
     dist.init_process_group(_backend(device), init_method=init, rank=rank, world_size=size, timeout=timeout)
+    tp = tp_group(rank, size, device, config)
     graphs: dict[int, Graph] = {}
     try:
         dtype = config.resolved_dtype(device)
-        model = load_model(config.model, device, dtype, config.load_format, config.revision,
-                           TPGroup(rank, size)).model
+        model = load_model(config.model, device, dtype, config.load_format, config.revision, tp).model
         _, blocks, max_len = _receive(control)  # rank 0's plan
         model.setup_rope(max_len + 64)
         a = model.layers[0].self_attn

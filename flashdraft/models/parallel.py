@@ -22,6 +22,7 @@ splits a model and does its collectives.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -33,20 +34,73 @@ from torch import nn
 from flashdraft.models.moe import MoE, is_moe_layer
 from flashdraft.models.transformer import MLP, DecoderLM, Embedding, Linear, linear
 
+log = logging.getLogger(__name__)
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
 MOE_TYPES = ("qwen3_moe", "gpt_oss")  # the model types whose layers shard_decoder splits: DENSE + MOE_TYPES
+
+
+# the largest message the one-shot all-reduce takes (32 rows of 4,096 bf16): up to it, TP 2 decode steps ran
+# 2-3% faster end to end with it than with NCCL's alone on H200s; at 128 rows, between kernels, it ran 4% slower
+# (docs/performance.md section 10); larger messages go to NCCL
+ONE_SHOT_MAX_BYTES = 256 << 10
+
+
+class OneShotAllReduce:
+    """torch's one-shot all-reduce over symmetric memory, for small messages (a step's activations): each
+    rank copies its part into a buffer that every rank of the host can read, and sums all parts itself. One
+    kernel, against NCCL's ring; the ranks' GPUs must reach each other's memory (one host, NVLink or P2P).
+    Building it is collective: every rank at the same point, right after the group starts."""
+
+    def __init__(self, device: torch.device, group: Any = None, max_bytes: int = ONE_SHOT_MAX_BYTES):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.name = (group or dist.group.WORLD).group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # (needed by older torch; newer ones need nothing)
+            symm_mem.enable_symm_mem_for_group(self.name)
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buffer, self.name)
+        ops = torch.ops.symm_mem
+        self.copying = getattr(ops, "one_shot_all_reduce_copy", None)  # (copies in its own kernel)
+        self.reduce = ops.one_shot_all_reduce
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The sum of x over the ranks, or None where this does not take x (NCCL's then)."""
+        n = x.numel() * x.element_size()
+        if n > self.buffer.numel() or n % 16 or x.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        part = self.buffer[:n].view(x.dtype).view(x.shape)
+        if self.copying is not None:
+            return self.copying(part, x.contiguous(), "sum", self.name)
+        part.copy_(x)
+        return self.reduce(part, "sum", self.name)
+
+
+def one_shot_or_none(device: torch.device, size: int, group: Any = None) -> OneShotAllReduce | None:
+    """The one-shot all-reduce for a group of `size` ranks on `device`'s kind, where torch has it: CUDA, more
+    than one rank. Where it fails to build, the reason is logged and NCCL's all-reduce takes every message."""
+    if device.type != "cuda" or size < 2:
+        return None
+    try:
+        return OneShotAllReduce(device, group)
+    except Exception as e:  # noqa: BLE001 (a torch or host without it: NCCL's all-reduce instead)
+        log.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL's", type(e).__name__, e)
+        return None
 
 
 @dataclass(frozen=True)
 class TPGroup:
     """This process's place in a tensor-parallel group (group: a torch.distributed group; None: the
-    default one)."""
+    default one; one_shot: the one-shot all-reduce for small messages, on GPUs)."""
 
     rank: int
     size: int
     group: Any = None
+    one_shot: OneShotAllReduce | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the ranks (x itself summed in place, or a new tensor: use the result)."""
+        if self.one_shot is not None and (out := self.one_shot(x)) is not None:
+            return out
         dist.all_reduce(x, group=self.group)
         return x
 

@@ -4,6 +4,8 @@ check, on CUDA)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -27,10 +29,61 @@ def test_two_gpus_equal_the_unsplit_model(kind, tmp_path, tiny_llama, tiny_qwen3
     mp.spawn(_worker, args=(2, tcp_init(), str(folder), "nccl"), nprocs=2, join=True)
 
 
+def _one_shot_worker(rank: int, size: int, init: str) -> None:
+    import torch.distributed as dist
+
+    from flashdraft.models.parallel import ONE_SHOT_MAX_BYTES, one_shot_or_none
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=size)
+    try:
+        one_shot = one_shot_or_none(torch.device("cuda", rank), size)
+        assert one_shot is not None
+        for rows, dtype in [(1, torch.bfloat16), (32, torch.bfloat16), (7, torch.float32), (16, torch.float32)]:
+            parts = [torch.randn(rows, 4096, generator=torch.Generator().manual_seed(r)).to(dtype)
+                     for r in range(size)]
+            got = one_shot(parts[rank].cuda())
+            exact = torch.stack(parts).double().sum(0)  # the ranks' parts summed in float64
+            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(got.double().cpu(), exact, atol=tol * 4, rtol=tol)
+            same = [torch.empty_like(got) for _ in range(size)]
+            dist.all_gather(same, got)  # every rank holds the same sum, bit for bit
+            assert all(torch.equal(same[0], t) for t in same)
+        # inside a CUDA graph: replays sum what the input holds then
+        x = torch.zeros(8, 4096, device="cuda", dtype=torch.bfloat16)
+        graph = torch.cuda.CUDAGraph()
+        one_shot(x)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out = one_shot(x)
+        for k in range(3):
+            x.fill_(rank + k)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.all(out == sum(r + k for r in range(size)))
+        # larger than its buffer, or a dtype it does not sum: left to NCCL
+        assert one_shot(torch.zeros(ONE_SHOT_MAX_BYTES // 2 + 8, device="cuda", dtype=torch.bfloat16)) is None
+        assert one_shot(torch.zeros(64, device="cuda", dtype=torch.float16)) is None
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    os._exit(0)  # (as test_tensor_parallel's workers: a passed rank leaves without torch's teardown)
+
+
+def test_one_shot_all_reduce_sums_like_float64():
+    """models/parallel.OneShotAllReduce (symmetric memory) on two GPUs: the float64 sum of the ranks' parts,
+    the same bits on both ranks, eager and in a CUDA graph; what it does not take, it declines."""
+    from test_tensor_parallel import tcp_init
+
+    mp.spawn(_one_shot_worker, args=(2, tcp_init()), nprocs=2, join=True)
+
+
 @pytest.mark.parametrize("draft", [False, True])
 def test_engine_over_two_gpus_equals_one(tiny_llama, tmp_path, draft):
-    """LLM(tensor_parallel_size=2) on two GPUs over NCCL (eager steps) gives one GPU's eager tokens, plain and
-    DFlash, greedy and seeded, batched."""
+    """LLM(tensor_parallel_size=2) on two GPUs (eager steps) gives one GPU's eager tokens, plain and DFlash,
+    greedy and seeded, batched; the plain case sums through NCCL alone (disable_custom_all_reduce), the
+    DFlash case through the one-shot all-reduce."""
     from fixtures import build_random_drafter
     from test_tensor_parallel import PARAMS, PROMPTS
 
@@ -39,8 +92,9 @@ def test_engine_over_two_gpus_equals_one(tiny_llama, tmp_path, draft):
     d = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)) if draft else None
     kw = dict(draft=d, device="cuda", dtype="float32", speculative_min_acceptance_length=None, enforce_eager=True)
     want = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(PROMPTS, PARAMS)]
-    two = LLM(str(tiny_llama), tensor_parallel_size=2, **kw)
+    two = LLM(str(tiny_llama), tensor_parallel_size=2, disable_custom_all_reduce=not draft, **kw)
     try:
+        assert (two.engine.ranks.tp.one_shot is not None) == draft
         assert [o.token_ids for o in two.generate(PROMPTS, PARAMS)] == want
     finally:
         two.engine.shutdown()
@@ -66,6 +120,7 @@ def test_graphs_over_two_gpus_equal_one(tiny_llama, tmp_path, draft, tree):
         # every kind runs the split target or its LM head (the drafts are chosen through it): all followed
         kinds = {key[0][0]: g.graph.follower is not None for key, g in runner.graphs.items() if g.captured}
         assert kinds and all(kinds.values()), kinds
+        assert two.engine.ranks.tp.one_shot is not None  # (graphs hold the one-shot all-reduce's kernels)
         assert [o.token_ids for o in two.generate(PROMPTS, PARAMS)] == want
     finally:
         two.engine.shutdown()
