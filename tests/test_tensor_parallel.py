@@ -17,19 +17,24 @@ import torch.multiprocessing as mp
 from flashdraft import LLM, SamplingParams
 from flashdraft.attention.base import AttentionBatch
 from flashdraft.attention.torch_ref import TorchAttention
+from flashdraft.models.hybrid import RecurrentRows
 from flashdraft.models.loader import load_model
 from flashdraft.models.parallel import TPGroup, check_shardable, shard_decoder
 
 PAGE = 4
 
 
-def _caches(model, blocks: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    a = model.layers[0].self_attn
-    return [tuple(torch.zeros(blocks, PAGE, a.n_kv, a.head_dim, device=device) for _ in "kv") for _ in model.layers]
+def _caches(model, blocks: int, device) -> list:
+    """Per layer its (k, v) pages of its KV heads, or (a hybrid's Gated DeltaNet layers) its recurrent state."""
+    states = model.make_states(4, device, torch.float32) if hasattr(model, "make_states") else {}
+    return [states[i] if i in states else tuple(torch.zeros(blocks, PAGE, layer.self_attn.n_kv,
+                                                            layer.self_attn.head_dim, device=device) for _ in "kv")
+            for i, layer in enumerate(model.layers)]
 
 
 def _step(model, kv, ids: list[list[int]], starts: list[int], tables: list[list[int]], device):
-    """One forward of sequences s (rows ids[s] at positions starts[s]...): final hidden and logits."""
+    """One forward of sequences s (rows ids[s] at positions starts[s]...; a hybrid's sequence s in state slot
+    s): final hidden and logits."""
     flat, pos, slots, qsl = [], [], [], [0]
     for toks, start, table in zip(ids, starts, tables):
         for j, t in enumerate(toks):
@@ -40,6 +45,8 @@ def _step(model, kv, ids: list[list[int]], starts: list[int], tables: list[list[
         qsl.append(qsl[-1] + len(toks))
     batch = AttentionBatch(torch.tensor(slots, device=device), qsl, [s + len(t) for s, t in zip(starts, ids)], tables,
                            PAGE)
+    if hasattr(model, "make_states"):
+        batch.recurrent = RecurrentRows(list(range(len(ids))), [s == 0 for s in starts], [False] * len(ids))
     attn = TorchAttention()
     attn.prepare(batch, device)
     hidden, _ = model(torch.tensor(flat, device=device), torch.tensor(pos, device=device), kv, attn, batch)
@@ -68,8 +75,12 @@ def _worker(rank: int, size: int, init: str, folder: str, backend: str = "gloo")
             tp = shard_decoder(load_model(folder, device, torch.float32).model, TPGroup(rank, size))
             for m in (ref, tp):
                 m.setup_rope(64)
-            assert tp.layers[0].self_attn.n_kv == ref.layers[0].self_attn.n_kv // size
+            attention = [i for i, x in enumerate(ref.layers) if hasattr(x, "self_attn")]
+            assert [tp.layers[i].self_attn.n_kv for i in attention] == [ref.layers[i].self_attn.n_kv // size
+                                                                         for i in attention]
             assert [x.mlp.inter for x in tp.layers] == [x.mlp.inter // size for x in ref.layers]
+            gdn = [(x.linear_attn, y.linear_attn) for x, y in zip(tp.layers, ref.layers) if hasattr(x, "linear_attn")]
+            assert all(a.heads_v == b.heads_v // size and a.heads_k == b.heads_k // size for a, b in gdn)
             kv_ref, kv_tp = _caches(ref, 12, device), _caches(tp, 12, device)
             prompts, tables = [[5, 17, 33, 80, 9, 1, 44], list(range(40, 52))], [[0, 1, 2, 3], [4, 5, 6, 7, 8]]
             ids, starts = prompts, [0, 0]
@@ -98,16 +109,19 @@ def tiny_moe(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-moe"), "qwen3_moe", mlp_only_layers=[1])
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "odd-vocab", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "odd-vocab", "qwen3_moe", "gpt_oss", "qwen3_next",
+                                  "qwen3_5_moe_text", "qwen3_5"])
 def test_two_ranks_equal_the_unsplit_model(kind, tmp_path, tiny_llama, tiny_qwen3, tiny_moe):
     """(odd-vocab: 321 rows of a tied embedding and LM head, shares of 161, the last padded; gpt_oss: expert
-    biases, the down projection's added once)"""
+    biases, the down projection's added once; hybrids: Gated DeltaNet heads and their states split, gated
+    attention, a shared expert summed with the experts, Qwen3-Next's packed in_proj read by the whole layer's
+    heads; qwen3_5: the composite config's text model)"""
     from fixtures import build_tiny_model
 
     if kind == "odd-vocab":
         folder = build_tiny_model(tmp_path / "m", "qwen3", vocab_size=321, tie_word_embeddings=True)
-    elif kind == "gpt_oss":
-        folder = build_tiny_model(tmp_path / "m", "gpt_oss")
+    elif kind in ("gpt_oss", "qwen3_next", "qwen3_5_moe_text", "qwen3_5"):
+        folder = build_tiny_model(tmp_path / "m", kind)
     else:
         folder = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_moe": tiny_moe}[kind]
     mp.spawn(_worker, args=(2, tcp_init(), str(folder)), nprocs=2, join=True)
@@ -123,8 +137,14 @@ def test_unsplittable_models_are_refused(tiny_llama):
         check_shardable(cfg, cfg.num_attention_heads + 1)
     with pytest.raises(ValueError, match="must be >= 1"):
         check_shardable(cfg, 0)
-    with pytest.raises(ValueError, match="not 'qwen3_next'"):
-        check_shardable(tiny_config("qwen3_next", 320), 2)
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match="not 'falcon_h1'"):
+        check_shardable(SimpleNamespace(model_type="falcon_h1"), 2)
+    with pytest.raises(ValueError, match=r"does not divide linear_num_key_heads \(3\)"):
+        check_shardable(tiny_config("qwen3_5_text", 320, linear_num_key_heads=3, linear_num_value_heads=6), 2)
+    with pytest.raises(ValueError, match=r"does not divide shared_expert_intermediate_size \(33\)"):
+        check_shardable(tiny_config("qwen3_5_moe_text", 320, shared_expert_intermediate_size=33), 2)
     with pytest.raises(ValueError, match=r"does not divide moe_intermediate_size \(33\)"):
         check_shardable(tiny_config("qwen3_moe", 320, moe_intermediate_size=33), 2)
     with pytest.raises(ValueError, match=r"does not divide intermediate_size \(33\)"):  # GPT-OSS's experts'

@@ -33,7 +33,15 @@ import torch.nn.functional as F
 from flashdraft.attention.base import AttentionBackend, AttentionBatch
 from flashdraft.models.moe import MoE, is_moe_layer, stack_experts
 from flashdraft.models.rope import RotaryTable, apply_rope
-from flashdraft.models.transformer import MLP, Embedding, Linear, activation, fused_enabled, linear, load_packed
+from flashdraft.models.transformer import (
+    MLP,
+    DecoderLM,
+    Embedding,
+    Linear,
+    activation,
+    fused_enabled,
+    load_packed,
+)
 
 HYBRID_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")  # packed in this order (GatedDeltaNet.in_proj)
@@ -400,11 +408,17 @@ class SharedExpertMoE(MoE):
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return MoE._summed(self, super().forward(x) + shared)
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert.forward_fused(x)
-        return super().forward_fused(x) + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return MoE._summed(self, super().forward_fused(x) + torch.sigmoid(self.shared_expert_gate(x)) * shared)
+
+    def _summed(self, out: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output as it is: under tensor parallelism each rank's part, summed over the
+        ranks with the shared expert's part (forward), one all-reduce a layer."""
+        return out
 
 
 class HybridLayer(nn.Module):
@@ -476,6 +490,8 @@ class HybridLM(nn.Module):
         self.kv_layers = [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
         self.layer_masks = [(True, None)] * cfg.num_hidden_layers
         self.head_dim = head_dim
+        self.tp = None  # tensor parallelism: this rank's TPGroup (models/parallel.py)
+        self.tp_takes: dict = {}
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -539,10 +555,7 @@ class HybridLM(nn.Module):
             taps[len(self.layers) - 1] = out
         return out, (torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None)
 
-    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        logits = linear(flat, self.lm_head_weight).view(*hidden.shape[:-1], -1)
-        return logits.float() if float32 else logits
+    compute_logits = DecoderLM.compute_logits
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """HF names: model.* (Qwen3-Next, Qwen3.5 text) or model.language_model.* (the composite
@@ -572,10 +585,12 @@ class HybridLM(nn.Module):
     def _unpack_next(self, prefix: str, kind: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """Qwen3-Next packs per key-head group [q, k, v, z] (in_proj_qkvz) and [b, a] (in_proj_ba)."""
         gdn = self.layers[int(prefix.split(".")[1])].linear_attn
-        hk, dk, dv, rep = gdn.heads_k, gdn.d_k, gdn.d_v, gdn.heads_v // gdn.heads_k
+        # the whole layer's heads (a tensor-parallel share's are fewer: models/parallel.py)
+        hk, hv = getattr(gdn, "whole_heads", (gdn.heads_k, gdn.heads_v))
+        dk, dv, rep = gdn.d_k, gdn.d_v, hv // hk
         if kind == "in_proj_ba":
             b, a = w.view(hk, 2 * rep, -1).split([rep, rep], dim=1)
-            return {"in_proj_b": b.reshape(gdn.heads_v, -1), "in_proj_a": a.reshape(gdn.heads_v, -1)}
+            return {"in_proj_b": b.reshape(hv, -1), "in_proj_a": a.reshape(hv, -1)}
         q, k, v, z = w.view(hk, 2 * dk + 2 * rep * dv, -1).split([dk, dk, rep * dv, rep * dv], dim=1)
-        qkv = torch.cat([q.reshape(gdn.key_dim, -1), k.reshape(gdn.key_dim, -1), v.reshape(gdn.value_dim, -1)])
-        return {"in_proj_qkv": qkv, "in_proj_z": z.reshape(gdn.value_dim, -1)}
+        qkv = torch.cat([q.reshape(hk * dk, -1), k.reshape(hk * dk, -1), v.reshape(hv * dv, -1)])
+        return {"in_proj_qkv": qkv, "in_proj_z": z.reshape(hv * dv, -1)}

@@ -7,7 +7,10 @@
 - Mixture of experts (vLLM's split): every expert, with its share of the expert's intermediate size
   (gate_up_proj's gate rows and up rows, down_proj's columns); the router whole, so every rank routes
   each token alike (its input is the same on every rank). The layer's combined output is summed over the
-  ranks, once.
+  ranks, once; a shared expert (Qwen3.5-MoE, Qwen3-Next) is split as an MLP and its part joins that sum.
+- Hybrid targets: a gated attention layer as attention (a query head's rows carry its output gate); a Gated
+  DeltaNet layer keeps its share of the key heads and of their value heads, so its recurrent state and conv
+  window are per rank too (its q/k/v/z/b/a rows, conv channels, decays; out_proj's columns, summed).
 - Embedding: its share of the vocabulary's rows (padded to N equal shares); a token outside the share looks
   up zeros, and the lookups are summed over the ranks (VocabParallelEmbedding). Norms: whole.
 - LM head: its share of the vocabulary's rows, as the embedding's (a tied model's is the embedding's share);
@@ -31,6 +34,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flashdraft.models.hybrid import (
+    HYBRID_MODEL_TYPES,
+    GatedAttention,
+    GatedDeltaNet,
+    HybridLM,
+    SharedExpertMoE,
+    text_config,
+)
 from flashdraft.models.moe import MoE, is_moe_layer
 from flashdraft.models.transformer import MLP, DecoderLM, Embedding, Linear, linear
 
@@ -137,52 +148,52 @@ def check_shardable(cfg, size: int) -> None:
     """Refuse, by name, a model that this split cannot divide into `size` shares."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    cfg = text_config(cfg)
     model_type = getattr(cfg, "model_type", None)
-    if model_type not in DENSE + MOE_TYPES:
-        raise ValueError(f"tensor parallelism splits transformers ({', '.join(DENSE + MOE_TYPES)}) so far, not "
-                         f"{model_type!r} (hybrid targets are not split yet)")
-    sizes = ["intermediate_size"]  # dense MLPs' and GPT-OSS experts'; Qwen3-MoE: those its layers have
-    if model_type == "qwen3_moe":
+    if model_type not in DENSE + MOE_TYPES + HYBRID_MODEL_TYPES:
+        raise ValueError(f"tensor parallelism splits {', '.join(DENSE + MOE_TYPES + HYBRID_MODEL_TYPES)}, not "
+                         f"{model_type!r}")
+    sizes = ["intermediate_size"]  # dense MLPs' and GPT-OSS experts'; Qwen3-MoE and hybrids: those its layers have
+    if model_type == "qwen3_moe" or model_type in HYBRID_MODEL_TYPES:
         moe = [is_moe_layer(cfg, i) for i in range(cfg.num_hidden_layers)]
-        sizes = ["moe_intermediate_size"] * any(moe) + ["intermediate_size"] * (not all(moe))
+        shared = ["shared_expert_intermediate_size"] if model_type in HYBRID_MODEL_TYPES else []
+        sizes = (["moe_intermediate_size", *shared] if any(moe) else []) + ["intermediate_size"] * (not all(moe))
+    if model_type in HYBRID_MODEL_TYPES:  # the Gated DeltaNet layers' heads
+        sizes += ["linear_num_key_heads", "linear_num_value_heads"]
     for name in ["num_attention_heads", "num_key_value_heads", *sizes]:
         n = getattr(cfg, name)
         if n % size:
             raise ValueError(f"tensor_parallel_size {size} does not divide {name} ({n})")
 
 
-def shard_decoder(model: DecoderLM, tp: TPGroup) -> DecoderLM:
-    """Keep rank tp.rank's share of a loaded DecoderLM (in place; returned)."""
+def shard_decoder(model: DecoderLM | HybridLM, tp: TPGroup) -> DecoderLM | HybridLM:
+    """Keep rank tp.rank's share of a DecoderLM or HybridLM, loaded or on the meta device (in place;
+    returned)."""
     check_shardable(model.config, tp.size)
     if tp.size == 1:
         return model
-    r, n = tp.rank, tp.size
     for layer in model.layers:
-        a = layer.self_attn
-        hd, q, kv = a.head_dim, a.n_heads // n, a.n_kv // n
-        rows = torch.cat([torch.arange(r * q * hd, (r + 1) * q * hd),
-                          a.q_size + torch.arange(r * kv * hd, (r + 1) * kv * hd),
-                          a.q_size + a.kv_size + torch.arange(r * kv * hd, (r + 1) * kv * hd)])
-        a.qkv_proj = _rows(a.qkv_proj, rows)
-        a.o_proj = _columns(a.o_proj, torch.arange(r * q * hd, (r + 1) * q * hd), tp)
-        if a.sinks is not None:
-            a.sinks = _share(a.sinks, lambda w, heads=slice(r * q, (r + 1) * q): w[heads])
-        a.n_heads, a.n_kv, a.q_size, a.kv_size = q, kv, q * hd, kv * hd
+        if getattr(layer, "kind", None) == "linear_attention":
+            _split_gdn(layer.linear_attn, tp)
+        elif isinstance(layer.self_attn, GatedAttention):
+            _split_gated_attention(layer.self_attn, tp)
+        else:
+            _split_attention(layer.self_attn, tp)
         m = layer.mlp
-        if isinstance(m, MoE):
+        if isinstance(m, SharedExpertMoE):  # the routed experts' and the shared expert's parts, summed once
             _split_experts(m, tp)
-            continue
-        if not isinstance(m, MLP):
-            raise ValueError(f"tensor parallelism splits dense MLPs only, not {type(m).__name__}")
-        i = m.inter // n
-        m.gate_up_proj = _rows(m.gate_up_proj, torch.cat([torch.arange(r * i, (r + 1) * i),
-                                                          m.inter + torch.arange(r * i, (r + 1) * i)]))
-        m.down_proj = _columns(m.down_proj, torch.arange(r * i, (r + 1) * i), tp)
-        m.inter = i
+            _split_mlp(m.shared_expert, tp, summed=False)
+        elif isinstance(m, MoE):
+            _split_experts(m, tp)
+        elif isinstance(m, MLP):
+            _split_mlp(m, tp)
+        else:
+            raise ValueError(f"tensor parallelism splits MLPs and mixtures of experts, not {type(m).__name__}")
     model.tp = tp
     rows = partial(_vocab_rows, tp=tp)  # the embedding's and the LM head's (a tied model's are one)
     whole = model.embed_tokens
-    model.embed_tokens = VocabParallelEmbedding(-(-whole.num_embeddings // n), whole.embedding_dim, device="meta")
+    model.embed_tokens = VocabParallelEmbedding(-(-whole.num_embeddings // tp.size), whole.embedding_dim,
+                                                device="meta")
     model.embed_tokens.weight = _share(whole.weight, rows)
     model.embed_tokens.tp = tp
     if not model.tied:
@@ -190,6 +201,67 @@ def shard_decoder(model: DecoderLM, tp: TPGroup) -> DecoderLM:
     # by name: moving the module (to_empty) makes new parameters, without the attribute
     model.tp_takes = {name: p.tp_take for name, p in model.named_parameters() if hasattr(p, "tp_take")}
     return model
+
+
+def _split_attention(a, tp: TPGroup) -> None:
+    """Its share of the query and KV heads (q/k/v rows, o_proj's columns) and of the attention sinks."""
+    r = tp.rank
+    hd, q, kv = a.head_dim, a.n_heads // tp.size, a.n_kv // tp.size
+    rows = torch.cat([torch.arange(r * q * hd, (r + 1) * q * hd),
+                      a.q_size + torch.arange(r * kv * hd, (r + 1) * kv * hd),
+                      a.q_size + a.kv_size + torch.arange(r * kv * hd, (r + 1) * kv * hd)])
+    a.qkv_proj = _rows(a.qkv_proj, rows)
+    a.o_proj = _columns(a.o_proj, torch.arange(r * q * hd, (r + 1) * q * hd), tp)
+    if a.sinks is not None:
+        a.sinks = _share(a.sinks, lambda w, heads=slice(r * q, (r + 1) * q): w[heads])
+    a.n_heads, a.n_kv, a.q_size, a.kv_size = q, kv, q * hd, kv * hd
+
+
+def _split_gated_attention(a: GatedAttention, tp: TPGroup) -> None:
+    """A hybrid's gated attention: its share of the heads, each query head with its output gate (q_proj
+    gives a head 2 x head_dim rows), of the KV heads, and o_proj's columns."""
+    r = tp.rank
+    hd, q, kv = a.head_dim, a.n_heads // tp.size, a.n_kv // tp.size
+    rows = torch.cat([torch.arange(r * q * 2 * hd, (r + 1) * q * 2 * hd),
+                      a.splits[0] + torch.arange(r * kv * hd, (r + 1) * kv * hd),
+                      a.splits[0] + a.kv_size + torch.arange(r * kv * hd, (r + 1) * kv * hd)])
+    a.qkv_proj = _rows(a.qkv_proj, rows)
+    a.o_proj = _columns(a.o_proj, torch.arange(r * q * hd, (r + 1) * q * hd), tp)
+    a.n_heads, a.n_kv, a.kv_size = q, kv, kv * hd
+    a.splits = [2 * q * hd, kv * hd, kv * hd]
+
+
+def _split_gdn(g: GatedDeltaNet, tp: TPGroup) -> None:
+    """A Gated DeltaNet layer's share of its key heads and of their value heads (a value head reads key head
+    j // (heads_v / heads_k): equal shares keep each with its key head). in_proj's rows of those heads' q, k,
+    v, z, b and a, their conv channels, decays and dt biases, out_proj's columns; the gated norm is per head,
+    whole. Each rank's recurrent state then holds its heads only."""
+    r = tp.rank
+    hk, hv = g.heads_k // tp.size, g.heads_v // tp.size
+    kd, vd = hk * g.d_k, hv * g.d_v
+    q = torch.arange(r * kd, (r + 1) * kd)
+    conv = torch.cat([q, g.key_dim + q, 2 * g.key_dim + torch.arange(r * vd, (r + 1) * vd)])
+    z = g.conv_dim + torch.arange(r * vd, (r + 1) * vd)
+    b = g.conv_dim + g.value_dim + torch.arange(r * hv, (r + 1) * hv)
+    g.in_proj = _rows(g.in_proj, torch.cat([conv, z, b, b + g.heads_v]))
+    g.conv1d.weight = _share(g.conv1d.weight, lambda w: w[conv.to(w.device)])
+    heads = slice(r * hv, (r + 1) * hv)
+    g.dt_bias = _share(g.dt_bias, lambda w: w[heads])
+    g.A_log = _share(g.A_log, lambda w: w[heads])
+    g.out_proj = _columns(g.out_proj, torch.arange(r * vd, (r + 1) * vd), tp)
+    g.whole_heads = (g.heads_k, g.heads_v)  # (a Qwen3-Next checkpoint's packing is by the whole layer's heads)
+    g.heads_k, g.heads_v, g.key_dim, g.value_dim, g.conv_dim = hk, hv, kd, vd, 2 * kd + vd
+    g.splits = [g.conv_dim, vd, hv, hv]
+
+
+def _split_mlp(m: MLP, tp: TPGroup, summed: bool = True) -> None:
+    """Its share of the intermediate columns (gate and up rows, down_proj's columns). summed: down_proj sums
+    its output over the ranks; else the caller sums it with others (a shared expert's, with the experts')."""
+    r, i = tp.rank, m.inter // tp.size
+    m.gate_up_proj = _rows(m.gate_up_proj, torch.cat([torch.arange(r * i, (r + 1) * i),
+                                                      m.inter + torch.arange(r * i, (r + 1) * i)]))
+    m.down_proj = _columns(m.down_proj, torch.arange(r * i, (r + 1) * i), tp, summed)
+    m.inter = i
 
 
 def _vocab_rows(w: torch.Tensor, tp: TPGroup) -> torch.Tensor:
@@ -235,10 +307,14 @@ def _rows(lin: Linear, rows: torch.Tensor) -> Linear:
     return out
 
 
-def _columns(lin: Linear, cols: torch.Tensor, tp: TPGroup) -> RowParallelLinear:
-    out = RowParallelLinear(cols.numel(), lin.out_features, bias=lin.bias is not None, device="meta")
+def _columns(lin: Linear, cols: torch.Tensor, tp: TPGroup, summed: bool = True) -> Linear:
+    """Its share of lin's input columns: a RowParallelLinear (summed over the ranks), or with summed=False a
+    Linear whose output is this rank's part of the sum."""
+    out = (RowParallelLinear if summed else Linear)(cols.numel(), lin.out_features, bias=lin.bias is not None,
+                                                    device="meta")
     out.weight = _share(lin.weight, lambda w: w[:, cols.to(w.device)])
     if out.bias is not None:  # added once: zeros on the other ranks (the checkpoint's tensor still has a place)
         out.bias = _share(lin.bias, (lambda w: w) if tp.rank == 0 else torch.zeros_like)
-    out.tp = tp
+    if summed:
+        out.tp = tp
     return out
