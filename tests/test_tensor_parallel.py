@@ -206,6 +206,37 @@ def test_moe_engine_over_two_ranks_equals_one_process(tiny_moe):
         two.engine.shutdown()
 
 
+def test_hybrid_engine_over_two_ranks_equals_one_process(tmp_path):
+    """A hybrid target (Gated DeltaNet layers, each rank holding its heads' recurrent states) over two ranks:
+    one process's tokens, plain and DFlash (a random drafter: rejected rows whose state every rank rolls back;
+    oracle drafts: blocks accepted whole), greedy and seeded, batched, with preemption (states recomputed)."""
+    from fixtures import build_random_drafter, build_tiny_model
+    from test_dflash import install_oracle
+
+    folder = build_tiny_model(tmp_path / "m", "qwen3_5_text")  # (the split of every hybrid: the test above)
+    drafter = str(build_random_drafter(tmp_path / "d", folder, block_size=4))
+    kw = dict(device="cpu", dtype="float32", speculative_min_acceptance_length=None)
+    one = LLM(str(folder), draft=None, **kw)
+    want = [o.token_ids for o in one.generate(PROMPTS, PARAMS)]
+    two = LLM(str(folder), draft=None, tensor_parallel_size=2, **kw)
+    try:
+        assert [o.token_ids for o in two.generate(PROMPTS, PARAMS)] == want
+    finally:
+        two.engine.shutdown()
+    two = LLM(str(folder), draft=drafter, tensor_parallel_size=2, num_kv_blocks=14, kv_block_size=8, **kw)
+    try:
+        assert [o.token_ids for o in two.generate(PROMPTS, PARAMS)] == want
+        totals = two.engine.spec_totals()
+        assert 0 < totals["num_accepted_tokens"] < totals["num_draft_tokens"]  # rows kept and rows rolled back
+        assert two.engine.stats["num_preemptions"] > 0
+        greedy = [SamplingParams(max_tokens=30, ignore_eos=True) for _ in PROMPTS]
+        ref = one.generate(PROMPTS, [SamplingParams(max_tokens=60, ignore_eos=True) for _ in PROMPTS])
+        install_oracle(two, {tuple(p): o.token_ids for p, o in zip(PROMPTS, ref)})
+        assert [o.token_ids for o in two.generate(PROMPTS, greedy)] == [o.token_ids[:30] for o in ref]
+    finally:
+        two.engine.shutdown()
+
+
 def test_a_rank_that_dies_is_an_error(tiny_llama):
     import time
 

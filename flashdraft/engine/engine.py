@@ -142,7 +142,7 @@ class LLMEngine:
                                           prefix_caching=caching)
         self.scheduler = Scheduler(config, self.block_manager)
         if self.ranks is not None:  # the other ranks' KV pages: as many, of their KV heads
-            self.ranks.send("setup", num_blocks, self.max_model_len)
+            self.ranks.send("setup", num_blocks, self.max_model_len, config.max_num_seqs)  # (and state slots)
         self.runner = ModelRunner(loaded.model, config, self.device, self.dtype, num_blocks, self.max_model_len)
         collect_before_capture(self.device)
         self.runner.capture_graphs(("target", ()), 1, True, self.runner.attn, self.runner.target_step(()),

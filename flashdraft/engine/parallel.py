@@ -180,18 +180,32 @@ class TPModel:
         """The step's host fields down the command pipes; its tensors (ids, positions, slots, tree masks; a
         DeviceMeta's every tensor) over the main group, from the device where they are, as one packed
         broadcast: nothing waits for the GPU here."""
-        tensors = [input_ids, positions, batch.slot_mapping]
+        tensors = {"input_ids": input_ids, "positions": positions, "slot_mapping": batch.slot_mapping,
+                   "tree_mask": batch.tree_mask}
         if isinstance(batch, DeviceMeta):  # a graphed step (or its warm-up): the step is on the device
-            tensors += [batch.query_start_loc, batch.seq_lens, batch.block_tables]
-            host = replace(batch, slot_mapping=None, query_start_loc=None, seq_lens=None, block_tables=None,
-                           tree_mask=None, recurrent=None)
-        else:
-            host = replace(batch, slot_mapping=None, tree_mask=None)
-        if batch.tree_mask is not None:
-            tensors.append(batch.tree_mask)
-        self._announce("forward", [(tuple(t.shape), t.dtype) for t in tensors], host, tuple(tap_layers))
-        dist.broadcast(_pack(tensors), src=0)
+            tensors |= {"query_start_loc": batch.query_start_loc, "seq_lens": batch.seq_lens,
+                        "block_tables": batch.block_tables, "recurrent": batch.recurrent}
+            host = replace(batch, **dict.fromkeys(tensors.keys() - {"input_ids", "positions"}))
+        else:  # a hybrid's sequences travel as the host wrote them (before the layers cache device copies)
+            rows = batch.recurrent if batch.recurrent is None else replace(batch.recurrent, spans=None, _dev=None)
+            host = replace(batch, slot_mapping=None, tree_mask=None, recurrent=rows)
+        tensors = {name: t for name, t in tensors.items() if t is not None}
+        self._announce("forward", [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()], host,
+                       tuple(tap_layers))
+        dist.broadcast(_pack(list(tensors.values())), src=0)
         return self._model(input_ids, positions, kv, attn, batch, tap_layers)
+
+    def commit_states(self, states: dict, rows: dict[int, int]) -> None:
+        """A hybrid's commit of its last verify's accepted rows (HybridLM.commit_states), on every rank."""
+        self._announce("commit", rows)
+        self._model.commit_states(states, rows)
+
+    def commit_pending(self, states: dict, pending: dict, take: torch.Tensor) -> None:
+        """A graphed verify's commit kernels (HybridLM.commit_pending, captured as its commit graph): every
+        rank over the rows of its own capture of that verify, each sequence taking rank 0's take[s] rows."""
+        self._announce("commit_pending", (tuple(take.shape), take.dtype))
+        dist.broadcast(take, src=0)
+        self._model.commit_pending(states, pending, take)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         hidden = hidden.contiguous()
@@ -280,7 +294,7 @@ def worker(rank: int, size: int, init: str, config: dict, device_name: str, cont
     """Rank `rank`'s process: load and split the target, then run rank 0's calls until told to stop."""
     from flashdraft.attention.base import LayerMasks
     from flashdraft.attention.torch_ref import StaticTorchAttention
-    from flashdraft.engine.model_runner import make_backend
+    from flashdraft.engine.model_runner import kv_layers, local_heads, make_backend
     from flashdraft.models.loader import load_model
 
     config = EngineConfig(**config)
@@ -294,11 +308,15 @@ def worker(rank: int, size: int, init: str, config: dict, device_name: str, cont
     try:
         dtype = config.resolved_dtype(device)
         model = load_model(config.model, device, dtype, config.load_format, config.revision, tp).model
-        _, blocks, max_len = _receive(control)  # rank 0's plan
+        _, blocks, max_len, slots = _receive(control)  # rank 0's plan
         model.setup_rope(max_len + 64)
-        a = model.layers[0].self_attn
-        shape = (len(model.layers), blocks, config.kv_block_size, a.n_kv, a.head_dim)  # as ModelRunner's
+        paged = kv_layers(model)
+        shape = (len(paged), blocks, config.kv_block_size, local_heads(model)[1], model.head_dim)  # as ModelRunner's
         caches = torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+        states = model.make_states(slots, device, dtype) if hasattr(model, "make_states") else {}
+        kv = [states.get(i) for i in range(len(model.layers))]  # per layer its pages, or a hybrid's state
+        for j, i in enumerate(paged):
+            kv[i] = (caches[0][j], caches[1][j])
         name = config.resolved_attention_backend(device)
         # steps built on the host, and steps described by device tensors (graphed ones): on a CPU the
         # latter need the torch backend's static variant (the triton backend reads both)
@@ -306,23 +324,25 @@ def worker(rank: int, size: int, init: str, config: dict, device_name: str, cont
         makers = [own, own if name == "triton" else StaticTorchAttention]
         windows = any(window is not None for _, window in model.layer_masks)  # as ModelRunner builds it
         attn, static = (LayerMasks(make, model.layer_masks) if windows else make() for make in makers)
-        _follow(control, device, model, caches, attn, static, graphs)
+        _follow(control, device, model, caches, kv, states, attn, static, graphs)
     finally:
         _leave(list(graphs.values()))
 
 
-def _follow(control, device: torch.device, model, caches: tuple, attn, static, graphs: dict) -> None:
+def _follow(control, device: torch.device, model, caches: tuple, kv: list, states: dict, attn, static,
+            graphs: dict) -> None:
     """Run rank 0's calls as they come: eagerly, or into a graph of this rank's while rank 0 captures
     (a "capture" command opens it, the first call not captured or any other command closes it), and
-    replay those graphs when rank 0 replays its own."""
-    kv = list(zip(*caches))
+    replay those graphs when rank 0 replays its own. caches: the paged layers' (k, v) pages; kv: per layer its
+    pages or (a hybrid's) its recurrent state, of states."""
+    kept = []  # the kept rows each captured commit reads (as rank 0's verify graphs hold theirs)
     pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
     open_ = contextlib.ExitStack()  # the capture in progress, if any
     with torch.inference_mode():
         while True:
             command = _receive(control)
             kind, captured = command[0], command[-1]
-            if kind not in ("forward", "logits", "move", "embed") or not captured:
+            if kind not in ("forward", "logits", "move", "embed", "commit_pending") or not captured:
                 open_.close()
             if kind == "stop":
                 return
@@ -333,17 +353,24 @@ def _follow(control, device: torch.device, model, caches: tuple, attn, static, g
                 graphs[command[1]].replay()
             elif kind == "forward":
                 specs, batch, taps = command[1:4]
-                ts = _unpack(specs, device)
+                ts = dict(zip([name for name, _, _ in specs], _unpack([spec[1:] for spec in specs], device)))
+                batch = replace(batch, **{name: t for name, t in ts.items() if name not in ("input_ids", "positions")})
+                backend = static if isinstance(batch, DeviceMeta) else attn
                 if isinstance(batch, DeviceMeta):
-                    batch = replace(batch, slot_mapping=ts[2], query_start_loc=ts[3], seq_lens=ts[4],
-                                    block_tables=ts[5], tree_mask=ts[6] if len(ts) > 6 else None)
-                    backend = static
                     backend.set_meta(batch)
                 else:
-                    batch = replace(batch, slot_mapping=ts[2], tree_mask=ts[3] if len(ts) > 3 else None)
-                    backend = attn
                     backend.prepare(batch, device)
-                model(ts[0], ts[1], kv, backend, batch, taps)
+                model(ts["input_ids"], ts["positions"], kv, backend, batch, taps)
+            elif kind == "commit":
+                model.commit_states(states, command[1])
+            elif kind == "commit_pending":
+                shape, dt = command[1]
+                take = torch.empty(shape, device=device, dtype=dt)
+                dist.broadcast(take, src=0)
+                pending = {i: s.pending for i, s in states.items()}  # this rank's capture of the verify
+                if captured:
+                    kept.append(pending)
+                model.commit_pending(states, pending, take)
             elif kind == "embed":
                 model.embed_tokens(*_unpack(command[1], device))
             elif kind == "move":

@@ -270,7 +270,7 @@ class GatedDeltaNet(nn.Module):
         (the accepted ones). takes: the device copies of the rows taken per sequence, shared by the
         layers of one commit (their steps are the same)."""
         p, state.pending = state.pending, None
-        if p is None or p.rows is None:
+        if p is None or (p.rows is None and p.device_rows is None):
             return
         rec, qsl = p.rows, p.query_start_loc
         if p.mixed is not None:
@@ -278,9 +278,13 @@ class GatedDeltaNet(nn.Module):
 
             seq = p.device_rows[1]
             takes = {} if takes is None else takes
-            key = (id(rec), seq.shape[0])
+            key = (id(seq), seq.shape[0])
             if key not in takes:
-                takes[key] = to_device(take_rows(rec, rows, seq.shape[0]), torch.int32, p.qkv.device)
+                if rec is not None:
+                    take = take_rows(rec, rows, seq.shape[0])
+                else:  # a step described by device tensors alone (a tensor-parallel rank's): its [S, 3] rows
+                    take = [rows.get(slot, 0) if keep and slot >= 0 else 0 for slot, _, keep in seq.tolist()]
+                takes[key] = to_device(take, torch.int32, p.qkv.device)
             self.commit_kernels(state, p, takes[key])
             return
         for s, slot in enumerate(rec.slots):

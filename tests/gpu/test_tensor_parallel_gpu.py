@@ -124,3 +124,25 @@ def test_graphs_over_two_gpus_equal_one(tiny_llama, tmp_path, draft, tree):
         assert [o.token_ids for o in two.generate(PROMPTS, PARAMS)] == want
     finally:
         two.engine.shutdown()
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_hybrid_over_two_gpus_equals_one(tmp_path, draft):
+    """A hybrid target (Gated DeltaNet layers: each rank's heads, their recurrent states and the GDN kernels)
+    with CUDA graphs on both ranks: one GPU's graphed tokens, plain and DFlash (each rank's verify graphs keep
+    their rows; each rank's commit graph, fed rank 0's accepted counts, commits them), greedy and seeded."""
+    from fixtures import build_random_drafter, build_tiny_model
+    from test_tensor_parallel import PARAMS, PROMPTS
+
+    from flashdraft import LLM
+
+    folder = build_tiny_model(tmp_path / "t", "qwen3_5_text")
+    d = str(build_random_drafter(tmp_path / "d", folder, block_size=4)) if draft else None
+    kw = dict(draft=d, device="cuda", dtype="float32", speculative_min_acceptance_length=None, max_num_seqs=4)
+    want = [o.token_ids for o in LLM(str(folder), **kw).generate(PROMPTS, PARAMS)]
+    two = LLM(str(folder), tensor_parallel_size=2, **kw)
+    try:
+        assert two.engine.runner.use_graphs
+        assert [o.token_ids for o in two.generate(PROMPTS, PARAMS)] == want
+    finally:
+        two.engine.shutdown()
