@@ -24,6 +24,7 @@ verify rows run the recurrent form, and prefill chunks fla-core's chunked form, 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -561,30 +562,36 @@ class HybridLM(nn.Module):
 
     compute_logits = DecoderLM.compute_logits
 
-    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF names: model.* (Qwen3-Next, Qwen3.5 text) or model.language_model.* (the composite
-        Qwen3.5); the vision tower and the multi-token-prediction head are not used here and skipped."""
+        Qwen3.5); the vision tower and the multi-token-prediction head are not used here and skipped.
+        weights: a dict, or (name, tensor) pairs read one at a time (loader.stream_weights): a GDN layer's
+        in_proj parts are joined, and a layer's experts stacked, as soon as they are all in."""
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
+        load_packed(self, stack_experts(self._renamed(pairs), getattr(self.config, "num_experts", None)))
+
+    def _renamed(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors under this module's names, a GDN layer's four in_proj parts (Qwen3-Next's
+        two packed ones unpacked) joined into its in_proj once all are in."""
         skip = {"lm_head.weight"} if self.tied else set()
-        out = {}
-        for name, w in weights.items():
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        for name, w in pairs:
             if name.startswith(("model.visual.", "mtp.", "model.mtp.")) or name in skip:
                 continue
             name = name.removeprefix("model.language_model.").removeprefix("model.")
-            parts = name.split(".")
-            if len(parts) >= 4 and parts[2] == "linear_attn" and parts[3] in ("in_proj_qkvz", "in_proj_ba"):
-                for key, part in self._unpack_next(".".join(parts[:3]), parts[3], w).items():
-                    out.setdefault(".".join(parts[:3]) + ".in_proj.weight", {})[key] = part
+            p = name.split(".")
+            if len(p) >= 4 and p[2] == "linear_attn" and p[3] in ("in_proj_qkvz", "in_proj_ba", *IN_PROJ):
+                key = ".".join(p[:3]) + ".in_proj." + p[-1]
+                got = self._unpack_next(".".join(p[:3]), p[3], w) if p[3] in ("in_proj_qkvz", "in_proj_ba") \
+                    else {p[3]: w}
+                parts.setdefault(key, {}).update(got)
+                if set(parts[key]) == set(IN_PROJ):
+                    have = parts.pop(key)
+                    yield key, torch.cat([have[n] for n in IN_PROJ], 0)
                 continue
-            if len(parts) >= 4 and parts[2] == "linear_attn" and parts[3] in IN_PROJ:
-                out.setdefault(".".join(parts[:3]) + ".in_proj." + parts[-1], {})[parts[3]] = w
-                continue
-            out[name] = w
-        for key in [k for k in out if ".in_proj." in k]:
-            parts = out[key]
-            if set(parts) != set(IN_PROJ):
-                raise ValueError(f"checkpoint has only {sorted(parts)} of {key.replace('in_proj', '/'.join(IN_PROJ))}")
-            out[key] = torch.cat([parts[n] for n in IN_PROJ], 0)
-        load_packed(self, stack_experts(out))
+            yield name, w
+        for key, have in parts.items():
+            raise ValueError(f"checkpoint has only {sorted(have)} of {key.replace('in_proj', '/'.join(IN_PROJ))}")
 
     def _unpack_next(self, prefix: str, kind: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         """Qwen3-Next packs per key-head group [q, k, v, z] (in_proj_qkvz) and [b, a] (in_proj_ba)."""

@@ -168,7 +168,7 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     cfg = load_config(folder)
     tokenizer = load_tokenizer(folder)
     hybrid = cfg.model_type in HYBRID_MODEL_TYPES
-    weights = None if load_format == "dummy" else load_weights(folder) if hybrid else stream_weights(folder)
+    weights = None if load_format == "dummy" else stream_weights(folder)
     with torch.device("meta"):
         net = HybridLM(cfg) if hybrid else DecoderLM(cfg)
     if tp is not None:
