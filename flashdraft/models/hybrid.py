@@ -467,6 +467,11 @@ class HybridLayer(nn.Module):
         return self.self_attn(x, positions, rope, cache[0], cache[1], attn, batch, parts=parts)
 
 
+def _joined(parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A GDN layer's in_proj: its four parts in IN_PROJ's order."""
+    return torch.cat([parts[n] for n in IN_PROJ], 0)
+
+
 class HybridLM(nn.Module):
     """The DecoderLM interface (models/transformer.py) for hybrid targets. kv_layers: the layers with
     K/V pages; the others are given their RecurrentState in place of (k, v) by the runner."""
@@ -586,8 +591,8 @@ class HybridLM(nn.Module):
                     else {p[3]: w}
                 parts.setdefault(key, {}).update(got)
                 if set(parts[key]) == set(IN_PROJ):
-                    have = parts.pop(key)
-                    yield key, torch.cat([have[n] for n in IN_PROJ], 0)
+                    got = w = None  # (held here, the parts would outlive their join until the next tensor)
+                    yield key, _joined(parts.pop(key))
                 continue
             yield name, w
         for key, have in parts.items():

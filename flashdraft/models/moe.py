@@ -232,6 +232,7 @@ def stack_experts(weights: Mapping[str, torch.Tensor] | Iterable[Named],
         parts = per.setdefault(m.group(1), {})
         parts.setdefault(m.group(3), {})[int(m.group(2))] = w
         if num_experts and all(len(parts.get(k, ())) == num_experts for k in ("gate_proj", "up_proj", "down_proj")):
+            parts = w = None  # (held here, the layer's experts would outlive their stacking until the next layer's)
             yield from _stacked(m.group(1), per.pop(m.group(1)), num_experts)
     for prefix, parts in per.items():
         yield from _stacked(prefix, parts, num_experts)

@@ -435,6 +435,7 @@ def load_packed(module: nn.Module, weights: Mapping[str, torch.Tensor] | Iterabl
                 _copy(own[key], torch.cat([chunks[i] for i in range(want)], 0), key, takes.get(key))
                 del pending[key]
                 loaded.add(key)
+                chunks = w = None  # (held here, the parts would outlive their copy until the next pack's)
             continue
         if name not in own:
             raise ValueError(f"unexpected weight {name!r}")
