@@ -5,7 +5,8 @@ a `TPModel`: each call that runs the split target (a forward, the logits) is fir
 other ranks, which run the same call on their shares, so every collective inside meets its partners in
 the same order. The other ranks hold nothing but their share, their KV pages (their KV heads, the pages
 rank 0's block tables name) and an attention backend; `worker` is their whole loop. The drafter runs on
-rank 0 only: the target's taps and logits reach it whole (all-reduced and gathered).
+rank 0 only: the target's taps and logits reach it whole (all-reduced and gathered). A hybrid target's
+ranks also hold their heads' recurrent states; each commit of a verify's accepted rows is announced as well.
 
 A call's host fields (the step's lengths and block tables) travel as a pickled command down a pipe to each
 rank (microseconds; a gloo broadcast of the same object took about a millisecond on a CPU); its tensors
