@@ -54,6 +54,22 @@ def local_heads(model: DecoderLM) -> tuple[int, int]:
     return cfg.num_attention_heads // n, cfg.num_key_value_heads // n
 
 
+def make_caches(model: DecoderLM, num_blocks: int, block_size: int, num_slots: int, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict, list]:
+    """(k pages, v pages) of the paged layers [layers, blocks, page, KV heads, head dim] (this process's KV
+    heads), a hybrid target's recurrent states of num_slots sequences (layer -> state), and per layer what
+    its forward takes: its (k, v) pages or its state."""
+    paged = kv_layers(model)
+    shape = (len(paged), num_blocks, block_size, local_heads(model)[1], model.head_dim)
+    k_cache = torch.zeros(shape, device=device, dtype=dtype)
+    v_cache = torch.zeros(shape, device=device, dtype=dtype)
+    states = model.make_states(num_slots, device, dtype) if hasattr(model, "make_states") else {}
+    kv = [states.get(i) for i in range(model.config.num_hidden_layers)]
+    for j, i in enumerate(paged):
+        kv[i] = (k_cache[j], v_cache[j])
+    return k_cache, v_cache, states, kv
+
+
 def kv_bytes_per_token(model: DecoderLM, dtype: torch.dtype) -> int:
     return 2 * len(kv_layers(model)) * local_heads(model)[1] * model.head_dim * torch.finfo(dtype).bits // 8
 
@@ -168,21 +184,13 @@ class ModelRunner:
         cfg = model.config
         # max_model_len plus room for draft slots past the end of a sequence
         model.setup_rope(max_model_len + 64)
-        paged = kv_layers(model)
-        n_heads, n_kv = local_heads(model)
-        shape = (len(paged), num_blocks, self.block_size, n_kv, model.head_dim)
-        self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
-        self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
-        # per layer: its (k, v) pages, or a hybrid target's recurrent state
-        self.states = model.make_states(config.max_num_seqs, device, dtype) if self.hybrid else {}
-        self.kv = [self.states.get(i) for i in range(cfg.num_hidden_layers)]
-        for j, i in enumerate(paged):
-            self.kv[i] = (self.k_cache[j], self.v_cache[j])
+        self.k_cache, self.v_cache, self.states, self.kv = make_caches(model, num_blocks, self.block_size,
+                                                                       config.max_num_seqs, device, dtype)
         if self.backend_name == "triton" and device.type == "cuda":  # no kernel compiles once serving
             from flashdraft.attention.triton_paged import compile_variants
 
             for _, window in dict.fromkeys(model.layer_masks):
-                compile_variants(n_heads, n_kv, model.head_dim, self.block_size,
+                compile_variants(*local_heads(model), model.head_dim, self.block_size,
                                  dtype, device, window=window, sinks=model.has_sinks)
         with torch.inference_mode():  # the sampler's greedy kernels, both logits dtypes
             if device.type == "cuda" and fused_enabled(self.k_cache):

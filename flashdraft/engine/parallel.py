@@ -295,7 +295,7 @@ def worker(rank: int, size: int, init: str, config: dict, device_name: str, cont
     """Rank `rank`'s process: load and split the target, then run rank 0's calls until told to stop."""
     from flashdraft.attention.base import LayerMasks
     from flashdraft.attention.torch_ref import StaticTorchAttention
-    from flashdraft.engine.model_runner import kv_layers, local_heads, make_backend
+    from flashdraft.engine.model_runner import make_backend, make_caches
     from flashdraft.models.loader import load_model
 
     config = EngineConfig(**config)
@@ -311,13 +311,7 @@ def worker(rank: int, size: int, init: str, config: dict, device_name: str, cont
         model = load_model(config.model, device, dtype, config.load_format, config.revision, tp).model
         _, blocks, max_len, slots = _receive(control)  # rank 0's plan
         model.setup_rope(max_len + 64)
-        paged = kv_layers(model)
-        shape = (len(paged), blocks, config.kv_block_size, local_heads(model)[1], model.head_dim)  # as ModelRunner's
-        caches = torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
-        states = model.make_states(slots, device, dtype) if hasattr(model, "make_states") else {}
-        kv = [states.get(i) for i in range(len(model.layers))]  # per layer its pages, or a hybrid's state
-        for j, i in enumerate(paged):
-            kv[i] = (caches[0][j], caches[1][j])
+        k_cache, v_cache, states, kv = make_caches(model, blocks, config.kv_block_size, slots, device, dtype)
         name = config.resolved_attention_backend(device)
         # steps built on the host, and steps described by device tensors (graphed ones): on a CPU the
         # latter need the torch backend's static variant (the triton backend reads both)
@@ -325,7 +319,7 @@ def worker(rank: int, size: int, init: str, config: dict, device_name: str, cont
         makers = [own, own if name == "triton" else StaticTorchAttention]
         windows = any(window is not None for _, window in model.layer_masks)  # as ModelRunner builds it
         attn, static = (LayerMasks(make, model.layer_masks) if windows else make() for make in makers)
-        _follow(control, device, model, caches, kv, states, attn, static, graphs)
+        _follow(control, device, model, (k_cache, v_cache), kv, states, attn, static, graphs)
     finally:
         _leave(list(graphs.values()))
 
