@@ -363,9 +363,11 @@ def _follow(control, device: torch.device, model, caches: tuple, kv: list, state
                 take = torch.empty(shape, device=device, dtype=dt)
                 dist.broadcast(take, src=0)
                 pending = {i: s.pending for i, s in states.items()}  # this rank's capture of the verify
-                if captured:
-                    kept.append(pending)
                 model.commit_pending(states, pending, take)
+                if captured:  # as rank 0 (ModelRunner._graph): the graph holds them, no later commit reads them
+                    kept.append(pending)
+                    for state in states.values():
+                        state.pending = None
             elif kind == "embed":
                 model.embed_tokens(*_unpack(command[1], device))
             elif kind == "move":
