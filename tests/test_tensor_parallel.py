@@ -253,6 +253,24 @@ def test_a_rank_that_dies_is_an_error(tiny_llama):
         LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32", tensor_parallel_size=3)
 
 
+def test_a_script_without_a_main_guard_is_told(tiny_llama, tmp_path):
+    """A script that builds a tensor-parallel engine at import: its spawned rank fails on importing it, and the
+    engine says so at once (with the fix) instead of waiting out the group's timeout."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("from flashdraft import LLM\n"
+                      f"LLM({str(tiny_llama)!r}, draft=None, device='cpu', dtype='float32', tensor_parallel_size=2)\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    told = "tensor-parallel rank 1 exited while starting" in done.stderr and "__main__" in done.stderr
+    assert told, done.stderr[-2000:]
+    assert time.monotonic() - started < 90
+
+
 def test_server_over_two_ranks(tiny_llama):
     """`flashdraft serve -tp 2`'s app: the engine thread drives the ranks; the answer is one process's."""
     import openai

@@ -97,13 +97,38 @@ class Ranks:
         for read, _ in pipes:
             read.close()  # (the rank holds it: its end closes with it)
         self.pipes = [write for _, write in pipes]
-        timeout = datetime.timedelta(seconds=TP_TIMEOUT_S)
-        dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=size, timeout=timeout)
-        self.tp = tp_group(0, size, rank_device(device, 0), config)
+        self._join(_backend(device), init, size)
         self.graphs: list[Graph] = []  # rank 0's graphs that hold collectives (TPModel._announce)
         self.closed = False
         atexit.register(self.close)
         threading.Thread(target=self._watch, daemon=True).start()
+        self.tp = tp_group(0, size, rank_device(device, 0), config)
+
+    def _join(self, backend: str, init: str, size: int) -> None:
+        """Start the group as rank 0; a rank that exits before it joins (a script that builds the engine
+        outside `if __name__ == "__main__":` has its spawned ranks fail on import) ends the wait at once,
+        with an error naming it, instead of after TP_TIMEOUT_S."""
+        failed: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                dist.init_process_group(backend, init_method=init, rank=0, world_size=size,
+                                        timeout=datetime.timedelta(seconds=TP_TIMEOUT_S))
+            except BaseException as e:  # noqa: BLE001 (raised below, in the caller's thread)
+                failed.append(e)
+        joining = threading.Thread(target=join, daemon=True)
+        joining.start()
+        while joining.is_alive():
+            joining.join(0.2)
+            if joining.is_alive() and self.gone():
+                r, code = self.gone()[0]
+                for p in self.procs:
+                    p.kill()
+                raise RuntimeError(f"tensor-parallel rank {r} exited while starting (code {code}). Its process is "
+                                   "spawned and imports your main script: build a tensor-parallel engine under "
+                                   "`if __name__ == \"__main__\":`, and see the rank's error above")
+        if failed:
+            raise failed[0]
 
     def gone(self) -> list[tuple[int, int | None]]:
         """(rank, exit code) of each other rank whose process has exited."""
