@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 from flashdraft.attention.base import DeviceMeta
 from flashdraft.config import EngineConfig
 from flashdraft.engine.graphs import Graph, capture, capturing
-from flashdraft.models.parallel import TPGroup, one_shot_or_none
+from flashdraft.models.parallel import OneShotAllReduce, TPGroup, one_shot_or_none
 from flashdraft.speculative.kv_slots import move_rows
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,10 @@ class Ranks:
         if dist.is_initialized():
             raise ValueError("one tensor-parallel engine per process: shut the other down first "
                              "(LLMEngine.shutdown) or start this one in a process of its own")
+        if device.type == "cuda" and not config.disable_custom_all_reduce and OneShotAllReduce.built:
+            log.warning("tensor parallel: this process built the one-shot all-reduce for an earlier engine, and "
+                        "torch keeps its state for the life of the process; this engine sums through NCCL alone")
+            config = replace(config, disable_custom_all_reduce=True)
         init = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         fields = asdict(replace(config, speculative_config=None))  # (its fields are set already)

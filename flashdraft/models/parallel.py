@@ -60,11 +60,19 @@ class OneShotAllReduce:
     """torch's one-shot all-reduce over symmetric memory, for small messages (a step's activations): each
     rank copies its part into a buffer that every rank of the host can read, and sums all parts itself. One
     kernel, against NCCL's ring; the ranks' GPUs must reach each other's memory (one host, NVLink or P2P).
-    Building it is collective: every rank at the same point, right after the group starts."""
+    Building it is collective: every rank at the same point, right after the group starts.
+
+    Once per process: torch keeps a group's symmetric-memory state (its store, its count of rendezvous) by
+    the group's name for the life of the process, and a new default group takes the old one's name, so a
+    second engine's rendezvous in the same process would wait forever for partners that count from zero.
+    `built` says whether this process has tried it (engine/parallel.Ranks then sums through NCCL)."""
+
+    built = False
 
     def __init__(self, device: torch.device, group: Any = None, max_bytes: int = ONE_SHOT_MAX_BYTES):
         import torch.distributed._symmetric_memory as symm_mem
 
+        OneShotAllReduce.built = True
         self.name = (group or dist.group.WORLD).group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # (needed by older torch; newer ones need nothing)
             symm_mem.enable_symm_mem_for_group(self.name)

@@ -5,6 +5,8 @@ check, on CUDA)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,19 @@ import torch.multiprocessing as mp
 
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs two GPUs", allow_module_level=True)
+
+
+def in_own_process(request) -> bool:
+    """Run the calling test again in a pytest process of its own and return True (the caller then returns),
+    unless this is that process: torch builds the one-shot all-reduce once per process, so a tensor-parallel
+    engine after the first one in a process sums through NCCL alone (models/parallel.OneShotAllReduce)."""
+    if os.environ.get("FLASHDRAFT_OWN_TEST") == request.node.nodeid:
+        return False
+    env = {**os.environ, "FLASHDRAFT_OWN_TEST": request.node.nodeid}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+                          cwd=request.config.rootpath, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    return True
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "qwen3_moe", "gpt_oss", "tied"])
@@ -80,10 +95,12 @@ def test_one_shot_all_reduce_sums_like_float64():
 
 
 @pytest.mark.parametrize("draft", [False, True])
-def test_engine_over_two_gpus_equals_one(tiny_llama, tmp_path, draft):
+def test_engine_over_two_gpus_equals_one(request, tiny_llama, tmp_path, draft):
     """LLM(tensor_parallel_size=2) on two GPUs (eager steps) gives one GPU's eager tokens, plain and DFlash,
     greedy and seeded, batched; the plain case sums through NCCL alone (disable_custom_all_reduce), the
     DFlash case through the one-shot all-reduce."""
+    if in_own_process(request):
+        return
     from fixtures import build_random_drafter
     from test_tensor_parallel import PARAMS, PROMPTS
 
@@ -101,10 +118,12 @@ def test_engine_over_two_gpus_equals_one(tiny_llama, tmp_path, draft):
 
 
 @pytest.mark.parametrize("draft,tree", [(False, None), (True, None), (True, 3)])
-def test_graphs_over_two_gpus_equal_one(tiny_llama, tmp_path, draft, tree):
+def test_graphs_over_two_gpus_equal_one(request, tiny_llama, tmp_path, draft, tree):
     """With CUDA graphs (the default): every rank captures its graphs (the other rank's follow rank 0's
     replays) and the tokens are one GPU's graphed tokens; plain, DFlash chains and trees (their accepted
     rows' K/V moved on both ranks), greedy and seeded, batched."""
+    if in_own_process(request):
+        return
     from fixtures import build_random_drafter
     from test_tensor_parallel import PARAMS, PROMPTS
 
@@ -127,10 +146,12 @@ def test_graphs_over_two_gpus_equal_one(tiny_llama, tmp_path, draft, tree):
 
 
 @pytest.mark.parametrize("draft", [False, True])
-def test_hybrid_over_two_gpus_equals_one(tmp_path, draft):
+def test_hybrid_over_two_gpus_equals_one(request, tmp_path, draft):
     """A hybrid target (Gated DeltaNet layers: each rank's heads, their recurrent states and the GDN kernels)
     with CUDA graphs on both ranks: one GPU's graphed tokens, plain and DFlash (each rank's verify graphs keep
     their rows; each rank's commit graph, fed rank 0's accepted counts, commits them), greedy and seeded."""
+    if in_own_process(request):
+        return
     from fixtures import build_random_drafter, build_tiny_model
     from test_tensor_parallel import PARAMS, PROMPTS
 
@@ -146,3 +167,24 @@ def test_hybrid_over_two_gpus_equals_one(tmp_path, draft):
         assert [o.token_ids for o in two.generate(PROMPTS, PARAMS)] == want
     finally:
         two.engine.shutdown()
+
+
+def test_a_second_engine_in_a_process_sums_through_nccl(request, tiny_llama):
+    """After a tensor-parallel engine with the one-shot all-reduce has shut down, a second one in the same
+    process (whose default group takes the first one's name) sums through NCCL alone and gives one GPU's
+    tokens; building the one-shot again there waited forever in torch's rendezvous."""
+    if in_own_process(request):
+        return
+    from test_tensor_parallel import PARAMS, PROMPTS
+
+    from flashdraft import LLM
+
+    kw = dict(device="cuda", dtype="float32", enforce_eager=True)
+    want = [o.token_ids for o in LLM(str(tiny_llama), **kw).generate(PROMPTS, PARAMS)]
+    for first in (True, False):
+        two = LLM(str(tiny_llama), tensor_parallel_size=2, **kw)
+        try:
+            assert (two.engine.ranks.tp.one_shot is not None) == first
+            assert [o.token_ids for o in two.generate(PROMPTS, PARAMS)] == want
+        finally:
+            two.engine.shutdown()
