@@ -174,6 +174,26 @@ def test_a_drafter_that_misses_gets_no_verifies(tiny_llama, drafter):
     assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(PROMPTS, params)]
     t = llm.engine.spec_totals()
     assert t["gated_steps"] > 3 * t["num_drafts"] > 0
+    # the pause is sized by what its probe, a whole block (2.5 plain steps for 1 token), loses: 256 steps
+    # (as the gate's by-hand test below), not by the 3-draft count's 1.5 (64 steps)
+    gate = llm.engine.spec.step_gate
+    assert gate.pause == 256 and gate.resume_at % 256 == 0
+
+
+def test_the_pause_is_sized_by_the_probe():
+    """Where the gate's threshold is a shorter count's break-even but its probe verifies the whole block,
+    the pauses follow the probe's loss (break-even - tau of the whole block), so probes cost ~1% of the
+    steps: at 1.536 for 3 drafts against 2.67 for the block (the Qwen3-8B shape's step costs at 32
+    requests on an H200), 256 steps, not 64."""
+    alone, probed = StepGate(), StepGate()
+    assert alone.record(1.0, 5, 1.536, 32, averaged=True) and alone.pause == 64 and alone.resume_at == 128
+    assert probed.record(1.0, 5, 1.536, 32, averaged=True, probe=(1.0, 2.67))
+    assert probed.pause == 256 and probed.resume_at == 512
+    assert probed.record(1.0, 512, 1.536, 32, averaged=True, probe=(1.0, 2.67)) and probed.resume_at == 768
+    # a block that would nearly pay: a shorter first pause, capped alike
+    near = StepGate()
+    assert near.record(1.5, 5, 1.536, 32, averaged=True, probe=(2.6, 2.67)) and near.resume_at == 32
+    assert near.pause == 32  # doubled, under the cap of 256
 
 
 def test_requests_joining_steps_of_fewer_drafts(tiny_llama, drafter):

@@ -609,7 +609,9 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
             else:  # the profile averages and picks the count; the gate pauses where none pays
                 self.profile.record([a - 1 for a in verified], drafts, self.step_gate.probing)
                 tau, min_tau = self.profile.choose(lambda k: self.costs.break_even(n, self.seen, k), self.steps)
-                self.step_gate.record(tau, self.steps, min_tau, len(verified), averaged=True)
+                # a probe verifies the whole block (_verify_count): its price sizes the pauses
+                probe = (self.profile.tau(self.num_draft), self.costs.break_even(n, self.seen))
+                self.step_gate.record(tau, self.steps, min_tau, len(verified), averaged=True, probe=probe)
         if not ahead:  # hybrid targets: the accepted rows' state (with a step launched after: on the device)
             eng.runner.commit_states(committed)
         if moves:  # before poisoning or freeing what lies past the committed length

@@ -123,10 +123,14 @@ class StepGate:
     def drafts(self, step: int) -> bool:
         return step >= self.resume_at
 
-    def record(self, tau: float, step: int, min_tau: float, blocks: int = 1, averaged: bool = False) -> bool:
+    def record(self, tau: float, step: int, min_tau: float, blocks: int = 1, averaged: bool = False,
+               probe: tuple[float, float] | None = None) -> bool:
         """A verify in engine step `step` committed `tau` tokens per verifying request, `blocks`
         requests verifying (averaged: tau is already an average over steps, DepthProfile's, which
-        becomes the gate's). Returns True when the steps from the next one on decode without drafts."""
+        becomes the gate's). probe: (expected tau, break-even) of the probe's step where it verifies
+        more drafts than the count min_tau is for (DepthProfile's whole block): the pauses are sized by
+        what that step loses, as first_pause and pause_cap size them by min_tau. Returns True when the
+        steps from the next one on decode without drafts."""
         w = 1.0 if averaged else sample_weight(self.weight, blocks, self.verifies == 0, self.probing, self.warmup)
         self.tau += w * (tau - self.tau)
         self.verifies += 1
@@ -137,9 +141,10 @@ class StepGate:
             return False
         if self.blocks < self.warmup:
             return False
-        pause = self.pause or first_pause(self.tau, min_tau, self.least_pause)
+        probe_tau, probe_min = probe if probe is not None else (self.tau, min_tau)
+        pause = self.pause or first_pause(probe_tau, probe_min, self.least_pause)
         self.resume_at = resume_step(step, pause)
-        self.pause = min(2 * pause, pause_cap(min_tau))
+        self.pause = min(2 * pause, pause_cap(probe_min))
         self.probing = True
         return True
 
