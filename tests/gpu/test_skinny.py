@@ -80,10 +80,12 @@ def test_more_rows_when_raised(monkeypatch, M, N, K, variant):
 
 @pytest.mark.parametrize("M", [33, 64, 100, 128])
 @pytest.mark.parametrize("N,K,glu", [(960, 576, False), (576, 576, False), (3072, 576, True), (96, 64, True)])
-def test_mid_rows(M, N, K, glu):
+def test_mid_rows(M, N, K, glu, monkeypatch):
     """Blocks of 33-128 rows on the mid-row tiles (skinny.mid_tiles: SmolLM2's qkv, o and gate_up
-    shapes) match float64; shapes the rule leaves to cuBLAS (wider inputs, taller weights) are
-    refused past 32 rows, and skinny_enabled sends them to cuBLAS."""
+    shapes; past 64 rows with FLASHDRAFT_MID_ROWS=128) match float64; shapes the rule leaves to cuBLAS
+    (wider inputs, taller weights) are refused past 32 rows, and skinny_enabled sends them to cuBLAS."""
+    monkeypatch.setattr(skinny, "MID_ROWS", 128)
+    monkeypatch.setattr(transformer, "MID_ROWS", 128)
     g = torch.Generator().manual_seed(M + N + K)
     x = torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16)
     w = (torch.randn(N, K, generator=g) / K**0.5).to(DEVICE, torch.bfloat16)
@@ -246,8 +248,9 @@ def test_parts_add_up_to_the_split_result(dtype, M, bias):
 
 def test_bad_input_is_named():
     w = torch.zeros(8, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="at most 128 rows"):  # past 32 rows: the mid-row tiles' 128
-        skinny.skinny_linear(torch.zeros(129, 16, device=DEVICE), w)
+    most = skinny.MID_ROWS  # past 32 rows: the mid-row tiles' cap (64; FLASHDRAFT_MID_ROWS)
+    with pytest.raises(ValueError, match=f"at most {most} rows"):
+        skinny.skinny_linear(torch.zeros(most + 1, 16, device=DEVICE), w)
     with pytest.raises(ValueError, match="at most 32 rows"):  # a shape the mid-row tiles leave to cuBLAS
         skinny.skinny_linear(torch.zeros(33, 2048, device=DEVICE), torch.zeros(8, 2048, device=DEVICE))
     with pytest.raises(ValueError, match="does not fit"):
