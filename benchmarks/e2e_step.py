@@ -16,7 +16,9 @@ step verifies: the acceptance gate off; the next verify queued before the last o
 same, without overlap), dflash-auto (the engine's default: the step gate stops
 drafts below the break-even tau of the step costs, on CUDA measured at start, elsewhere timed while
 serving, speculative/costs.py). For each
-DFlash arm, `speedup`: its tokens per second over the plain arm's at each concurrency.
+DFlash arm, `speedup`: its tokens per second over the plain arm's at each concurrency, and `verified_blocks`:
+the blocks the shorter and the longer timed run verified (a gated arm's probes; its pauses reach hundreds of
+steps, so time it over as many with --new-tokens).
 
 With --tensor-parallel-size N the target is split over N GPUs (engine/parallel.py) and the roofline is one
 GPU's: the bytes rank 0 reads (its share of every layer and of the LM head) over its bandwidth.
@@ -328,12 +330,13 @@ def critical_path(events, gap_us: float = 10.0) -> dict[str, float]:
     return out
 
 
-def timed(llm: LLM, prompts: list[list[int]], tokens: int, temperature: float = 0.0) -> tuple[float, int, list[float]]:
-    """Seconds and engine steps of one generate call, and the seconds between one `step()` call's
-    return and the next's (a step's pace, host and GPU together: with async scheduling each call
-    waits for the step before)."""
+def timed(llm: LLM, prompts: list[list[int]], tokens: int, temperature: float = 0.0
+          ) -> tuple[float, int, list[float], int]:
+    """Seconds and engine steps of one generate call, the seconds between one `step()` call's return and
+    the next's (a step's pace, host and GPU together: with async scheduling each call waits for the step
+    before), and the drafted blocks it verified (a gated arm's probes among them)."""
     eng = llm.engine
-    steps = eng.stats["num_steps"]
+    steps, blocks = eng.stats["num_steps"], eng.spec_totals()["num_drafts"]
     returns = []
     real = eng.step
 
@@ -352,7 +355,8 @@ def timed(llm: LLM, prompts: list[list[int]], tokens: int, temperature: float = 
         del eng.step  # the class's method again
     if eng.device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - t0, eng.stats["num_steps"] - steps, [b - a for a, b in zip(returns, returns[1:])]
+    return (time.perf_counter() - t0, eng.stats["num_steps"] - steps, [b - a for a, b in zip(returns, returns[1:])],
+            eng.spec_totals()["num_drafts"] - blocks)
 
 
 def middle_median(gaps: list[float]) -> float | None:
@@ -443,15 +447,17 @@ def main() -> None:
                 temp = 1.0 if args.sample else 0.0
                 timed(llm, prompts, short + 4, temp)  # warm-up: every step shape both runs meet (eager ones compile)
                 # the faster of two runs each: a one-off stall in either would skew the difference
-                t1, s1, _ = min(timed(llm, prompts, short, temp) for _ in range(2))
+                t1, s1, _, b1 = min(timed(llm, prompts, short, temp) for _ in range(2))
                 ov = llm.engine.stats["num_overlapped_steps"]
-                tn, sn, gaps = min(timed(llm, prompts, short + args.new_tokens, temp) for _ in range(2))
+                tn, sn, gaps, bn = min(timed(llm, prompts, short + args.new_tokens, temp) for _ in range(2))
                 ov = (llm.engine.stats["num_overlapped_steps"] - ov) // 2  # a long run's steps launched ahead
                 ms = 1e3 * (tn - t1) / max(sn - s1, 1)
                 pace = middle_median(gaps)
                 row = {"concurrency": c, "ms_per_step": round(ms, 3), "steps": sn - s1, "overlapped_steps": ov,
                        "tokens_per_step": round(c * args.new_tokens / max(sn - s1, 1), 3),
                        "ms_per_step_median": round(1e3 * pace, 3) if pace is not None else None}
+                if arm.startswith("dflash"):  # blocks verified by the two runs (a gated arm: how many probes)
+                    row["verified_blocks"] = [b1, bn]
                 experts = experts_read(llm, prompts, temp) if arm.startswith("plain") else None
                 nbytes = step_bytes(llm, c, args.prompt_len + args.new_tokens // 2, experts)
                 if experts is not None:

@@ -279,7 +279,8 @@ def load_e2e_step():
 
 def test_e2e_step_benchmark_runs_on_cpu(tmp_path):
     """benchmarks/e2e_step.py (the device step benchmark) end to end on a tiny hybrid shape: the arms,
-    each step counted, the two-run difference and the median pace both present and positive."""
+    each step counted, the two-run difference and the median pace both present and positive, the blocks
+    each DFlash run verified."""
     import subprocess
     import sys
     from pathlib import Path
@@ -294,6 +295,9 @@ def test_e2e_step_benchmark_runs_on_cpu(tmp_path):
         (row,) = result["arms"][arm]
         assert row["steps"] == 8 and row["ms_per_step"] > 0 and row["ms_per_step_median"] > 0
         assert row["overlapped_steps"] == 0  # a CPU schedules one step at a time
+    assert "verified_blocks" not in result["arms"]["plain"][0]
+    short, long = result["arms"]["dflash"][0]["verified_blocks"]  # the gate off: both requests verify each step
+    assert long - short == 2 * 8
     assert result["break_even_tau"]["2"] > 0
     for arm in ("dflash", "dflash-auto"):  # tokens per second against plain's
         (r,), (d,) = result["arms"]["plain"], result["arms"][arm]
