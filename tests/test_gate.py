@@ -152,7 +152,7 @@ def test_pause_cap_and_the_step_gate_by_hand():
     of the steps), 64 to 1024; the first is a power of two of at least 100 (min_tau - tau), from 16.
     The step gate: a warm-up of 8 blocks, the average (0.05 a block), pauses on the clock's
     multiples, a probe of 8 blocks replacing the average and a smaller one counting half, doubling
-    to the cap, the reset."""
+    to the cap (or at once to what the new average asks for, if longer), the reset."""
     assert [pause_cap(t) for t in (1.0, 1.5, 1.64, 2.0, 3.0, 4.0, 9.0, 30.0)] == [64, 64, 64, 128, 256, 512, 1024, 1024]
     assert [first_pause(t, 3.0) for t in (2.9, 2.7, 2.5, 2.0, 1.0)] == [16, 32, 64, 128, 256]
     assert first_pause(1.0, 1.5) == 64 and first_pause(1.0, 30.0) == 1024 and first_pause(1.0, 4.1) == 512
@@ -161,16 +161,19 @@ def test_pause_cap_and_the_step_gate_by_hand():
     assert not g.record(2.5, 1, 3.0, 4)  # the warm-up: 4 of 8 blocks
     assert g.record(2.5, 2, 3.0, 4) and g.resume_at == 128 and g.pause == 128  # first pause 64: 2 + 64 -> 128
     assert not g.drafts(127) and g.drafts(128)
-    assert g.record(1.0, 128, 3.0, 8) and g.tau == 1.0  # a probe of 8 blocks replaces the average: 128 + 128
-    assert g.resume_at == 256 and g.pause == 256  # the cap at 3: 256
-    assert g.record(1.0, 256, 3.0, 2) and g.resume_at == 512 and g.pause == 256
-    assert g.record(1.0, 512, 3.0, 8) and g.resume_at == 768 and g.pause == 256
-    assert not g.record(4.0, 768, 3.0, 8) and g.pause == 0 and g.drafts(769)  # pays again
+    assert g.record(1.0, 128, 3.0, 8) and g.tau == 1.0  # a probe of 8 blocks replaces the average
+    # far below the break-even: not the doubled 128 but what the new average asks for, 256 (the cap at 3)
+    assert g.resume_at == 512 and g.pause == 256  # 128 + 256 -> 512
+    assert g.record(1.0, 512, 3.0, 2) and g.resume_at == 768 and g.pause == 256
+    assert g.record(1.0, 768, 3.0, 8) and g.resume_at == 1024 and g.pause == 256
+    assert not g.record(4.0, 1024, 3.0, 8) and g.pause == 0 and g.drafts(1025)  # pays again
     w = 1 - 0.95**4  # a step of 4 blocks
-    assert not g.record(2.5, 769, 3.0, 4) and g.tau == pytest.approx(4 - w * 1.5)
-    assert not g.record(1.0, 770, 3.0, 4) and g.tau == pytest.approx(4 - w * 1.5 - w * (3 - w * 1.5))
-    assert g.record(1.0, 771, 3.0, 4) and g.tau == pytest.approx(2.806, abs=1e-3)
-    assert g.resume_at == 832 and g.pause == 64  # first pause 32: 771 + 32 = 803 -> 832
+    assert not g.record(2.5, 1025, 3.0, 4) and g.tau == pytest.approx(4 - w * 1.5)
+    assert not g.record(1.0, 1026, 3.0, 4) and g.tau == pytest.approx(4 - w * 1.5 - w * (3 - w * 1.5))
+    assert g.record(1.0, 1027, 3.0, 4) and g.tau == pytest.approx(2.806, abs=1e-3)
+    assert g.resume_at == 1088 and g.pause == 64  # first pause 32: 1027 + 32 = 1059 -> 1088
+    near = StepGate(tau=2.9, verifies=9, blocks=9, resume_at=64, pause=128, probing=True)
+    assert near.record(2.9, 64, 3.0, 8) and near.resume_at == 256 and near.pause == 256  # near it: doubling, 128
     half = StepGate(tau=1.0, verifies=9, blocks=9, resume_at=64, pause=128, probing=True)
     assert not half.record(4.0, 64, 2.0) and half.tau == 2.5  # a lone request's probe counts half
     lone = StepGate()  # one request: 8 steps before the first pause

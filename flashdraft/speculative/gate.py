@@ -106,7 +106,8 @@ class StepGate:
     until the next multiple of the pause on the engine's step clock (first_pause), then one step
     verifies as a probe. A probe of `warmup` blocks or more replaces the average (the drafts may
     pay again: a new workload), a smaller one counts at least half; below min_tau the pause doubles,
-    up to pause_cap(min_tau); over it, drafting resumes and the pause resets. Its state lives with
+    or becomes what first_pause asks for the new average if that is longer, up to pause_cap(min_tau);
+    over it, drafting resumes and the pause resets. Its state lives with
     the engine, so requests that arrive while drafts miss for everyone (a drafter out of its domain)
     start without drafts too."""
 
@@ -142,7 +143,9 @@ class StepGate:
         if self.blocks < self.warmup:
             return False
         probe_tau, probe_min = probe if probe is not None else (self.tau, min_tau)
-        pause = self.pause or first_pause(probe_tau, probe_min, self.least_pause)
+        # doubled from the last pause, and never shorter than the average now asks for (a probe far below
+        # the break-even lengthens the pause at once: its loss sizes the pause as the first one's did)
+        pause = max(self.pause, first_pause(probe_tau, probe_min, self.least_pause))
         self.resume_at = resume_step(step, pause)
         self.pause = min(2 * pause, pause_cap(probe_min))
         self.probing = True
