@@ -6,7 +6,10 @@ bench`'s own arguments and runner (plain then DFlash at each concurrency, a warm
   steady  the rest: c requests decoding or verifying.
 Prints one JSON line per concurrency: each arm's tok/s and tau, per class its calls, seconds, committed
 tokens, forwards and ms a call; the speedup, the outputs equal to plain decoding's, and `steady_ratio`:
-DFlash over plain in tokens per second of steady steps alone.
+DFlash over plain in tokens per second of steady steps alone. The classes count the host's calls, not the
+GPU's work: with overlap a call launches the next step and waits for the last one, so a joining request's
+prefill, queued in a join call, is paid in the wait of a later (steady) call. For the GPU's time by kind of
+step, pair_timeline.py.
 
     python benchmarks/device/pair_steps.py --model smollm2.gguf --draft flashdraft/drafters/smollm2-135m-dflash \\
         --dataset humaneval.jsonl --num-prompts 64 --max-tokens 256 --concurrency 8,16"""
