@@ -32,7 +32,7 @@ def kinds(runner) -> dict[int, str]:
     """Each captured CUDA graph of the runner by its kind: decode, verify (a DFlash step), post, ragged."""
     out = {}
     for key, g in runner.graphs.items():
-        kind = key[0][0] if isinstance(key[0], tuple) else str(key[0])
+        kind = str(key[0][0] if isinstance(key[0], tuple) else key[0])
         if g.graph is not None:
             out[id(g.graph)] = "verify" if "dflash" in kind else kind
         if g.aux.get("post") is not None:
