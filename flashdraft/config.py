@@ -22,8 +22,8 @@ log = logging.getLogger("flashdraft")
 CPU_TREE = True
 # speculative_min_acceptance_length="auto", on every device: whole steps decode without drafts while the
 # batch's tau is below the break-even tau of what the steps cost (speculative/costs.py, gate.py StepGate):
-# on CUDA with captured graphs measured at start and refined while serving, elsewhere (a CPU, eager
-# CUDA, token trees) timed while serving; so that drafts that miss (a drafter out of its domain, a
+# on CUDA with captured graphs (chains and token trees) measured at start and refined while serving,
+# elsewhere (a CPU, eager CUDA) timed while serving; so that drafts that miss (a drafter out of its domain, a
 # batch large enough for verify rows to cost real work) stop costing steps.
 STEP_GATE = True
 

@@ -16,7 +16,8 @@ bucket's whole-DFlash-step graph and its decode graph (the one paused steps repl
 each followed by the head and the greedy choice over its rows, timed with CUDA events, with random
 tokens in their rows (a mixture of experts routes each row by its token). A batch of n runs in the
 smallest bucket holding it, and so takes that bucket's ratio. Where several draft counts have graphs
-(speculative/gate.py DepthProfile), the whole step of each is timed.
+(speculative/gate.py DepthProfile), the whole step of each is timed; with token trees, the whole tree
+step's graph (draft, tree, verify, head, acceptance and the accepted rows' moves).
 
 That is GPU time. While serving, the engine also times its steps (Observed): a DFlash step waits for
 its accepted lengths, so its wall time is host and GPU together; steps without drafts overlap the
@@ -26,7 +27,7 @@ without drafts to time it, once per bucket), the larger of graph and observed co
 a small target whose verify steps wait on the host (the shipped pair at 64 requests: 0.89-0.93x plain
 with drafts) shows a break-even the graphs miss.
 
-Where nothing is captured to time at start (a CPU, eager CUDA, token trees), the costs are the
+Where nothing is captured to time at start (a CPU, eager CUDA), the costs are the
 observed ones alone (StepCosts.unmeasured): a bucket not yet seen both ways takes the nearest bucket's
 ratio that has been, and drafts until one has.
 """
@@ -131,31 +132,35 @@ class Observed:
 
 def measure(spec: DFlashSpeculator, replays: int = 5) -> StepCosts | None:
     """Each captured bucket's DFlash step and decode step (graph, head, greedy choice), the median
-    of `replays` timed replays after one untimed; None without captured graphs (CPU, eager runs,
-    token trees). The replays rerun what capture ran: placeholder rows, nothing stored."""
+    of `replays` timed replays after one untimed; None without captured graphs (CPU, eager runs).
+    A token tree's step graph holds its head and acceptance: it is timed alone. The replays rerun
+    what capture ran: placeholder rows, no request's pages."""
     runner = spec.engine.runner
-    if spec.engine.device.type != "cuda" or spec.tree_size is not None:
+    if spec.engine.device.type != "cuda":
         return None
-    key_spec, key_plain = spec.verify_key("dflash", spec.num_draft), ("decode", spec.tap_layers)
-    buckets = sorted(b for (k, b, q), g in runner.graphs.items() if k == key_spec and g.captured)
+    tree = spec.tree_size is not None
+    counts = (spec.num_draft,) if tree else spec.draft_counts
+    keys = [("dflash-tree", spec.tap_layers)] if tree else [spec.verify_key("dflash", k) for k in counts]
+    key_plain = ("decode", spec.tap_layers)
+    buckets = sorted(b for (k, b, q), g in runner.graphs.items() if k == keys[0] and g.captured)
     model = runner.model
     found = []
     gen = torch.Generator(spec.engine.device).manual_seed(0)
     with torch.inference_mode():
         for b in buckets:
             gp = runner.graphs.get((key_plain, b, 1))
-            gs = [runner.graphs.get((spec.verify_key("dflash", k), b, spec.block_size)) for k in spec.draft_counts]
+            gs = [runner.graphs.get((key, b, spec.block_size)) for key in keys]
             if gp is None or not gp.captured or any(g is None or not g.captured for g in gs):
                 continue
             for g, q in [(gp, 1)] + [(g, spec.block_size) for g in gs]:
                 _spread(g, q, model.config.vocab_size, gen)
             found.append((b, _time(lambda g=gp, r=b: _head(model, g.replay()[:r]), replays),
-                          *(_time(lambda g=g, r=b * (k + 1): _head(model, g.replay()[:r]), replays)
-                            for g, k in zip(gs, spec.draft_counts))))
+                          *(_time(g.replay if tree else lambda g=g, r=b * (k + 1): _head(model, g.replay()[:r]),
+                                  replays) for g, k in zip(gs, counts))))
     if not found:
         return None
     b, p, s, *fewer = zip(*found)
-    return StepCosts(tuple(b), tuple(p), tuple(s), dict(zip(spec.draft_counts[1:], fewer)))
+    return StepCosts(tuple(b), tuple(p), tuple(s), dict(zip(counts[1:], fewer)))
 
 
 def _spread(g, q: int, vocab: int, gen: torch.Generator) -> None:

@@ -38,3 +38,30 @@ def test_measured_costs_gate_a_random_drafter(tiny_llama, tmp_path, monkeypatch)
     monkeypatch.setattr(flashdraft.config, "STEP_GATE", False)
     off = LLM(str(tiny_llama), draft=str(draft), device="cuda", dtype="float32", max_num_seqs=8)
     assert off.engine.spec.costs is None and off.engine.spec.step_gate is None
+
+
+def test_measured_costs_gate_a_random_drafters_trees(tiny_llama, tmp_path, monkeypatch):
+    """Token trees: each bucket's whole tree step graph is timed at start as well, so the gate decides
+    from graph costs (a first step's stall is dropped, not taken as the bucket's cost), and a drafter
+    whose trees miss stops drafting, with plain decoding's tokens."""
+    from fixtures import build_random_drafter
+
+    import flashdraft.config
+    from flashdraft import LLM, SamplingParams
+
+    monkeypatch.setattr(flashdraft.config, "STEP_GATE", True)
+    draft = build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)
+    llm = LLM(str(tiny_llama), draft=str(draft), device="cuda", dtype="float32", max_num_seqs=8,
+              speculative_tree_size=6)
+    sp = llm.engine.spec
+    assert sp.tree_size == 6 and sp.costs is not None and sp.costs.measured
+    assert sp.costs.batches == (1, 2, 4, 8) and not sp.costs.fewer
+    # a tree step drafts, verifies 7 rows a request, accepts and moves their K/V: dearer than a decode
+    assert all(s > p > 0 for p, s in zip(sp.costs.plain_ms, sp.costs.spec_ms))
+    plain = LLM(str(tiny_llama), draft=None, device="cuda", dtype="float32")
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    tot = llm.engine.spec_totals()
+    assert tot["gated_steps"] > 0 and tot["num_drafts"] >= 6
