@@ -283,6 +283,37 @@ def test_ragged_steps_replay_graphs_with_the_eager_tokens(tiny_llama, tmp_path, 
     assert (replays["draft-sampled"] > 0) == (with_drafter == "sampled"), replays
 
 
+def test_tree_steps_beside_prefill_chunks_decode_through_ragged_graphs(tiny_llama, tmp_path, monkeypatch):
+    """With token trees and graphs, a step that holds prefill chunks (a prompt longer than the step's
+    rows, a request admitted beside running ones) has no tree graph: the running requests decode
+    without drafts that step, through the ragged graph of decode rows beside prefill chunks, and
+    verify trees again after it. The tokens are plain decoding's."""
+    from fixtures import build_random_drafter
+
+    from flashdraft import LLM
+    from flashdraft.speculative.tree_step import TreeSteps
+
+    draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
+    kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=2, kv_block_size=8,
+              max_num_batched_tokens=40)
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 110)), [9, 8, 7], list(range(3, 33))]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 5, 7, 12, 6)]
+    want = [o.token_ids for o in LLM(str(tiny_llama), draft=None, **kw).generate(prompts, params)]
+    tree_steps = []
+    real = TreeSteps._tree_step
+
+    def recorded(self, plans):
+        tree_steps.append([(p.verify, p.seq.num_tokens - p.seq.num_computed_tokens) for p in plans])
+        return real(self, plans)
+
+    monkeypatch.setattr(TreeSteps, "_tree_step", recorded)
+    graphed, replays = _graphed_llm(str(tiny_llama), dict(kw, draft=draft, speculative_tree_size=3))
+    assert graphed.engine.spec.tree_size == 3
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == want
+    assert replays["ragged"] >= 4 and replays["dflash-tree"] > 0, replays
+    assert tree_steps and all(v and left == 1 for step in tree_steps for v, left in step), tree_steps
+
+
 def test_ragged_graph_placeholders_stay_inside_the_model(tiny_llama, tmp_path):
     """Ragged graphs are warmed up and captured over a placeholder step before serving. A bucket
     may hold more rows than one sequence can (256 rows against a 96-token model): the placeholder
