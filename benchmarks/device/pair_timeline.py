@@ -4,11 +4,12 @@ events around it, and the gaps between one replay's end and the next one's start
 them, and the time the GPU waits on the host). Each arm runs as in `flashdraft bench` (the bench's runner:
 a warm-up round, then c requests in flight, a new one joining whenever one finishes), plain then DFlash.
 
-    python benchmarks/device/pair_timeline.py smollm2.gguf humaneval.jsonl 8,16 [num_prompts]
+    python benchmarks/device/pair_timeline.py smollm2.gguf humaneval.jsonl 8,16 [num_prompts [tree_size]]
 
 Prints per arm and concurrency: tok/s, the GPU's busy share (replays over the span from the first to the
 last), each graph kind's count and mean time, and the gaps by the kinds on either side. The in-place
-figures differ from pair_kernels.py's replays of one step: here the contexts grow to the prompts' end."""
+figures differ from pair_kernels.py's replays of one step: here the contexts grow to the prompts' end.
+tree_size: the DFlash arm verifies token trees of that many drafts (default: the chain)."""
 
 import collections
 import sys
@@ -46,7 +47,8 @@ def kinds(runner) -> dict[int, str]:
 def main() -> None:
     gguf, ds, concs = sys.argv[1], sys.argv[2], [int(c) for c in sys.argv[3].split(",")]
     num_prompts = int(sys.argv[4]) if len(sys.argv) > 4 else 64
-    eng = LLM(gguf, draft=SHIPPED, device="cuda", dtype="bfloat16").engine
+    tree = int(sys.argv[5]) if len(sys.argv) > 5 else None
+    eng = LLM(gguf, draft=SHIPPED, device="cuda", dtype="bfloat16", speculative_tree_size=tree or "auto").engine
     _, ids, _ = tokenize(eng, load_prompts(ds, num_prompts), True, 256)
     backend = EngineBackend(eng, ids, Workload(256, 0.0, 0, False))
     replays: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
