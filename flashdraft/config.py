@@ -17,8 +17,9 @@ log = logging.getLogger("flashdraft")
 # speculative_tree_size="auto" on a CPU: a token tree of as many drafts as the drafter's chain (B - 1), so a
 # verify checks the chain's rows and commits more (the shipped drafter, 2-core CPU, fp32, 6 prompts x 96 tokens:
 # HumanEval tau 3.82 against 3.40, 39.5-39.9 against 32.7-37.0 tok/s one at a time; MT-Bench 2.48 against 2.14,
-# 28.1-29.7 against 19.5-26.5 tok/s; docs/performance.md section 4). On CUDA the chain: a tree step there
-# still costs ~0.8 ms more than the chain's, more than its extra tokens save.
+# 28.1-29.7 against 19.5-26.5 tok/s; docs/performance.md section 4). On CUDA the chain: a tree of 15 serves
+# the shipped pair within a few percent of it (its larger verify costs about what its extra tokens save), and
+# bf16 trees part from plain decoding's outputs far more often than the chain, bit-identical one at a time.
 CPU_TREE = True
 # speculative_min_acceptance_length="auto", on every device: whole steps decode without drafts while the
 # batch's tau is below the break-even tau of what the steps cost (speculative/costs.py, gate.py StepGate):

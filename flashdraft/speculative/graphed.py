@@ -73,7 +73,8 @@ class GraphedSteps:
         and for ragged steps (prefill chunks beside verify blocks) the draft blocks alone and the
         target with the context write over (sequences, rows) buckets."""
         runner, n = self.engine.runner, self.engine.config.max_num_seqs
-        if self.tree_size is not None:  # whole tree steps; ragged ones (prefill chunks beside trees) run eagerly
+        if self.tree_size is not None:  # whole tree steps; a step with prefill chunks decodes without trees
+            # through the ragged decode graphs (dflash.py _step); eagerly where those are not captured
             runner.capture_graphs(("dflash-tree", self.tap_layers), self.block_size, False, self.attn,
                                   self._tree_graph_step, n, setup=self._setup_tree_graph)
             runner.capture_graphs(("dflash-tree-sampled", self.tap_layers), self.block_size, False, self.attn,
