@@ -371,7 +371,9 @@ class DFlashSpeculator(DraftTokens, GraphedSteps, TreeSteps, VerifyOverlap):
             # prefill chunks beside token trees have no graph: such a step ran eagerly, 15-40 ms of
             # host time (the shipped pair: 0.97x plain decoding at 64 requests). The running
             # requests decode without drafts this once, in the ragged graph of decode rows beside
-            # prefill chunks; their pages past the row stay theirs for the next step's tree.
+            # prefill chunks; their pages past the row stay theirs for the next step's tree. (A large
+            # target's long chunk takes as long on the GPU as that host time: there the running
+            # requests give up one step's drafts, never more than plain decoding would.)
             for p in plans:
                 if p.verify:
                     p.verify, p.n = False, 1
