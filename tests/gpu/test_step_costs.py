@@ -11,11 +11,23 @@ if not torch.cuda.is_available():
     pytest.skip("step costs are measured over captured CUDA graphs", allow_module_level=True)
 
 
+def totals_of_plain_tokens(llm, tiny_llama) -> dict:
+    """Generate three prompts with llm, check its tokens are plain decoding's, return its speculative totals."""
+    from flashdraft import LLM, SamplingParams
+
+    plain = LLM(str(tiny_llama), draft=None, device="cuda", dtype="float32")
+    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    return llm.engine.spec_totals()
+
+
 def test_measured_costs_gate_a_random_drafter(tiny_llama, tmp_path, monkeypatch):
     from fixtures import build_random_drafter
 
     import flashdraft.config
-    from flashdraft import LLM, SamplingParams
+    from flashdraft import LLM
 
     monkeypatch.setattr(flashdraft.config, "STEP_GATE", True)  # the default, off in tests
     draft = build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)
@@ -26,12 +38,7 @@ def test_measured_costs_gate_a_random_drafter(tiny_llama, tmp_path, monkeypatch)
     # a DFlash step drafts, verifies 4 rows a request and writes their context: dearer than a decode
     assert all(s > p for p, s in zip(costs.plain_ms, costs.spec_ms))
     assert llm.engine.spec.min_tau_rule is None and llm.engine.spec.step_gate is not None  # whole steps
-    plain = LLM(str(tiny_llama), draft=None, device="cuda", dtype="float32")
-    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
-    params = SamplingParams(max_tokens=48, ignore_eos=True)
-    want = [o.token_ids for o in plain.generate(prompts, params)]
-    assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    tot = llm.engine.spec_totals()
+    tot = totals_of_plain_tokens(llm, tiny_llama)
     assert tot["gated_steps"] > 0 and tot["num_drafts"] >= 4  # the warm-up verify steps, then none
     assert llm.engine.stats["num_overlapped_steps"] > 0  # paused steps launched ahead (async scheduling)
 
@@ -47,7 +54,7 @@ def test_measured_costs_gate_a_random_drafters_trees(tiny_llama, tmp_path, monke
     from fixtures import build_random_drafter
 
     import flashdraft.config
-    from flashdraft import LLM, SamplingParams
+    from flashdraft import LLM
 
     monkeypatch.setattr(flashdraft.config, "STEP_GATE", True)
     draft = build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)
@@ -58,10 +65,5 @@ def test_measured_costs_gate_a_random_drafters_trees(tiny_llama, tmp_path, monke
     assert sp.costs.batches == (1, 2, 4, 8) and not sp.costs.fewer
     # a tree step drafts, verifies 7 rows a request, accepts and moves their K/V: dearer than a decode
     assert all(s > p > 0 for p, s in zip(sp.costs.plain_ms, sp.costs.spec_ms))
-    plain = LLM(str(tiny_llama), draft=None, device="cuda", dtype="float32")
-    prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
-    params = SamplingParams(max_tokens=48, ignore_eos=True)
-    want = [o.token_ids for o in plain.generate(prompts, params)]
-    assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    tot = llm.engine.spec_totals()
+    tot = totals_of_plain_tokens(llm, tiny_llama)
     assert tot["gated_steps"] > 0 and tot["num_drafts"] >= 6
