@@ -1,5 +1,6 @@
 """Where the shipped pair's GPU step goes: the decode graph and the whole DFlash step graph (and its post
-graph) of each concurrency's bucket, replayed over a real step's inputs, timed with CUDA events and split
+graph) of each concurrency's bucket, each replayed over a real step's inputs (the decode graph's: a step of
+the same requests with their drafts paused), timed with CUDA events and split
 by kernel with the torch profiler (duration, and what each kernel adds to the stream's span: with PDL a
 kernel starts before its predecessor ends, so its duration overstates it).
 
@@ -80,6 +81,10 @@ def main() -> None:
         _, ids, _ = tokenize(eng, load_prompts(ds, max(concs)), True, 256)
         name = f"tree of {tree}" if tree else "DFlash"
         for c in concs:
+            if tree == trees[0]:  # the decode graph over a real step's inputs too: its requests paused
+                sp.pause_at = 1
+                fill_graph(llm, ids[:c])
+                sp.pause_at = None
             fill_graph(llm, ids[:c])
             bucket = 1 << (c - 1).bit_length()
             key = (("dflash-tree", sp.tap_layers) if tree else sp.verify_key("dflash", sp.num_draft))

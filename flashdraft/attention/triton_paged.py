@@ -29,21 +29,33 @@ Tiling (tl.dot needs >= 16 along every dim on real hardware, so BLOCK_M >= 16 ev
   BLOCK_N = 64 keys (32 for D > 64 with BLOCK_M > 32): K and V tiles of 8-16 KB each in flight.
   num_warps = 8 once (BLOCK_M + BLOCK_N) x BLOCK_D reaches 8192 elements, else 4: compiled for
     sm_90, no bf16 variant spills registers (4 warps for a 16 x 64 x 128 decode tile did).
-Split-K (flash-decoding): when query tiles x sequences x kv heads cannot fill the GPU (batch 1 x 8
-kv heads is 8 programs for 132 SMs), the key range is cut into up to 2 x SMs / programs partitions
-(at most 64, sized as above) that write unnormalised partials (acc, running max, running sum) to
-a float32 workspace, merged in partition order. Grids of at most MERGE_SPLITS partitions merge in
-the kernel: the tile's last partition to finish (an arrival count, as skinny.py's split-K GEMMs
-keep) reads the others' partials, and partitions past the tile's keys end at once (one partition
-holding keys writes `out` itself). Larger grids leave the merge to `_reduce_kernel`, a program per
-(token, head group): one program reading 17 partials one after another took 9.6 us a layer where
-the merge kernel's launch and run took 6.3 (H200, Qwen3-8B decode at 1k keys), while at 3
-partitions the in-kernel merge saved SmolLM2's c = 32 decode and verify graphs 9-10% (no launch a
-layer). The split count is fixed by the grid (a CUDA graph's, sized for its longest sequence), but
-each program cuts its own tile's key range (the window on sliding layers) into at most that many
+Split-K (flash-decoding): a program walks its keys BLOCK_N at a time, each tile's loads waiting
+on the block table's, so a grid of few programs is bound by that walk, not by bandwidth: one
+program (query tile x sequence x kv head) per SM leaves most of an H200 idle even at 192 programs
+(SmolLM2 at 64 requests). The key range is cut into partitions (_num_splits: about SPLIT_WAVES
+programs an SM; a tile larger than 32 rows x 64 keys counts as that many of them) that write
+unnormalised partials (acc, running max, running sum) to a float32 workspace, merged in partition
+order. Counts below 2 x MERGE_SPLITS are rounded down to a power of two of at most MERGE_SPLITS
+(even partitions) and merge in the kernel: the tile's last partition to finish (an arrival count,
+as skinny.py's split-K GEMMs keep) reads the others' partials (one partition holding keys writes
+`out` itself). Larger counts leave the merge to `_reduce_kernel`, a program per (token, head
+group): one program reading 17 partials one after another took 9.6 us a layer where the merge
+kernel's launch and run took 6.3 (H200, Qwen3-8B decode at 1k keys), while at 3 partitions the
+in-kernel merge saved SmolLM2's c = 32 decode and verify graphs 9-10% (no launch a layer). The
+split count is fixed by the grid (a CUDA graph's, sized for its longest sequence), but each
+program cuts its own tile's key range (the window on sliding layers) into at most that many
 partitions of at least MIN_SPLIT_KEYS: a 1k-key decode in a graph sized for 40k keys spreads over
-16 partitions, not over the first two (with the merge kernel, trailing empty ones write neutral
-partials).
+16 partitions, not over the first two. Partitions past the tile's keys end at once and write
+nothing; the first writes how many hold keys for _reduce_kernel, which reads only those (H200,
+SmolLM2 shapes, 64 sequences of 8 verify rows and 256 keys at 64 partitions: 116 us with every
+partition's partial written and read, 36 with these; benchmarks/device/attn_splits.py).
+
+Measured in CUDA graphs on an H200 (attn_splits.py, 2026-11-28), this rule against the one before
+it (one partition from one program an SM on, else 2 x SMs / programs of them): SmolLM2 heads
+(9 / 3, D 64) at 64 sequences and 256-4,096 keys, decode 10.2-109.9 -> 9.2-71.3 us a layer and an
+8-row verify 11.9-126.4 -> 10.3-80.5; at 32 sequences both 10-19% faster; Qwen3-8B heads
+(32 / 8, D 128) at 8 sequences, a 16-row verify 25.6-122.8 -> 15.8-78.3 us (5 partitions through
+`_reduce_kernel` before, 4 merged in the kernel now) and a decode 10.5-64.1 -> 7.8-45.0.
 
 Compiles: the split count is a runtime argument, not a constant, so eager steps
 with new sequence lengths (prefill chunks) reuse the compiled kernels; as constants, every new
@@ -75,12 +87,15 @@ MIN_SPLIT_KEYS = 64  # a KV partition holds at least this many keys
 # FLASHDRAFT_MERGE_SPLITS=1: never, for A/B runs)
 MERGE_SPLITS = int(os.environ.get("FLASHDRAFT_MERGE_SPLITS", "4"))
 REDUCE_SPLITS = 64  # (partition, head) rows per load of _reduce_kernel
+# programs an SM the split count aims for (_num_splits): a program's key walk is a chain of dependent
+# loads, so an SM runs several at once before the walk's latency stops bounding the kernel
+SPLIT_WAVES = int(os.environ.get("FLASHDRAFT_SPLIT_WAVES", "3"))
 INTERPRETER_SMS = 16  # stand-in SM count when kernels run on CPU tensors (TRITON_INTERPRET=1)
 NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: no inf - inf = nan on empty rows
 # the Triton interpreter multiplies bf16 bit patterns as integers in tl.dot: give it float32 operands
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _sm_counts: dict[torch.device, int] = {}
 
 
@@ -182,7 +197,7 @@ def _zero_padding_rows(out_ptr, qsl_ptr, seq, kv_head, num_tokens, stride_ot, st
 # variant per divisibility class, "== 1" and "% 16 == 0", the first time a step's token count hits one:
 # a compile stall in the middle of serving)
 @triton.jit(do_not_specialize=["num_tokens", "num_splits", "stride_bt"])
-def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, count_ptr,
+def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, count_ptr, used_ptr,
                  qsl_ptr, seq_lens_ptr, bt_ptr, tree_ptr, sink_ptr, scale_log2, num_tokens, num_heads, num_splits,
                  stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  stride_ot, stride_oh, stride_bt,
@@ -233,8 +248,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, cou
     span = tl.maximum(kv_end - first, 0)
     part = tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N, MIN_PART)
     used = tl.maximum(tl.cdiv(span, part), 1)
-    if MERGE:
-        if split >= used:
+    if SPLIT:
+        if split >= used:  # no keys: nothing to write (the merge reads the `used` first partials)
             pdl_enter(USE_PDL)
             return
     lo = first + split * part
@@ -253,6 +268,9 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, cou
         if (tile == 0) & (split == 0):
             _zero_padding_rows(out_ptr, qsl_ptr, seq, kv_head, num_tokens, stride_ot, stride_oh, N_KV, GROUP,
                                HEAD_DIM, BLOCK_D, BLOCK_M)
+    if SPLIT and not MERGE:
+        if split == 0:  # how many partials _reduce_kernel merges for these rows
+            tl.store(used_ptr + q_start + row, used, mask=valid)
     q = tl.load(q_ptr + (q_start + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=valid[:, None] & d_ok[None, :], other=0.0)
     ctx = seq_len - q_len
@@ -341,8 +359,8 @@ def _merge_partials(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, used, num_tokens, num
     tl.store(out, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_splits"])
-def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_seqs, num_tokens, num_heads, num_splits,
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
+def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, used_ptr, qsl_ptr, num_seqs, num_tokens, num_heads,
                    stride_ot, stride_oh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ZERO_PADDING: tl.constexpr, USE_PDL: tl.constexpr):
     """Grid (token, head group): merges the split-K partials of that token's GROUP query heads into
@@ -365,9 +383,10 @@ def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, qsl_ptr, num_seqs, num
     m_i = tl.full([BLOCK_G], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
+    used = tl.load(used_ptr + t)  # the token's partitions holding keys (the first ones)
+    for s0 in range(0, used, BLOCK_S):
         sp = s0 + tl.arange(0, BLOCK_S)
-        ok = (sp < num_splits)[:, None] & h_ok[None, :]  # [S, G]
+        ok = (sp < used)[:, None] & h_ok[None, :]  # [S, G]
         idx = (sp[:, None] * num_tokens + t) * num_heads + head[None, :]
         m = tl.load(ws_m_ptr + idx, mask=ok, other=NEG)
         l_p = tl.load(ws_l_ptr + idx, mask=ok, other=0.0)
@@ -415,10 +434,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _num_splits(programs: int, max_seq_len: int, device: torch.device) -> int:
-    sms = _sm_count(device)
-    if programs >= sms:
-        return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), max_seq_len // MIN_SPLIT_KEYS, MAX_SPLITS))
+    """About SPLIT_WAVES programs an SM (module docstring): a power of two up to MERGE_SPLITS where
+    that asks for fewer than 2 x MERGE_SPLITS partitions, else as many as it asks for."""
+    want = SPLIT_WAVES * _sm_count(device) // programs
+    if want < 2 * MERGE_SPLITS:
+        want = min(1 << (max(want, 1).bit_length() - 1), MERGE_SPLITS)
+    return max(1, min(want, max_seq_len // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
 def _workspace(device: torch.device, splits: int, T: int, H: int, D: int):
@@ -426,7 +447,8 @@ def _workspace(device: torch.device, splits: int, T: int, H: int, D: int):
     if key not in _workspaces:
         _workspaces[key] = (torch.empty(splits, T, H, D, device=device, dtype=torch.float32),
                             torch.empty(splits, T, H, device=device, dtype=torch.float32),
-                            torch.empty(splits, T, H, device=device, dtype=torch.float32))
+                            torch.empty(splits, T, H, device=device, dtype=torch.float32),
+                            torch.empty(T, device=device, dtype=torch.int32))  # partitions holding keys, a row
     return _workspaces[key]
 
 
@@ -452,19 +474,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         keys = meta.max_seq_len  # the most keys a tile reads: on sliding layers, its window and rows
         if meta.window is not None:
             keys = min(keys, meta.window + meta.max_query_len)
-        num_splits = _num_splits(tiles * S * n_kv, keys, q.device)
+        # a tile of more than 32 x 64 (rows x keys a step: the B = 16 draft or verify block of a
+        # 3-head group) walks its keys slower: it counts as that many such tiles
+        num_splits = _num_splits(tiles * S * n_kv * max(1, block_m * block_n // 2048), keys, q.device)
     # the rows a query tile can hold (a decode tile: its GROUP heads of one row); a few partitions are
     # merged by the tile's last one to finish, more by _reduce_kernel (see MERGE_SPLITS)
     merge_m = triton.next_power_of_2(min(block_m // group, meta.max_query_len) * group)
     merge = 1 < num_splits <= MERGE_SPLITS
-    ws = _workspace(q.device, num_splits, T, H, hd) if num_splits > 1 else (out, out, out)
+    ws = _workspace(q.device, num_splits, T, H, hd) if num_splits > 1 else (out, out, out, meta.seq_lens)
     count = arrival_counts(q.device, tiles * S * n_kv) if merge else meta.seq_lens
     consts = dict(N_KV=n_kv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_M=block_m)
     tree = meta.tree_mask is not None and meta.causal
     if tree and meta.window is not None:
         raise NotImplementedError("sliding-window attention under token-tree masks")
     _attn_kernel[(tiles, S * n_kv, num_splits)](
-        q, k_cache, v_cache, out, *ws, count, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        q, k_cache, v_cache, out, *ws[:3], count, ws[3], meta.query_start_loc, meta.seq_lens, meta.block_tables,
         meta.tree_mask if tree else meta.seq_lens, sinks if sinks is not None else meta.seq_lens,
         scale * 1.4426950408889634, T, H, num_splits,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -477,7 +501,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         # a program per (token, kv head) merges the group's heads; too few of those to fill the GPU
         # (a decode at batch 1: 4-8) read the partials at a few SMs' bandwidth, so then one per query head
         g = group if T * n_kv >= _sm_count(q.device) else 1
-        _reduce_kernel[(T, H // g)](out, *ws, meta.query_start_loc, S, T, H, num_splits, out.stride(0), out.stride(1),
+        _reduce_kernel[(T, H // g)](out, *ws, meta.query_start_loc, S, T, H, out.stride(0), out.stride(1),
                                     GROUP=g, BLOCK_G=triton.next_power_of_2(g), HEAD_DIM=hd, BLOCK_D=block_d,
                                     BLOCK_S=max(1, REDUCE_SPLITS // triton.next_power_of_2(g)),
                                     ZERO_PADDING=zero_padding, num_warps=4, **launch_kwargs(q))

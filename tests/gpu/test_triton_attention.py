@@ -370,11 +370,18 @@ def test_cuda_graph_replay_with_refilled_meta():
 
 def test_split_heuristic_fills_the_gpu_at_batch_one():
     """A 16-row verify at batch 1 (8 kv heads, 1k keys) is cut into partitions of >= 64 keys
-    instead of 8 programs walking every key; big grids are not split."""
-    sms = triton_paged._sm_count(DEVICE)  # 132 on an H100: 33 partitions would fit, 1040 keys allow 16
-    assert triton_paged._num_splits(8, 1040, DEVICE) == min(-(-2 * sms // 8), 1040 // 64) > 1
+    instead of 8 programs walking every key; a few partitions are a power of two merged in the
+    kernel; very big grids are not split."""
+    sms = triton_paged._sm_count(DEVICE)  # 132 on an H200: 49 partitions asked for, 1040 keys allow 16
+    waves, merged = triton_paged.SPLIT_WAVES, triton_paged.MERGE_SPLITS
+    n, want = triton_paged._num_splits(8, 1040, DEVICE), waves * sms // 8
+    assert n > 1 and (n == min(want, 1040 // 64) if want >= 2 * merged else n <= merged)
     assert triton_paged._num_splits(10_000, 1040, DEVICE) == 1
     assert triton_paged._num_splits(8, 60, DEVICE) == 1  # too few keys to split
+    for programs in range(max(1, waves * sms // (2 * merged) + 1), waves * sms + 1):  # fewer than 2 x merged
+        n = triton_paged._num_splits(programs, 8192, DEVICE)
+        assert n & (n - 1) == 0 and n <= merged and 2 * n * programs > waves * sms // 2, (programs, n)
+    assert triton_paged._num_splits(waves * sms // (2 * merged), 8192, DEVICE) >= 2 * merged
 
 
 def _compiled_variants(fn) -> int:
