@@ -309,7 +309,10 @@ def test_engine_tokens_match_torch_backend(tiny_llama, tmp_path, with_drafter):
 @pytest.mark.parametrize("size", [3, 13])
 def test_engine_token_trees_match_plain_decoding(tiny_llama, tmp_path, size):
     """Token-tree verifies through the Triton backend (steps without drafts replay graphs on CUDA) give
-    plain decoding's tokens, greedy and seeded sampling, and the torch backend's acceptance counts."""
+    plain decoding's tokens, greedy and seeded sampling, as the torch backend's do. Their acceptance
+    counts may differ: with ragged graphs captured (Triton on CUDA), a step holding prefill chunks
+    decodes its running requests without drafts (speculative/dflash.py _step), where the eager torch
+    backend's step verifies their trees beside the chunks."""
     from fixtures import build_random_drafter
 
     from flashdraft import LLM, SamplingParams
@@ -327,7 +330,7 @@ def test_engine_token_trees_match_plain_decoding(tiny_llama, tmp_path, size):
         assert [o.token_ids for o in llm.generate(prompts, params)] == ref, backend
         tot = llm.engine.spec_totals()
         counts[backend] = (tot["num_drafts"], tot["num_accepted_tokens"])
-    assert counts["triton"] == counts["torch"] and counts["torch"][0] > 0
+    assert counts["triton"][0] > 0 and counts["torch"][0] > 0, counts
 
 
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
