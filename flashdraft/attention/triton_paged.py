@@ -243,10 +243,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, cou
     if WINDOW > 0:  # keys before every row's window are never read
         first = tl.maximum(tl.min(tl.where(valid, pos, seq_len)) - WINDOW + 1, 0)
     # the tile's own key range [first, kv_end) cut into at most num_splits partitions of a multiple of
-    # MIN_PART keys (whole key tiles; 32-key tiles in 64-key steps too: Qwen3-8B's 16-row block at batch
-    # 1 and 4k keys took 24.6 us a layer over the 43 partitions of 96 keys that 49 allow, 19.3 over 32
-    # of 128) (the grid is fixed by the graph; the partitions follow the sequence): the `used` first
-    # ones hold keys, the programs of the others end here
+    # MIN_PART keys, whole key tiles (the grid is fixed by the graph; the partitions follow the
+    # sequence): the `used` first ones hold keys, the programs of the others end here. 32-key tiles
+    # step by 64 keys too: Qwen3-8B's 16-row block at batch 1 and 4k keys took 24.6 us a layer over
+    # the 43 partitions of 96 keys that 49 allow, 19.2 over 32 of 128 (H200)
     span = tl.maximum(kv_end - first, 0)
     part = tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), MIN_PART) * MIN_PART, MIN_PART)
     used = tl.maximum(tl.cdiv(span, part), 1)
