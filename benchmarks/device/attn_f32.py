@@ -13,7 +13,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from flashdraft.attention.base import AttentionBatch, DeviceMeta  # noqa: E402
-from flashdraft.attention.triton_paged import _num_splits, _tiles, paged_attention  # noqa: E402
+from flashdraft.attention.triton_paged import _tiles, auto_splits, paged_attention  # noqa: E402
 
 H, KV, D, PAGE = 9, 3, 64, 16
 dev = "cuda"
@@ -28,7 +28,7 @@ for dtype in (torch.float32, torch.bfloat16):
         meta.max_seq_len = max_seq
         q = torch.randn(q_len, H, D, device=dev, dtype=dtype)
         tiles = triton.cdiv(q_len, _tiles(D, H // KV, q_len)[1] // (H // KV))
-        auto = _num_splits(tiles * KV, max_seq, torch.device(dev))
+        auto = auto_splits(D, H // KV, q_len, 1, KV, max_seq, torch.device(dev))
         for splits in sorted({1, 2, 8, auto}):
             for _ in range(3):
                 paged_attention(q, k, v, meta, 0.125, num_splits=splits)

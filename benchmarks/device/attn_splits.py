@@ -102,9 +102,9 @@ def main() -> None:
                     q, caches, meta, H, n_kv, D = setup(shape, S, q_len, L, a.layers, dev)
                     kv_bytes = S * L * n_kv * D * 2 * 2
                     tp.MERGE_SPLITS = default_merge
-                    block_d, block_m, _, _ = tp._tiles(D, H // n_kv, q_len)
+                    block_m = tp._tiles(D, H // n_kv, q_len)[1]
                     programs = -(-q_len // (block_m // (H // n_kv))) * S * n_kv
-                    picked = tp._num_splits(programs, BOUND, dev)
+                    picked = tp.auto_splits(D, H // n_kv, q_len, S, n_kv, BOUND, dev)
                     times = {}
                     for merge in map(int, a.merge.split(",")):
                         tp.MERGE_SPLITS = merge

@@ -444,6 +444,16 @@ def _num_splits(programs: int, max_seq_len: int, device: torch.device) -> int:
     return max(1, min(want, max_seq_len // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
+def auto_splits(head_dim: int, group: int, max_query_len: int, num_seqs: int, n_kv: int, keys: int,
+                device: torch.device) -> int:
+    """The split-K count paged_attention picks for a grid of num_seqs x n_kv x its query tiles over at
+    most `keys` keys a tile. A tile of more than 32 x 64 (rows x keys a step: the B = 16 draft or
+    verify block of a 3-head group) walks its keys slower: it counts as that many such tiles."""
+    _, block_m, block_n, _ = _tiles(head_dim, group, max_query_len)
+    tiles = triton.cdiv(max_query_len, block_m // group)
+    return _num_splits(tiles * num_seqs * n_kv * max(1, block_m * block_n // 2048), keys, device)
+
+
 def _workspace(device: torch.device, splits: int, T: int, H: int, D: int):
     key = (device, splits, T, H, D)
     if key not in _workspaces:
@@ -476,9 +486,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         keys = meta.max_seq_len  # the most keys a tile reads: on sliding layers, its window and rows
         if meta.window is not None:
             keys = min(keys, meta.window + meta.max_query_len)
-        # a tile of more than 32 x 64 (rows x keys a step: the B = 16 draft or verify block of a
-        # 3-head group) walks its keys slower: it counts as that many such tiles
-        num_splits = _num_splits(tiles * S * n_kv * max(1, block_m * block_n // 2048), keys, q.device)
+        num_splits = auto_splits(hd, group, meta.max_query_len, S, n_kv, keys, q.device)
     # the rows a query tile can hold (a decode tile: its GROUP heads of one row); a few partitions are
     # merged by the tile's last one to finish, more by _reduce_kernel (see MERGE_SPLITS)
     merge_m = triton.next_power_of_2(min(block_m // group, meta.max_query_len) * group)
