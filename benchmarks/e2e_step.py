@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flashdraft import LLM, SamplingParams  # noqa: E402
-from flashdraft.engine.model_runner import kv_bytes_per_token, state_bytes_per_seq  # noqa: E402
+from flashdraft.engine.memory import kv_bytes_per_token, state_bytes_per_seq  # noqa: E402
 from flashdraft.models import moe as moe_mod  # noqa: E402
 from flashdraft.models.moe import MoE  # noqa: E402
 from flashdraft.speculative.formats import default_target_layer_ids  # noqa: E402

@@ -44,7 +44,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # explicit KV budget in blocks (overrides kv_cache_memory_gb)
     kv_cache_memory_gb: float | None = None  # None: 2 GiB on cpu, 85% of free memory on cuda
     # vLLM's: the share of the GPU's whole memory the engine may take; the KV cache gets what the weights
-    # leave of it, less the default's reserve (model_runner.memory_budget); None: kv_cache_memory_gb's default
+    # leave of it, less the default's reserve (engine/memory.py memory_budget); None: kv_cache_memory_gb's default
     gpu_memory_utilization: float | None = None
     num_speculative_tokens: int | None = None  # None: block_size - 1 of the drafter
     # vLLM's {"method": "dflash", "model": ..., "num_speculative_tokens": ..., "revision": ...}: sets draft,

@@ -61,11 +61,11 @@ def _small_cpu_kv():
     """Every CPU engine in the suite takes 512 MiB of KV pages instead of the 2 GiB default: an engine
     zero-fills its pages, and the suite's engines are many (a collected engine frees them late), so at
     2 GiB each the process outgrew a 24 GB machine. Tests that size the cache say so themselves."""
-    from flashdraft.engine import model_runner
+    from flashdraft.engine import memory
 
-    default, model_runner.CPU_KV_BYTES = model_runner.CPU_KV_BYTES, 512 << 20
+    default, memory.CPU_KV_BYTES = memory.CPU_KV_BYTES, 512 << 20
     yield
-    model_runner.CPU_KV_BYTES = default
+    memory.CPU_KV_BYTES = default
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -249,25 +249,28 @@ class Served:
 
 
 def record_fed_drafts(monkeypatch) -> list:
-    """Patch DFlashSpeculator._accept (and the post graph of greedy whole steps, which accepts on the
-    device) to record, at every step, the drafts each verifying request fed the target (the verify
-    input rows after its first); returns the list it appends to."""
-    from flashdraft.speculative.dflash import DFlashSpeculator
+    """Patch the acceptance of every DFlash step (and the post graph of greedy whole steps, which accepts
+    on the device) to record, at every step, the drafts each verifying request fed the target (the
+    verify input rows after its first); returns the list it appends to."""
+    import flashdraft.speculative.ahead as ahead
+    import flashdraft.speculative.dflash as dflash
+    from flashdraft.speculative.graphs import StepGraphs
 
     fed: list = []
-    real_accept, real_post = DFlashSpeculator._accept, DFlashSpeculator._run_post
+    real_accept, real_post = dflash.accept_plans, StepGraphs.run_post
 
-    def accept(self, plans, ids, toks):
+    def accept(plans, ids, toks):
         fed.append([ids[p.row + 1: p.row + p.n].tolist() for p in plans if p.verify])
-        return real_accept(self, plans, ids, toks)
+        return real_accept(plans, ids, toks)
 
     def post(self, g):
-        k1, ids = g.aux["k1"], g.extra["verify_ids"].tolist()
-        fed.append([ids[i * k1 + 1: (i + 1) * k1] for i in range(int((g.meta.seq_lens > 0).sum()))])
+        rows, ids = g.buffers.rows, g.buffers.ids.tolist()
+        fed.append([ids[i * rows + 1: (i + 1) * rows] for i in range(int((g.meta.seq_lens > 0).sum()))])
         return real_post(self, g)
 
-    monkeypatch.setattr(DFlashSpeculator, "_accept", accept)
-    monkeypatch.setattr(DFlashSpeculator, "_run_post", post)
+    for module in (dflash, ahead):
+        monkeypatch.setattr(module, "accept_plans", accept)
+    monkeypatch.setattr(StepGraphs, "run_post", post)
     return fed
 
 
@@ -277,7 +280,77 @@ def step_gated(llm, break_even: float):
     from flashdraft.speculative.costs import StepCosts
     from flashdraft.speculative.gate import StepGate
 
-    sp = llm.engine.spec
-    sp.costs, sp.step_gate = StepCosts((64,), (1e6,), (break_even * 1e6,)), StepGate()
-    sp.seen.max_tries = 0  # no steps without drafts run to time their pace
+    policy = llm.engine.spec.policy
+    policy.costs, policy.step_gate = StepCosts((64,), (1e6,), (break_even * 1e6,)), StepGate()
+    policy.seen.max_tries = 0  # no steps without drafts run to time their pace
     return llm
+
+
+class poison_rejected:
+    """From its call on (or inside `with poison_rejected(llm):`, undone at its end), make any read of
+    K/V that a rejected draft or a draft block left behind show: after every draft block the
+    drafter's scratch slots, and before a request's pages are cut back to its committed length every
+    slot past it (target and drafter caches), are filled with NaN. Every step then runs eagerly and
+    one at a time (graphs and steps in flight off), where these hooks see its slots."""
+
+    def __init__(self, llm):
+        import torch
+
+        from flashdraft.speculative.kv_slots import poison_slots, position_slots
+
+        self.llm = llm
+        eng = llm.engine
+        sp, bm, runner = eng.spec, eng.block_manager, eng.runner
+        caches = (runner.k_cache, runner.v_cache, sp.context.k_cache, sp.context.v_cache)
+        eager, truncate = sp.drafts.eager, bm.truncate
+
+        def drafted(seqs, manager):
+            out = eager(seqs, manager)
+            poison_slots(caches[2:], out[3])  # the block's scratch K/V must never be read again
+            return out
+
+        def cut(seq_id, num_tokens):
+            sp.context.flush()
+            slots = position_slots(bm, seq_id, range(num_tokens, len(bm.table(seq_id)) * bm.block_size))
+            if slots:
+                poison_slots(caches, torch.tensor(slots, device=runner.device))
+            truncate(seq_id, num_tokens)
+
+        self.saved = runner.use_graphs, eng.ctx.async_scheduling
+        runner.use_graphs = False
+        eng.ctx.async_scheduling = False
+        sp.drafts.eager, bm.truncate = drafted, cut
+
+    def undo(self) -> None:
+        eng = self.llm.engine
+        del eng.spec.drafts.eager, eng.block_manager.truncate
+        eng.runner.use_graphs, eng.ctx.async_scheduling = self.saved
+
+    def __enter__(self):
+        return self.llm
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+class StepClock:
+    """A clock for the draft policy that advances only as the engine computes: each target forward
+    costs `step` ms plus `row` ms a row, each drafter forward `draft` plus `draft_row` a row. What a
+    step costs with and without drafts is then the test's to say, whatever the machine's load."""
+
+    def __init__(self, llm, step: float = 1.0, row: float = 0.25, draft: float = 0.5, draft_row: float = 0.05):
+        self.ms = 0.0
+        spec = llm.engine.spec
+        for net, base, per in ((llm.engine.runner.model, step, row), (spec.drafter, draft, draft_row)):
+            net.forward = self._costing(net.forward, base, per)
+        spec.policy.clock = self
+
+    def _costing(self, forward, base: float, per: float):
+        def timed(x, *args, **kwargs):
+            self.ms += base + per * x.shape[0]
+            return forward(x, *args, **kwargs)
+
+        return timed
+
+    def __call__(self) -> float:
+        return self.ms / 1e3

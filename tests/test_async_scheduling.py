@@ -80,15 +80,16 @@ def test_requests_joining_behind_a_step_in_flight(tiny_llama):
     in the step after, launched ahead too (its first token the prefill's sample, on the device). One
     joiner ends at its first token. Greedy and sampled: the tokens are the step-by-step engine's."""
     sync, overlap = engines(tiny_llama, max_num_seqs=2)
-    real, joined = overlap.engine._launch_joining, []
+    plain_steps = overlap.engine.pipeline.steps
+    real, joined = plain_steps.prefill, []
 
-    def launch():
-        flight = real()
-        joined.append(0 if flight is None else len(flight.seqs))
+    def launch(batch):
+        flight = real(batch)
+        joined.append(len(flight.seqs))
         return flight
 
     prompts = PROMPTS + [[9, 8, 7, 6, 5], list(range(3, 23))]
-    overlap.engine._launch_joining = launch
+    plain_steps.prefill = launch
     try:
         for t in (0.0, 1.0):
             params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n)
@@ -99,7 +100,7 @@ def test_requests_joining_behind_a_step_in_flight(tiny_llama):
             decode_steps = sync.engine.stats["num_steps"] - steps - len(prompts)
             assert overlap.engine.stats["num_overlapped_steps"] - ahead >= decode_steps - 2
     finally:
-        del overlap.engine._launch_joining
+        del plain_steps.prefill
     assert sum(joined) >= 6, joined
     assert overlap.engine.block_manager.num_used_blocks == 0
 
@@ -112,7 +113,7 @@ def test_abort_while_a_step_is_in_flight(pair):
     seqs = [eng.add_request(None, params, prompt_token_ids=p) for p in PROMPTS]
     for _ in range(6):
         eng.step()
-    assert eng._inflight is not None, "a decode step was meant to be in flight"
+    assert eng.pipeline.inflight is not None, "a decode step was meant to be in flight"
     victim = seqs[1]
     kept = list(victim.output_token_ids)
     eng.abort(victim)
@@ -212,15 +213,15 @@ def test_requests_joining_steps_without_drafts(tiny_llama, drafter):
               draft=str(drafter), async_scheduling=True)
     overlap = _graphed_llm(str(tiny_llama), kw)[0]
     plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
-    real, joined = overlap.engine.spec._launch_joining, []
+    real, joined = overlap.engine.spec.prefill, []
 
-    def launch():
-        flight = real()
-        joined.append(0 if flight is None else len(flight.seqs))
+    def launch(batch):
+        flight = real(batch)
+        joined.append(len(flight.seqs))
         return flight
 
     prompts = PROMPTS + [[9, 8, 7, 6, 5], list(range(3, 23))]
-    overlap.engine.spec._launch_joining = launch
+    overlap.engine.spec.prefill = launch
     for t in (0.0, 1.0):
         params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n, speculative=False)
                   for n in (7, 13, 1, 16, 30, 9)]
@@ -241,7 +242,7 @@ def test_dflash_abort_preemption_and_hybrid_while_in_flight(tiny_llama, drafter,
     seqs = [eng.add_request(None, params, prompt_token_ids=p) for p in PROMPTS]
     for _ in range(8):
         eng.step()
-    assert eng.spec._inflight is not None, "a step was meant to be in flight"
+    assert eng.pipeline.inflight is not None, "a step was meant to be in flight"
     victim = seqs[1]
     kept = list(victim.output_token_ids)
     eng.abort(victim)

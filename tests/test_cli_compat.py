@@ -15,8 +15,8 @@ from fixtures import build_random_drafter
 from flashdraft import LLM, SamplingParams
 from flashdraft.cli import build_parser, main, package_version, serve_engine_kwargs
 from flashdraft.config import EngineConfig, engine_kwargs
-from flashdraft.engine import model_runner
-from flashdraft.engine.model_runner import KV_SHARE, memory_budget, utilization_budget
+from flashdraft.engine import memory
+from flashdraft.engine.memory import KV_SHARE, memory_budget, utilization_budget
 
 GIB = 1 << 30
 
@@ -134,7 +134,7 @@ def test_memory_budget_reads_the_device(monkeypatch):
     assert memory_budget(EngineConfig(gpu_memory_utilization=0.5), cuda) == pytest.approx(KV_SHARE * 30 * GIB)
     assert memory_budget(EngineConfig(), cuda) == pytest.approx(KV_SHARE * 70 * GIB)
     cpu = memory_budget(EngineConfig(gpu_memory_utilization=0.5), torch.device("cpu"))
-    assert cpu == memory_budget(EngineConfig(), torch.device("cpu")) == model_runner.CPU_KV_BYTES
+    assert cpu == memory_budget(EngineConfig(), torch.device("cpu")) == memory.CPU_KV_BYTES
 
 
 def test_gpu_memory_utilization_is_ignored_on_cpu(tiny_llama, caplog):

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
-from fixtures import build_random_drafter
+from fixtures import build_random_drafter, poison_rejected
 
 from flashdraft import LLM, SamplingParams
 from flashdraft.speculative.formats import default_target_layer_ids
@@ -181,11 +181,8 @@ def test_rejected_state_is_never_read(plain, spec):
     any read of them would turn logits into NaN and change the tokens."""
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     ref = [o.token_ids for o in plain.generate(MIXED, params)]
-    spec.engine.spec.poison_rejected = True
-    try:
+    with poison_rejected(spec):
         outs = spec.generate(MIXED, params)
-    finally:
-        spec.engine.spec.poison_rejected = False
     assert [o.token_ids for o in outs] == ref
     assert spec.engine.spec_totals()["num_drafts"] > 0
 
@@ -307,8 +304,9 @@ def test_reduced_vocabulary_needs_its_map(tiny_llama, tmp_path):
     save_file(w, str(d / "model.safetensors"))
     llm = LLM(str(tiny_llama), draft=str(d), device="cpu", dtype="float32")
     fed = []
-    real = llm.engine.spec._draft_tokens
-    llm.engine.spec._draft_tokens = lambda *a, **k: fed.append(real(*a, **k)) or fed[-1]
+    drafts = llm.engine.spec.drafts
+    real = drafts.tokens
+    drafts.tokens = lambda *a, **k: fed.append(real(*a, **k)) or fed[-1]
     llm.generate(MIXED[:2], SamplingParams(max_tokens=8, ignore_eos=True))
     assert fed and all(bool((f % 2 == 0).all()) for f in fed)  # only kept (even) target ids are drafted
 
@@ -347,7 +345,7 @@ def test_shipped_drafter_is_the_default_and_lossless(smollm2):
 def test_shipped_drafter_follows_the_embedded_gguf_under_any_name(tmp_path):
     import shutil
 
-    from flashdraft.engine.engine import shipped_drafter
+    from flashdraft.engine.startup import shipped_drafter
     from flashdraft.models.loader import default_model_path
 
     shipped = shipped_drafter(None)
@@ -368,7 +366,7 @@ def test_shipped_drafter_is_under_25_mb_in_the_published_files():
     config.json and model.safetensors, nothing else in the package folder."""
     from pathlib import Path
 
-    from flashdraft.engine.engine import shipped_drafter
+    from flashdraft.engine.startup import shipped_drafter
 
     files = {p.name: p.stat().st_size for p in Path(shipped_drafter(None)).iterdir()}
     assert set(files) == {"config.json", "model.safetensors"}
@@ -389,8 +387,7 @@ def test_speculation_pauses_at_large_batches(tiny_llama, drafter, plain):
         llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32", enable_prefix_caching=False,
                   speculative_disable_batch_size=2 if limit == "2 at once" else limit)
         sp = llm.engine.spec
-        sp.poison_rejected = True  # a draft K/V read that should not happen turns to NaN
-        sp._defer_context = limit != "2 at once"
+        sp.context.defer = limit != "2 at once"
         positions = Counter()
         write = sp.drafter.write_context
 
@@ -399,7 +396,8 @@ def test_speculation_pauses_at_large_batches(tiny_llama, drafter, plain):
             return write(taps, pos, *args)
 
         sp.drafter.write_context = counting
-        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        with poison_rejected(llm):  # a draft K/V read that should not happen turns to NaN
+            assert [o.token_ids for o in llm.generate(prompts, params)] == want
         runs[limit], written[limit] = llm.engine.spec_totals(), positions
     # every committed position of every request enters the drafter's context before a draft reads
     # it, paused or not; a verify also writes its rejected rows (overwritten before any read: the
@@ -429,18 +427,19 @@ def test_sampled_drafts_are_drawn_with_the_targets_noise(tiny_llama, drafter, pl
 
     from flashdraft.engine import sampler
     from flashdraft.speculative.dflash import DFlashSpeculator
+    from flashdraft.speculative.drafts import DraftTokens
 
     ref = hf_model(tiny_llama).double()
     spec = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32")
     current: list = []
-    real_propose, real_draft = DFlashSpeculator.propose, DFlashSpeculator._draft_tokens
+    real_propose, real_draft = DFlashSpeculator.propose, DraftTokens.tokens
 
     def propose(self, seqs):
         current[:] = seqs
         return real_propose(self, seqs)
 
     def draft_tokens(self, hidden, num_seqs, draw=None, blocks=None):
-        model = self.engine.runner.model
+        model = self.runner.model
         real_logits = model.compute_logits
 
         def oracle_logits(rows, float32=True):
@@ -458,7 +457,7 @@ def test_sampled_drafts_are_drawn_with_the_targets_noise(tiny_llama, drafter, pl
             del model.compute_logits
 
     monkeypatch.setattr(DFlashSpeculator, "propose", propose)
-    monkeypatch.setattr(DFlashSpeculator, "_draft_tokens", draft_tokens)
+    monkeypatch.setattr(DraftTokens, "tokens", draft_tokens)
     # the random target's near-uniform distribution puts a sample outside any few candidates often:
     # draw among the whole vocabulary here (the candidate cut is checked in test_engine.py)
     monkeypatch.setattr(sampler, "DRAW_CANDIDATES", 1 << 20)

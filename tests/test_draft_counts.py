@@ -75,9 +75,9 @@ def counted(tiny_llama, drafter, async_scheduling: bool):
     kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8,
               draft=str(drafter), async_scheduling=async_scheduling)
     llm, _ = _graphed_llm(str(tiny_llama), kw, draft_counts=(7, 3))
-    sp = llm.engine.spec
-    sp.costs = StepCosts((64,), (1e6,), (PRICES[7] * 1e6,), {3: (PRICES[3] * 1e6,)})
-    sp.step_gate, sp.profile, sp.seen.max_tries = StepGate(), DepthProfile((7, 3)), 0
+    policy = llm.engine.spec.policy
+    policy.costs = StepCosts((64,), (1e6,), (PRICES[7] * 1e6,), {3: (PRICES[3] * 1e6,)})
+    policy.step_gate, policy.profile, policy.seen.max_tries = StepGate(), DepthProfile((7, 3)), 0
     return llm
 
 
@@ -87,7 +87,7 @@ def right_for(llm, futures: dict[tuple, list[int]], m: int):
     import torch
 
     sp, vocab = llm.engine.spec, llm.engine.model_config.vocab_size
-    real_draft, real_forward, real_launch = sp._draft_tokens, sp._forward, sp._launch_next_verify
+    real_draft, real_forward, real_launch = sp.drafts.tokens, sp.forward, sp.ahead._verify_after
 
     def drafts(hidden, num_seqs, draw=None, blocks=None):
         real_draft(hidden, num_seqs, draw, blocks)  # the graph's own work, then these tokens
@@ -113,18 +113,18 @@ def right_for(llm, futures: dict[tuple, list[int]], m: int):
             for p in plans:
                 del p.seq.token_ids[-(m + 1):]
 
-    sp._draft_tokens, sp._forward, sp._launch_next_verify = drafts, forward, launch
+    sp.drafts.tokens, sp.forward, sp.ahead._verify_after = drafts, forward, launch
 
 
 def launches_seen(sp) -> list[tuple[int, int]]:
     """(drafts of the verify in flight, drafts of the one launched ahead on it), filled as steps launch."""
-    counts, launch = [], sp._launch_next_verify
+    counts, launch = [], sp.ahead._verify_after
 
     def launch_seen(prev, plans):
         counts.append((prev.plans[0].n - 1, plans[0].n - 1))
         return launch(prev, plans)
 
-    sp._launch_next_verify = launch_seen
+    sp.ahead._verify_after = launch_seen
     return counts
 
 
@@ -150,12 +150,12 @@ def test_the_step_verifies_the_count_that_pays(tiny_llama, drafter, m, drafted):
             assert o.metrics["acceptance_histogram"][m] >= o.metrics["num_drafts"] - 1 > 0
         per_verify = t["num_draft_tokens"] / t["num_drafts"]
         if drafted == 7:
-            assert per_verify == 7 and llm.engine.spec.profile.best == 7
+            assert per_verify == 7 and llm.engine.spec.policy.profile.best == 7
         else:
             # the warm-up's 8 blocks verify 7 drafts (overlapped, one more step of 4: launched before
             # the choice was read), every other block 3
             whole = (t["num_draft_tokens"] - 3 * t["num_drafts"]) / 4
-            assert whole == (12 if async_scheduling else 8) and llm.engine.spec.profile.best == 3
+            assert whole == (12 if async_scheduling else 8) and llm.engine.spec.policy.profile.best == 3
         assert llm.engine.block_manager.num_used_blocks == 0
         if async_scheduling:  # the change of count itself launched ahead of the last 7-draft step
             assert (7, 3) in counts and (3, 3) in counts if drafted == 3 else set(counts) == {(7, 7)}
@@ -176,7 +176,7 @@ def test_a_drafter_that_misses_gets_no_verifies(tiny_llama, drafter):
     assert t["gated_steps"] > 3 * t["num_drafts"] > 0
     # the pause is sized by what its probe, a whole block (2.5 plain steps for 1 token), loses: 256 steps
     # (as the gate's by-hand test below), not by the 3-draft count's 1.5 (64 steps)
-    gate = llm.engine.spec.step_gate
+    gate = llm.engine.spec.policy.step_gate
     assert gate.pause == 256 and gate.resume_at % 256 == 0
 
 
@@ -213,7 +213,7 @@ def test_requests_joining_steps_of_fewer_drafts(tiny_llama, drafter):
         eng.step()
     assert [s.output_token_ids for s in seqs] == want
     t = eng.spec_totals()
-    assert eng.spec.profile.best == 3 and t["num_draft_tokens"] < 4 * t["num_drafts"]
+    assert eng.spec.policy.profile.best == 3 and t["num_draft_tokens"] < 4 * t["num_drafts"]
     assert eng.block_manager.num_used_blocks == 0
 
 
@@ -233,10 +233,10 @@ def test_a_change_of_count_is_launched_ahead(tiny_llama, drafter, temperature):
     right_for(llm, {tuple(p): w + [0] * 16 for p, w in zip(PROMPTS, want)}, 7)
     sp = llm.engine.spec
     pattern = itertools.cycle([7, 7, 3, 3, 3, 7, 3])
-    sp._verify_count = lambda: next(pattern)
-    counts, graphs = launches_seen(sp), sp._graph_of
+    sp.policy._verify_count = lambda: next(pattern)
+    counts, graphs = launches_seen(sp), sp.graphs.graph_of
     drawn = []
-    sp._graph_of = lambda g, n, d=None, k=None: drawn.append(d) or graphs(g, n, d, k)  # the kind of graph moved to
+    sp.graphs.graph_of = lambda g, n, d=None, k=None: drawn.append(d) or graphs(g, n, d, k)  # the graph moved to
     got = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in got] == want
     assert {(7, 3), (3, 7)} <= set(counts) and set(drawn) == {temperature > 0}

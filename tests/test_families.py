@@ -492,7 +492,7 @@ def test_hybrid_state_slots_in_the_memory_plan(built, caplog):
     and the outputs are those of an unconstrained engine."""
     import logging
 
-    from flashdraft.engine.model_runner import state_bytes_per_seq
+    from flashdraft.engine.memory import state_bytes_per_seq
 
     folder = built("qwen3.5")
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
@@ -514,7 +514,7 @@ def test_hybrid_memory_plan_reserves_the_kept_verify_rows(built):
     (RecurrentState.kept_rows): with a drafter the KV plan leaves room for the largest batch bucket at
     VERIFY_ROWS rows a sequence, as many bytes a row as kept_rows allocates."""
     from flashdraft.config import EngineConfig
-    from flashdraft.engine.model_runner import VERIFY_ROWS, kv_bytes_per_token, plan_num_blocks
+    from flashdraft.engine.memory import VERIFY_ROWS, kv_bytes_per_token, plan_num_blocks
 
     model = LLM(str(built("qwen3.5")), draft=None, device="cpu", dtype="float32").engine.runner.model
     n, allocated = 5, 0

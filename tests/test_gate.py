@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from fixtures import step_gated
+from fixtures import StepClock, poison_rejected, step_gated
 from test_dflash import MIXED, install_oracle
 
-import flashdraft.config
-from flashdraft import LLM, SamplingParams
+from flashdraft import LLM, SamplingParams, settings
 from flashdraft.speculative.costs import Observed, StepCosts
 from flashdraft.speculative.gate import AcceptanceGate, StepGate, first_pause, pause_cap
 
@@ -47,7 +46,6 @@ def test_gate_pauses_a_request_whose_drafts_miss(tiny_llama, drafter, plain):
     ref = plain.generate(prompts, params)
     llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32",
               speculative_min_acceptance_length=2)
-    llm.engine.spec.poison_rejected = True
     wrong_at = {tuple(p): i for i, p in enumerate(prompts)}
 
     def corrupt(s, d):
@@ -55,7 +53,8 @@ def test_gate_pauses_a_request_whose_drafts_miss(tiny_llama, drafter, plain):
         return [t if i < j else (t + 1) % 300 + 3 for i, t in enumerate(d)]
 
     install_oracle(llm, {tuple(p): o.token_ids for p, o in zip(prompts, ref)}, corrupt)
-    outs = llm.generate(prompts, params)
+    with poison_rejected(llm):
+        outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     m = [o.metrics for o in outs]
     assert (m[0]["num_drafts"], m[0]["gated_steps"]) == (5, 54)
@@ -84,16 +83,18 @@ def test_gate_lets_a_request_draft_again(tiny_llama, drafter, plain):
 
 def test_the_cpu_default_gates_the_shipped_drafter_where_it_does_not_pay(smollm2, monkeypatch):
     """The default on a CPU: the step gate with the costs it times while serving. Sampled requests
-    with the shipped drafter (tau ~1.5 at T=1) cost more with drafts than without on a CPU, so after
+    with the shipped drafter (tau ~1.5 at T=1) cost more with drafts than without on a CPU (here: a
+    clock on which a target forward costs 1 ms plus 0.25 ms a row, as rows cost on a CPU), so after
     its warm-up steps decode without drafts; every seeded output equals plain decoding's."""
-    monkeypatch.setattr(flashdraft.config, "STEP_GATE", True)
+    monkeypatch.setattr(settings, "STEP_GATE", True)
     qs = ["Write a short poem about the sea.", "Describe your ideal weekend.", "What is a hash table?"]
     prompts = [smollm2.engine.apply_chat_template([{"role": "user", "content": q}]) for q in qs]
     params = [SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=10 + i) for i in range(3)]
     want = [o.token_ids for o in smollm2.generate(prompts, params)]
     llm = LLM(device="cpu", dtype="float32")  # speculative_min_acceptance_length="auto"
-    sp = llm.engine.spec
+    sp = llm.engine.spec.policy
     assert sp.min_tau_rule is None and sp.step_gate is not None and not sp.costs.measured
+    StepClock(llm)
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     tot = llm.engine.spec_totals()
     assert tot["gated_steps"] > 0 and tot["num_drafts"] > 0
@@ -110,7 +111,7 @@ def test_auto_is_the_step_gate_on_every_device():
     assert c.speculative_min_acceptance_length == "auto"
     for device in ("cpu", "cuda"):  # no per-request gate: the step gate decides (STEP_GATE)
         assert c.min_acceptance_length(torch.device(device)) is None
-    assert flashdraft.config.STEP_GATE is False  # the suite's switch (tests/conftest.py)
+    assert settings.STEP_GATE is False  # the suite's switch (tests/conftest.py)
     assert EngineConfig(speculative_min_acceptance_length=None).min_acceptance_length(torch.device("cpu")) is None
     fixed = EngineConfig(speculative_min_acceptance_length=3).min_acceptance_length(torch.device("cuda"))
     assert fixed(1, 0.0) == fixed(40, 1.0) == 3.0
@@ -199,7 +200,7 @@ def test_the_step_gate_stops_drafts_that_miss_and_keeps_those_that_pay(tiny_llam
     for o in first:
         m = o.metrics
         assert m["num_drafts"] == 2 and 1 + m["num_drafts"] + m["num_accepted_tokens"] + m["gated_steps"] == 40
-    assert llm.engine.spec.steps == 40 and llm.engine.spec.step_gate.resume_at == 256
+    assert llm.engine.spec.policy.steps == 40 and llm.engine.spec.policy.step_gate.resume_at == 256
     long = SamplingParams(max_tokens=240, ignore_eos=True)
     want = [o.token_ids for o in plain.generate(prompts, long)]
     again = llm.generate(prompts, long)  # step 41 prefills, 42-255 decode, 256 probes, 257-280 decode
@@ -207,12 +208,12 @@ def test_the_step_gate_stops_drafts_that_miss_and_keeps_those_that_pay(tiny_llam
     for o in again:
         m = o.metrics
         assert m["num_drafts"] == 1 and 1 + m["num_drafts"] + m["num_accepted_tokens"] + m["gated_steps"] == 240
-    assert llm.engine.spec.step_gate.resume_at == 384  # the pause at the cap at tau 2: 128
+    assert llm.engine.spec.policy.step_gate.resume_at == 384  # the pause at the cap at tau 2: 128
     oracle = step_gated(LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32"), 3.0)
     install_oracle(oracle, {tuple(p): r for p, r in zip(prompts, ref)})
     outs = oracle.generate(prompts, params)
     assert [o.token_ids for o in outs] == ref
-    assert all(o.metrics["gated_steps"] == 0 for o in outs) and oracle.engine.spec.step_gate.tau == 4.0
+    assert all(o.metrics["gated_steps"] == 0 for o in outs) and oracle.engine.spec.policy.step_gate.tau == 4.0
 
 
 def test_unmeasured_step_costs_take_what_is_observed():
@@ -257,15 +258,17 @@ def test_observed_step_costs_raise_the_break_even():
 
 def test_the_step_gate_counts_what_steps_take_on_the_host(tiny_llama, drafter, plain):
     """Graph costs that call drafts free (break-even 1, so a random drafter's tau of ~1 would pay) on
-    an engine whose steps take milliseconds of host and CPU time: it runs a few overlapped steps
-    without drafts to time their pace, and the observed costs (a DFlash step dearer than one
-    without drafts) make the gate stop the drafts, with plain decoding's tokens."""
+    an engine whose steps take milliseconds of host and CPU time (a clock on which a target forward
+    costs 1 ms plus 0.25 ms a row): it runs a few overlapped steps without drafts to time their pace,
+    and the observed costs (a DFlash step dearer than one without drafts) make the gate stop the
+    drafts, with plain decoding's tokens."""
     prompts = MIXED[:4]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     ref = [o.token_ids for o in plain.generate(prompts, params)]
     llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32", async_scheduling=True)
-    sp = step_gated(llm, 1.0).engine.spec
+    sp = step_gated(llm, 1.0).engine.spec.policy
     sp.costs, sp.seen.max_tries = StepCosts((64,), (0.01,), (0.01,)), 8
+    StepClock(llm)
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
     assert sp.seen.spec[0] > sp.seen.plain[0] > 0.01 and sp.costs.break_even(4, sp.seen) > 1.2
     assert 0 < sp.seen.tries[0] <= sp.seen.max_tries
@@ -275,14 +278,16 @@ def test_the_step_gate_counts_what_steps_take_on_the_host(tiny_llama, drafter, p
 def test_the_step_gate_times_the_steps_of_a_sync_engine(tiny_llama, drafter, plain):
     """Nothing measured at start (a CPU engine, steps read one at a time): the gate drafts until its
     DFlash steps are timed, runs a step without drafts to time that, and then stops the random
-    drafter (tau ~1 against a DFlash step dearer than a plain one); plain decoding's tokens."""
+    drafter (tau ~1 against a DFlash step dearer than a plain one, on a clock where a target forward
+    costs 1 ms plus 0.25 ms a row); plain decoding's tokens."""
     prompts = MIXED[:4]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     ref = [o.token_ids for o in plain.generate(prompts, params)]
     llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32")
-    sp = llm.engine.spec
+    sp = llm.engine.spec.policy
     assert not llm.engine.async_scheduling
     sp.costs, sp.step_gate = StepCosts.unmeasured(llm.engine.config.max_num_seqs), StepGate()
+    StepClock(llm)
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
     i = sp.costs.bucket(4)
     assert sp.seen.spec[i] > sp.seen.plain[i] > 0 and sp.costs.break_even(4, sp.seen) > 1.2
@@ -318,7 +323,7 @@ def test_steps_without_drafts_are_timed_only_where_their_pace_can_decide(tiny_ll
     the plain graph's (a faster plain pace could only lower it); without graph costs (a CPU) they are
     timed first, as before."""
     llm = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32")
-    sp = step_gated(llm, 2.0).engine.spec  # graphs: a plain step 1e6, a DFlash step 2e6
+    sp = step_gated(llm, 2.0).engine.spec.policy  # graphs: a plain step 1e6, a DFlash step 2e6
     sp.seen.max_tries = 8
     assert not sp._times_plain(4)  # no verify yet: the graphs decide the first steps
     sp.step_gate.verifies, sp.step_gate.tau = 3, 3.5
@@ -330,6 +335,6 @@ def test_steps_without_drafts_are_timed_only_where_their_pace_can_decide(tiny_ll
     assert sp._times_plain(4)
     sp.seen.tries[0] = sp.seen.max_tries
     assert not sp._times_plain(4)  # the tries are spent
-    monkeypatch.setattr(flashdraft.config, "STEP_GATE", True)
-    cpu = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32").engine.spec
+    monkeypatch.setattr(settings, "STEP_GATE", True)
+    cpu = LLM(str(tiny_llama), draft=str(drafter), device="cpu", dtype="float32").engine.spec.policy
     assert not cpu.costs.measured and cpu.step_gate.verifies == 0 and cpu._times_plain(4)

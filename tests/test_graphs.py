@@ -136,15 +136,15 @@ def _graphed_llm(model: str, kw: dict, draft_counts: tuple[int, ...] | None = No
     if sp is not None:
         from flashdraft.attention.base import LayerMasks
 
-        masked = isinstance(sp.attn, LayerMasks)
-        sp.attn = LayerMasks(StaticTorchAttention, sp.attn.masks) if masked else StaticTorchAttention()
-        sp.draft_counts = draft_counts or sp.draft_counts
-        sp.capture_graphs()
+        ctx = sp.context
+        masked = isinstance(ctx.attn, LayerMasks)
+        ctx.attn = LayerMasks(StaticTorchAttention, ctx.attn.masks) if masked else StaticTorchAttention()
+        sp.capture(draft_counts or sp.policy.choices)
         # an eager replay (CPU) installs metadata only into the backends a graph lists; the ragged
         # graphs' context write also stores through the drafter's static backend, whose store plan is
         # cached per slot tensor: install it too, as a real capture does (set_meta before capturing)
         for g in runner.ragged_graphs.values():
-            g.attn.append(sp.attn)
+            g.attn.append(ctx.attn)
     else:
         cfg, step = llm.engine.config, runner.target_step(())
         runner.capture_graphs(("target", ()), 1, True, runner.attn, step, cfg.max_num_seqs)
@@ -172,6 +172,7 @@ def test_graphed_dflash_step_matches_eager_engine(tiny_llama, tmp_path, monkeypa
 
     from flashdraft import LLM
     from flashdraft.speculative.dflash import DFlashSpeculator
+    from flashdraft.speculative.drafts import DraftTokens
 
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200], [9, 8]]
     lens = [9, 30, 24, 17, 26]
@@ -182,7 +183,7 @@ def test_graphed_dflash_step_matches_eager_engine(tiny_llama, tmp_path, monkeypa
     B = 4
     wrong_at = {tuple(p): i % B for i, p in enumerate(prompts)}
     current: list = []
-    real_forward = DFlashSpeculator._forward
+    real_forward = DFlashSpeculator.forward
 
     def forward(self, plans):
         current[:] = [p.seq for p in plans if p.verify]
@@ -198,8 +199,8 @@ def test_graphed_dflash_step_matches_eager_engine(tiny_llama, tmp_path, monkeypa
         rows += [[0] * (B - 1)] * (num_seqs - len(rows))  # a graph bucket's padding sequences
         return torch.tensor(rows, dtype=torch.long, device=hidden.device)
 
-    monkeypatch.setattr(DFlashSpeculator, "_forward", forward)
-    monkeypatch.setattr(DFlashSpeculator, "_draft_tokens", oracle)
+    monkeypatch.setattr(DFlashSpeculator, "forward", forward)
+    monkeypatch.setattr(DraftTokens, "tokens", oracle)
     draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=B))
     kw.update(draft=draft, num_speculative_tokens=num_spec, speculative_disable_batch_size=pause)
     eager = LLM(str(tiny_llama), **kw)
@@ -291,7 +292,7 @@ def test_tree_steps_beside_prefill_chunks_decode_through_ragged_graphs(tiny_llam
     from fixtures import build_random_drafter
 
     from flashdraft import LLM
-    from flashdraft.speculative.tree_step import TreeSteps
+    from flashdraft.speculative.trees import TreeVerifier
 
     draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
     kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=2, kv_block_size=8,
@@ -300,13 +301,13 @@ def test_tree_steps_beside_prefill_chunks_decode_through_ragged_graphs(tiny_llam
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 5, 7, 12, 6)]
     want = [o.token_ids for o in LLM(str(tiny_llama), draft=None, **kw).generate(prompts, params)]
     tree_steps = []
-    real = TreeSteps._tree_step
+    real = TreeVerifier.step
 
-    def recorded(self, plans):
+    def recorded(self, plans, *args):
         tree_steps.append([(p.verify, p.seq.num_tokens - p.seq.num_computed_tokens) for p in plans])
-        return real(self, plans)
+        return real(self, plans, *args)
 
-    monkeypatch.setattr(TreeSteps, "_tree_step", recorded)
+    monkeypatch.setattr(TreeVerifier, "step", recorded)
     graphed, replays = _graphed_llm(str(tiny_llama), dict(kw, draft=draft, speculative_tree_size=3))
     assert graphed.engine.spec.tree_size == 3
     assert [o.token_ids for o in graphed.generate(prompts, params)] == want

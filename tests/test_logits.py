@@ -205,23 +205,22 @@ def test_graphed_and_overlapped_steps(tiny_llama, drafter, plain, tree, monkeypa
         use_oracle_graph_trees(monkeypatch, prompts, ref)
     llm, replays = _graphed_llm(str(tiny_llama), kw)
     if not tree:
-        from flashdraft.speculative.dflash import DFlashSpeculator
-
         futures = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
-        real = DFlashSpeculator._graphed_forward
+        sp = llm.engine.spec
+        real = sp.graphs.whole_step
 
-        def graphed_forward(self, plans, tokens):
-            self._oracle_seqs = [p.seq for p in plans]
-            return real(self, plans, tokens)
+        def whole_step(plans, tokens, bm):
+            sp._oracle_seqs = [p.seq for p in plans]
+            return real(plans, tokens, bm)
 
-        monkeypatch.setattr(DFlashSpeculator, "_graphed_forward", graphed_forward)
+        sp.graphs.whole_step = whole_step
         oracle(llm, futures)
     outs = llm.generate(prompts, params)
     for o, r in zip(outs, ref):
         assert o.token_ids == r.token_ids[:24]
         _same_logprobs(o.logprobs, r.logprobs[:24])
     assert replays["dflash-tree-sampled" if tree else "dflash"] > 0, replays
-    depth = llm.engine.spec.depth
+    depth = llm.engine.spec.max_accepted
     for o in outs:
         h = o.metrics["acceptance_histogram"]
         assert h[depth] >= o.metrics["num_drafts"] - 1, h

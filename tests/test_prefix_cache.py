@@ -90,7 +90,7 @@ def test_drafter_context_of_cached_pages_is_what_it_would_compute(engine):
     run(engine, ids, 4)
     full = len(ids) // B  # the prompt's full blocks (registered in order)
     pages = list(engine.block_manager.cached.values())[:full]
-    hot_k = torch.stack([spec.k_cache[:, p].clone() for p in pages])
+    hot_k = torch.stack([spec.context.k_cache[:, p].clone() for p in pages])
     engine.reset_prefix_cache()
     # the same prompt prefilled cold into other pages (the cached ones are forgotten, not reused: pages are
     # handed out first-in first-out)
@@ -98,14 +98,14 @@ def test_drafter_context_of_cached_pages_is_what_it_would_compute(engine):
     while not seq2.is_finished:
         engine.step()
     cold_pages = list(engine.block_manager.cached.values())[:full]
-    cold_k = torch.stack([spec.k_cache[:, p] for p in cold_pages])
+    cold_k = torch.stack([spec.context.k_cache[:, p] for p in cold_pages])
     assert len(cold_pages) == full > 0 and not set(cold_pages) & set(pages)
     torch.testing.assert_close(hot_k, cold_k, rtol=1e-5, atol=1e-5)
 
     _, clean = run(engine, ids + [1, 2, 3], 24)
     for p in engine.block_manager.cached.values():
-        spec.k_cache[:, p] = 0
-        spec.v_cache[:, p] = 0
+        spec.context.k_cache[:, p] = 0
+        spec.context.v_cache[:, p] = 0
     _, wiped = run(engine, ids + [1, 2, 3], 24)
     assert wiped.metrics["num_cached_tokens"] > 0
     assert wiped.token_ids == clean.token_ids  # the target's K/V are intact: plain decoding's tokens

@@ -91,18 +91,18 @@ def reference_run(target_dir: Path, drafter_dir: Path, prompt: list[int], dflash
 
 def flashdraft_run(target_dir: Path, drafter_dir: Path, monkeypatch) -> tuple[list, list]:
     """flashdraft on the same prompts, greedy, the chain: (outputs, each request's fed drafts by step)."""
-    from flashdraft.speculative.dflash import DFlashSpeculator
+    import flashdraft.speculative.dflash as dflash
 
     fed: dict[int, list[list[int]]] = {}
-    real_accept = DFlashSpeculator._accept
+    real_accept = dflash.accept_plans
 
-    def accept(self, plans, ids, toks):
+    def accept(plans, ids, toks):
         for p in plans:
             if p.verify:
                 fed.setdefault(p.seq.seq_id, []).append(ids[p.row + 1: p.row + p.n].tolist())
-        return real_accept(self, plans, ids, toks)
+        return real_accept(plans, ids, toks)
 
-    monkeypatch.setattr(DFlashSpeculator, "_accept", accept)
+    monkeypatch.setattr(dflash, "accept_plans", accept)
     llm = LLM(str(target_dir), draft=str(drafter_dir), device="cpu", dtype="float32",
               speculative_tree_size=None, speculative_min_acceptance_length=None)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
@@ -187,7 +187,7 @@ def test_draft_logits_are_the_references(target, tmp_path):
     drafter = ref.DFlashDraftModel.from_pretrained(folder, dtype=torch.float32)
     rows = torch.randn(7, cfg.hidden_size)
     want = drafter.compute_logits(rows, hf.lm_head)
-    got, token_ids = sp._slot_logits(rows, float32=True)
+    got, token_ids = sp.drafts.slot_logits(rows, float32=True)
     assert token_ids is None and (got - want).abs().max() < 1e-5
     assert want.abs().max() <= 2.5 and not torch.allclose(want, hf.lm_head(rows))
 

@@ -126,11 +126,13 @@ def tiny(tiny_llama, tmp_path_factory):
 
 
 def tree_llm(tiny, size, **kw):
+    from fixtures import poison_rejected
+
     from flashdraft import LLM
 
     model, drafter, _ = tiny
     llm = LLM(str(model), draft=str(drafter), device="cpu", dtype="float32", speculative_tree_size=size, **kw)
-    llm.engine.spec.poison_rejected = True  # any read of a rejected row's K/V turns the tokens into NaN's
+    poison_rejected(llm)  # any read of a rejected row's K/V turns the tokens into NaN's
     return llm
 
 
@@ -157,7 +159,7 @@ def oracle_trees(sp, futures, branch):
     every verify should accept."""
     from flashdraft.speculative.tree import Trees
 
-    N, D = sp.num_draft, sp.depth
+    N, D = sp.num_draft, sp.max_accepted
 
     def propose(seqs):
         toks, parents, depths, valid = [], [], [], []
@@ -188,7 +190,7 @@ def test_oracle_trees_accept_the_planted_path(tiny, size, branch):
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     ref = tiny[2].generate(MIXED, SamplingParams(max_tokens=80, ignore_eos=True))
     llm = tree_llm(tiny, size)
-    llm.engine.spec.propose_tree, depth = oracle_trees(llm.engine.spec, {tuple(p): o.token_ids
+    llm.engine.spec.trees.propose, depth = oracle_trees(llm.engine.spec, {tuple(p): o.token_ids
                                                                          for p, o in zip(MIXED, ref)}, branch)
     outs = llm.generate(MIXED, params)
     assert [o.token_ids for o in outs] == [o.token_ids[:30] for o in ref]
@@ -213,11 +215,10 @@ def test_tree_verify_cut_by_the_token_budget_and_preempted(tiny):
 def test_cpu_default_is_a_tree_of_the_chains_size(smollm2, monkeypatch):
     """On a CPU the engine's default verifies a tree of B - 1 drafts (the chain's rows), with plain
     decoding's tokens; num_speculative_tokens, off, or a device other than the CPU keep the chain."""
-    import flashdraft.config
-    from flashdraft import LLM, SamplingParams
+    from flashdraft import LLM, SamplingParams, settings
     from flashdraft.config import EngineConfig
 
-    monkeypatch.setattr(flashdraft.config, "CPU_TREE", True)
+    monkeypatch.setattr(settings, "CPU_TREE", True)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert EngineConfig().tree_size(cpu, 8) == 7 and EngineConfig().tree_size(cuda, 8) is None
     assert EngineConfig(num_speculative_tokens=3).tree_size(cpu, 8) is None
@@ -289,11 +290,14 @@ def test_graphed_tree_step_matches_the_eager_engine(tiny, temps):
 def use_oracle_graph_trees(monkeypatch, prompts, ref) -> None:
     """Make graphed tree steps verify oracle_trees (branch 1) built from the plain outputs `ref` of
     `prompts`: the real requests' trees, then a batch bucket's padding trees."""
-    from flashdraft.speculative.dflash import DFlashSpeculator
+    from types import SimpleNamespace
+
+    from flashdraft.speculative.drafts import DraftTokens
+    from flashdraft.speculative.trees import TreeVerifier
 
     futures = {tuple(p): o.token_ids for p, o in zip(prompts, ref)}
     current: list = []
-    real_flight, real_forward = DFlashSpeculator._tree_flight, DFlashSpeculator._forward_tree
+    real_flight, real_forward = TreeVerifier.flight, TreeVerifier.forward
 
     def tree_flight(self, plans, *args):  # every graphed tree step, launched ahead or not
         current[:] = [p.seq for p in plans]
@@ -303,15 +307,16 @@ def use_oracle_graph_trees(monkeypatch, prompts, ref) -> None:
         current[:] = [p.seq for p in plans if p.verify]
         return real_forward(self, plans)
 
-    def trees(self, hidden, num_seqs, draw=None):
-        t = oracle_trees(self, futures, 1)[0](current)
+    def trees(self, hidden, num_seqs, size, draw=None):
+        shape = SimpleNamespace(num_draft=size, max_accepted=min(size, self.block_size - 1))
+        t = oracle_trees(shape, futures, 1)[0](current)
         pad = num_seqs - t.tokens.shape[0]
         cat = lambda x, v: torch.cat([x, x.new_full((pad, x.shape[1]), v)])  # noqa: E731
         return type(t)(cat(t.tokens, 3), cat(t.parents, 0), cat(t.depths, 1), cat(t.valid, False), t.max_depth)
 
-    monkeypatch.setattr(DFlashSpeculator, "_tree_flight", tree_flight)
-    monkeypatch.setattr(DFlashSpeculator, "_forward_tree", forward_tree)
-    monkeypatch.setattr(DFlashSpeculator, "_trees", trees)
+    monkeypatch.setattr(TreeVerifier, "flight", tree_flight)
+    monkeypatch.setattr(TreeVerifier, "forward", forward_tree)
+    monkeypatch.setattr(DraftTokens, "trees", trees)
 
 
 def test_graphed_tree_step_with_oracle_trees(tiny, monkeypatch):
@@ -332,7 +337,7 @@ def test_graphed_tree_step_with_oracle_trees(tiny, monkeypatch):
     outs = graphed.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids[:24] for o in ref]
     assert replays["dflash-tree"] > 0, replays
-    depth = graphed.engine.spec.depth
+    depth = graphed.engine.spec.max_accepted
     for o in outs:
         h = o.metrics["acceptance_histogram"]
         assert h[depth] >= o.metrics["num_drafts"] - 1, h

@@ -1,4 +1,4 @@
-"""Overlapped DFlash steps (speculative/overlap.py): with async scheduling a graphed verify is left in
+"""Overlapped DFlash steps (speculative/ahead.py): with async scheduling a graphed verify is left in
 flight and the next one is launched on its outputs on the device before it is read. Everything
 observable must equal the step-by-step engine's: tokens, stops, finish reasons, aborts, requests
 joining mid-run, acceptance; and it must actually overlap. On a CPU the graph runner replays its
@@ -40,7 +40,7 @@ def oracle(llm, futures: dict[tuple, list[int]]):
     import torch
 
     sp = llm.engine.spec
-    real = sp._draft_tokens
+    real = sp.drafts.tokens
 
     def drafts(hidden, num_seqs, draw=None, blocks=None):
         real(hidden, num_seqs, draw, blocks)  # the graph's own work, then the oracle's tokens
@@ -52,7 +52,7 @@ def oracle(llm, futures: dict[tuple, list[int]]):
         rows += [[0] * (sp.block_size - 1)] * (num_seqs - len(rows))
         return torch.tensor(rows, dtype=torch.long)
 
-    sp._draft_tokens = drafts
+    sp.drafts.tokens = drafts
 
 
 @pytest.mark.parametrize("kind", ["engines", "tree_engines"])
@@ -111,7 +111,7 @@ def test_requests_ending_apart_leave_the_others_overlapped(request, kind, tiny_l
 
     sync, overlap = request.getfixturevalue(kind)
     sp = overlap.engine.spec
-    real, shrunk = sp._launch_next_verify, []
+    real, shrunk = sp.ahead._verify_after, []
 
     def launch(prev, plans):
         flight = real(prev, plans)
@@ -122,7 +122,7 @@ def test_requests_ending_apart_leave_the_others_overlapped(request, kind, tiny_l
     plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
     base = plain.generate([PROMPTS[1]], SamplingParams(max_tokens=40, ignore_eos=True))[0].token_ids
     stop = next(t for i, t in enumerate(base) if i >= 16 and t not in base[:i])  # ends it at 17-40 tokens
-    sp._launch_next_verify = launch
+    sp.ahead._verify_after = launch
     try:
         for t in (0.0, 1.0):
             params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n) for n in (9, 31, 15, 27)]
@@ -132,7 +132,7 @@ def test_requests_ending_apart_leave_the_others_overlapped(request, kind, tiny_l
             assert got == outputs(sync, PROMPTS, params)
             assert [g[0] for g in got] == [o.token_ids for o in plain.generate(PROMPTS, params)]
     finally:
-        del sp._launch_next_verify
+        del sp.ahead._verify_after
     for t in (0.0, 1.0):
         seen = {(a, b, same) for a, b, same, temp in shrunk if temp == t}
         assert (4, 3, True) in seen and (2, 1, False) in seen, shrunk
@@ -152,18 +152,18 @@ def test_requests_joining_behind_a_verify_in_flight(tiny_llama, drafter, tree):
 
     sync, overlap = pair(tiny_llama, drafter, max_num_seqs=2, speculative_tree_size=tree)
     sp = overlap.engine.spec
-    real, joined = sp._launch_joining, []
+    real, joined = sp.prefill, []
 
-    def launch():
-        flight = real()
-        joined.append(0 if flight is None else len(flight.seqs))
+    def launch(batch):
+        flight = real(batch)
+        joined.append(len(flight.seqs))
         return flight
 
     prompts = PROMPTS + [[9, 8, 7, 6, 5], list(range(3, 23))]
     plain = LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32")
     base = plain.generate([prompts[4]], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
     stop = next(t for i, t in enumerate(base) if i >= 6 and t not in base[:i])
-    sp._launch_joining = launch
+    sp.prefill = launch
     try:
         for t in (0.0, 0.8):
             params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=n)
@@ -178,7 +178,7 @@ def test_requests_joining_behind_a_verify_in_flight(tiny_llama, drafter, tree):
             assert got[2][0] == got[2][0][:1] and got[2][1] == "length"
             assert overlap.engine.stats["num_overlapped_steps"] - ahead > 10
     finally:
-        del sp._launch_joining
+        del sp.prefill
     assert sum(joined) >= 6, joined  # every waiting request joined behind a verify at least once
     assert overlap.engine.block_manager.num_used_blocks == 0
 
@@ -194,7 +194,7 @@ def test_full_acceptance_moves_blocks_by_b(tiny_llama, drafter):
     for llm in (sync, overlap):
         oracle(llm, futures)
         sp = llm.engine.spec
-        real_forward, real_launch = sp._forward, sp._launch_next_verify
+        real_forward, real_launch = sp.forward, sp.ahead._verify_after
 
         def forward(plans, sp=sp, real_forward=real_forward):
             sp._oracle_seqs = [p.seq for p in plans]
@@ -212,7 +212,7 @@ def test_full_acceptance_moves_blocks_by_b(tiny_llama, drafter):
                 for p in plans:
                     del p.seq.token_ids[-sp.block_size:]
 
-        sp._forward, sp._launch_next_verify = forward, launch
+        sp.forward, sp.ahead._verify_after = forward, launch
         got = llm.generate(PROMPTS, params)
         assert [o.token_ids for o in got] == [futures[tuple(p)][:24] for p in PROMPTS]
         seen.append([o.metrics["acceptance_histogram"] for o in got])
@@ -230,9 +230,9 @@ def test_abort_and_late_requests_while_a_verify_is_in_flight(engines):
     seqs = [eng.add_request(None, params, prompt_token_ids=p) for p in PROMPTS[:3]]
     for _ in range(3):
         eng.step()
-    from flashdraft.speculative.overlap import VerifyInFlight
+    from flashdraft.speculative.plan import VerifyFlight
 
-    assert isinstance(eng.spec._inflight, VerifyInFlight), "a verify was meant to be in flight"
+    assert isinstance(eng.pipeline.inflight, VerifyFlight), "a verify was meant to be in flight"
     victim = seqs[1]
     kept = list(victim.output_token_ids)
     eng.abort(victim)
@@ -274,18 +274,18 @@ def test_overlapped_oracle_trees_move_accepted_rows(tiny_llama, drafter, monkeyp
     launched on them, so the overlapped engine commits plain decoding's tokens, block by block."""
     from test_tree import use_oracle_graph_trees
 
-    from flashdraft.speculative.dflash import DFlashSpeculator
+    from flashdraft.speculative.ahead import VerifyAhead
 
     sync, overlap = pair(tiny_llama, drafter, speculative_tree_size=6)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref = sync.generate(PROMPTS, SamplingParams(max_tokens=60, ignore_eos=True))
     use_oracle_graph_trees(monkeypatch, PROMPTS, ref)
     futures = {tuple(p): o.token_ids for p, o in zip(PROMPTS, ref)}
-    real_launch = DFlashSpeculator._launch_next_verify
+    real_launch = VerifyAhead._verify_after
 
     def launch(self, prev, plans):
         # the oracle reads the committed length the next tree starts from: what prev will commit
-        B = self.block_size
+        B = self.graphs.block_size
         for p in plans:
             p.seq.token_ids.extend(futures[tuple(p.seq.token_ids[: p.seq.num_prompt_tokens])]
                                    [p.seq.num_output_tokens: p.seq.num_output_tokens + B])
@@ -295,14 +295,14 @@ def test_overlapped_oracle_trees_move_accepted_rows(tiny_llama, drafter, monkeyp
             for p in plans:
                 del p.seq.token_ids[-B:]
 
-    monkeypatch.setattr(DFlashSpeculator, "_launch_next_verify", launch)
+    monkeypatch.setattr(VerifyAhead, "_verify_after", launch)
     seen = []
     for llm in (sync, overlap):
         outs = llm.generate(PROMPTS, params)
         assert [o.token_ids for o in outs] == [o.token_ids[:24] for o in ref]
         seen.append([o.metrics["acceptance_histogram"] for o in outs])
     assert seen[0] == seen[1]
-    depth = overlap.engine.spec.depth
+    depth = overlap.engine.spec.max_accepted
     for h in seen[1]:
         assert sum(h) == h[depth] > 0, h  # every tree accepted to its full depth
     assert overlap.engine.stats["num_overlapped_steps"] >= 4

@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 from flashdraft.attention.base import AttentionBatch, DeviceMeta, LayerMasks  # noqa: E402
 from flashdraft.attention.torch_ref import StaticTorchAttention, TorchAttention  # noqa: E402
 from flashdraft.engine.graphs import StepGraph  # noqa: E402
-from flashdraft.engine.model_runner import kv_bytes_per_token  # noqa: E402
+from flashdraft.engine.memory import kv_bytes_per_token  # noqa: E402
 from flashdraft.engine.sampler import greedy_tokens  # noqa: E402
 from flashdraft.models.dflash_draft import DFlashDraftModel  # noqa: E402
 from flashdraft.models.launch import pdl_mode  # noqa: E402

@@ -6,88 +6,22 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
 from flashdraft.config import EngineConfig
 from flashdraft.engine.block_manager import BlockManager
-from flashdraft.engine.graphs import collect_before_capture, to_device
-from flashdraft.engine.logits import StepLogprobs, choose, prompt_logprobs
-from flashdraft.engine.model_runner import ModelRunner, plan_num_blocks, plan_state_slots, state_bytes_per_seq
+from flashdraft.engine.decode import PlainSteps
+from flashdraft.engine.graphs import collect_before_capture
+from flashdraft.engine.memory import plan_num_blocks, plan_state_slots, state_bytes_per_seq
+from flashdraft.engine.model_runner import ModelRunner
+from flashdraft.engine.pipeline import Pipeline, StepContext
 from flashdraft.engine.prompts import encode_chat, encode_text
-from flashdraft.engine.scheduler import Scheduler, kept_rows
+from flashdraft.engine.scheduler import Scheduler
 from flashdraft.engine.sequence import Output, Sequence
-from flashdraft.engine.startup import check_drafter, log_ready
+from flashdraft.engine.startup import check_drafter, log_ready, shipped_drafter
 from flashdraft.models.loader import load_config, load_model, resolve_model_dir
 from flashdraft.sampling_params import SamplingParams
+from flashdraft.speculative.loader import load_speculator
 
 log = logging.getLogger(__name__)
-
-
-class InFlight:
-    """A launched step's samples, one per sequence, not yet read by the host: on the device, and
-    being copied to pinned host memory behind the step (an event marks the copy's end)."""
-
-    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: StepLogprobs | None = None):
-        self.seqs, self.tokens, self.logprobs = seqs, tokens, logprobs
-        self.joining: InFlight | None = None  # requests admitted behind this step: their prefill's samples
-        self.done = None
-        if tokens.is_cuda:
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
-            self.done = torch.cuda.Event()
-            self.done.record()
-        else:  # a snapshot: a static buffer's next step must not change what this one read
-            self.host = tokens.clone()
-
-    def next_ids(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The device ids of the step after this one over `seqs` (a subsequence of this step's, then of
-        the requests admitted behind it): each sequence's sample."""
-        own, tokens = self.seqs, self.tokens
-        if self.joining is not None:
-            own, tokens = own + self.joining.seqs, torch.cat([tokens, self.joining.tokens])
-        if len(seqs) == len(own):
-            return tokens
-        index = {id(s): i for i, s in enumerate(own)}
-        return tokens[to_device([index[id(s)] for s in seqs], torch.long, tokens.device)]
-
-    def read(self) -> list[int]:
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host.tolist()
-
-
-def shipped_drafter(model: str | None) -> str | None:
-    """The drafter this project trained and ships for `model`: only the embedded default has one,
-    whether named by None or given as its GGUF file (any path or name of the same file)."""
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m-dflash"
-    if not (path / "config.json").exists():
-        return None
-    return str(path) if model is None or _is_default_model(Path(model).expanduser()) else None
-
-
-def _fingerprint(path) -> tuple[int, bytes]:
-    """Size and the first and last MiB: tells the embedded GGUF from others without reading it all."""
-    import hashlib
-
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(1 << 20)
-        f.seek(max(0, size - (1 << 20)))
-        return size, hashlib.sha256(head + f.read()).digest()
-
-
-def _is_default_model(path) -> bool:
-    from flashdraft.models.loader import default_model_path
-
-    if not path.is_file() or path.suffix != ".gguf":
-        return False
-    try:
-        default = default_model_path()
-    except FileNotFoundError:
-        return False
-    return path.stat().st_size == default.stat().st_size and _fingerprint(path) == _fingerprint(default)
 
 
 class LLMEngine:
@@ -147,20 +81,18 @@ class LLMEngine:
         collect_before_capture(self.device)
         self.runner.capture_graphs(("target", ()), 1, True, self.runner.attn, self.runner.target_step(()),
                                    config.max_num_seqs)
-        self.spec = None
-        if draft is not None:
-            from flashdraft.speculative.loader import load_speculator
-
-            self.spec = load_speculator(draft, self)
-        else:  # ragged steps (prefill chunks beside decodes) replay graphs too
+        self.ctx = StepContext(config, self.runner, self.scheduler, self.block_manager, self.max_model_len,
+                               self.eos_token_ids, self.append_tokens,
+                               # launch the next step before reading the last (engine/pipeline.py); default: on CUDA
+                               config.async_scheduling if config.async_scheduling is not None
+                               else self.device.type == "cuda")
+        self.stats = self.ctx.stats
+        self.spec = load_speculator(draft, self.ctx) if draft is not None else None
+        if self.spec is None:  # ragged steps (prefill chunks beside decodes) replay graphs too
             self.runner.capture_ragged_graphs(("target", ()), self.runner.target_step(()), config.max_num_seqs,
                                               config.max_num_batched_tokens)
+        self.pipeline = Pipeline(self.ctx, self.spec if self.spec is not None else PlainSteps(self.ctx))
         self._seed = config.seed
-        # plain decode steps overlap the host's work for the next one (step()); default: on CUDA
-        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
-            else self.device.type == "cuda"
-        self._inflight: InFlight | None = None
-        self.stats = {"num_steps": 0, "num_preemptions": 0, "num_generated_tokens": 0, "num_overlapped_steps": 0}
         log_ready(self, draft)
 
     @staticmethod
@@ -241,8 +173,10 @@ class LLMEngine:
             seq.finish_time = time.perf_counter()
             seq.text = self.detokenize(seq)
             self.scheduler.finish(seq)
-            if self.spec is not None:
-                self.spec.release(seq)
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.ctx.async_scheduling
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -253,148 +187,17 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one forward over a scheduled batch; return the sequences that advanced (_step). Under
-        tensor parallelism a step that fails because another rank exited says which."""
+        """Run one step (engine/pipeline.py); return the sequences that advanced. Under tensor
+        parallelism a step that fails because another rank exited says which."""
         if self.ranks is None:
-            return self._step()
+            return self.pipeline.step()
         try:
-            return self._step()
+            return self.pipeline.step()
         except RuntimeError as e:  # (torch.distributed's errors are RuntimeErrors)
             named = self.ranks.named(e)
             if named is e:
                 raise
             raise named from e
-
-    def _step(self) -> list[Sequence]:
-        """Run one forward over a scheduled batch; return the sequences that advanced.
-
-        With async scheduling (plain decoding), a step whose every row samples a token is left in
-        flight: the next call launches the step after it first, its input ids the in-flight step's
-        samples on the device (nothing waits for them), and only then reads those samples and
-        commits them. The GPU thus always has the next step queued while the host schedules,
-        fills buffers, checks stops and streams. A request that finishes at step N had a row in
-        step N+1 too: that row's token is dropped (it was never committed), so stops stay exact."""
-        if self.spec is not None:
-            return self.spec.step()
-        prev, self._inflight = self._inflight, None
-        advanced: list[Sequence] = []
-        if prev is not None:
-            nxt = self._next_decode(prev, join=True)
-            if nxt is not None:  # launched before prev is read: the GPU never waits on the host
-                self._inflight = self._launch(nxt, [[0]] * len(nxt), prev.next_ids(nxt))
-                self.stats["num_overlapped_steps"] += 1
-                self._inflight.joining = self._launch_joining()  # waiting requests' prefill behind it
-            advanced = self._complete_joining(prev) + self._complete(prev)
-            if self._inflight is not None:
-                return advanced
-        batch = self.scheduler.schedule()
-        self.stats["num_preemptions"] += len(batch.preempted)
-        if not batch.seqs:
-            return advanced
-        tokens = [s.token_ids[s.num_computed_tokens: s.num_computed_tokens + n]
-                  for s, n in zip(batch.seqs, batch.num_new_tokens)]
-        launched = self._launch(batch.seqs, tokens)
-        if launched is None:
-            return advanced
-        if self.async_scheduling and len(launched.seqs) == len(batch.seqs):
-            self._inflight = launched
-            return advanced
-        return advanced + self._complete(launched)
-
-    @torch.inference_mode()
-    def _launch(self, seqs: list[Sequence], tokens: list[list[int]], ids: torch.Tensor | None = None
-                ) -> InFlight | None:
-        """Queue the target over `tokens` (each sequence's rows from num_computed_tokens on; `ids`:
-        their values already on the device) and the sampling of every sequence whose rows reach its
-        end; None when none does. Nothing here waits for the GPU. In inference mode, as the target's
-        forward is: the head and the greedy choice take the fused kernels (with autograd on, the
-        head ran through cuBLAS and the choice through torch's argmax, 25 us more a step at the
-        Qwen3.5-4B shape on an H200)."""
-        hidden, _, qsl = self.runner.forward(seqs, tokens, self.block_manager, input_ids=ids)
-        for i, (s, t) in enumerate(zip(seqs, tokens)):
-            if s.prompt_logprobs is not None:
-                prompt_logprobs(self.runner.model, hidden[qsl[i]: qsl[i + 1]], s, s.num_computed_tokens)
-            s.num_computed_tokens += len(t)
-        self.stats["num_steps"] += 1
-        ready = [i for i, s in enumerate(seqs) if s.num_computed_tokens >= s.num_tokens]
-        if not ready:
-            return None
-        rows = [qsl[i + 1] - 1 for i in ready]
-        if rows != list(range(len(rows))):  # a decode batch samples rows 0..n-1: no gather
-            hidden = hidden[to_device(rows, torch.long, self.device)]
-        seqs = [seqs[i] for i in ready]
-        # the position of the token drawn: one past the rows computed (the in-flight token included)
-        positions = [s.num_computed_tokens for s in seqs]
-        sb = self.runner.sampling_batch(seqs, positions)
-        return InFlight(seqs, *choose(self.runner.model, hidden[: len(rows)], seqs, positions, sb, self.eos_token_ids))
-
-    def _complete(self, step: InFlight) -> list[Sequence]:
-        """Wait for a launched step's samples and commit them (a request finished or aborted since
-        the launch takes none)."""
-        advanced, toks = [], step.read()
-        lps = step.logprobs.read(toks, step.seqs) if step.logprobs is not None else [None] * len(toks)
-        for seq, tok, lp in zip(step.seqs, toks, lps):
-            if not seq.is_finished:
-                self.append_tokens(seq, [tok], [lp])
-                advanced.append(seq)
-        return advanced
-
-    def _complete_joining(self, prev) -> list[Sequence]:
-        """Commit the first tokens of the requests admitted behind the in-flight step `prev`, if any."""
-        return self._complete(prev.joining) if prev.joining is not None else []
-
-    def _next_decode(self, prev: InFlight, join: bool = False) -> list[Sequence] | None:
-        """The sequences of the decode step after `prev`, when it can be scheduled before prev's
-        samples are read: the running sequences are prev's, in order, less any that finished or were
-        aborted since, then those admitted behind it (none still prefilling), no waiting request could
-        be admitted (join: none whose whole prompt could not be prefilled behind the next step), and
-        each has a page for its next token. A request that its last sample surely ends (max_tokens,
-        the context window) gets no row; None when this is not such a step or no request is left."""
-        sched, running = self.scheduler, self.scheduler.running
-        if not self.follows(prev) or any(s.params.needs_logits for s in running):
-            return None  # (processors and log-probabilities read the last step's tokens: it is read first)
-        if sched.waiting and len(running) < sched.max_num_seqs and not (join and self._may_join(sched.waiting[0])):
-            return None
-        seqs = [s for s in running if not (
-            (s.params.max_tokens is not None and s.num_output_tokens + 1 >= s.params.max_tokens)
-            or s.num_tokens + 1 >= self.max_model_len)]
-        if not seqs or len(seqs) > sched.max_num_batched_tokens:
-            return None
-        for s in seqs:
-            if not self.block_manager.can_fit(s.seq_id, s.num_computed_tokens + 1):
-                return None  # the scheduler decides whom to preempt, once prev is read
-            self.block_manager.allocate(s.seq_id, s.num_computed_tokens + 1)
-        return seqs
-
-    def follows(self, prev) -> bool:
-        """Whether the running requests are those of the in-flight step `prev` (an InFlight, or the
-        speculator's VerifyInFlight) in order, less any that finished or were aborted since its launch,
-        then those admitted behind it."""
-        running, joining = self.scheduler.running, prev.joining.seqs if prev.joining is not None else []
-        if joining and [id(s) for s in running[len(running) - len(joining):]] != [id(s) for s in joining]:
-            return False  # (a request admitted behind prev was aborted)
-        return kept_rows(prev.seqs, running[: len(running) - len(joining)]) is not None
-
-    def _may_join(self, seq: Sequence) -> bool:
-        """Whether a waiting request's whole prompt can be prefilled in one step of its own, launched
-        behind a step in flight (with a drafter: by the speculator's rule, overlap.py)."""
-        if self.spec is not None:
-            return self.spec._may_join(seq)
-        return not seq.params.needs_logits and \
-            seq.num_tokens - seq.num_computed_tokens <= self.scheduler.max_num_batched_tokens
-
-    def _launch_joining(self) -> InFlight | None:
-        """Admit the waiting requests whose whole prompt fits now and queue their prefill as a step of
-        its own, behind the step just launched (each request's first token sampled on the device);
-        None when none is admitted."""
-        sched = self.scheduler
-        if not sched.waiting or not self._may_join(sched.waiting[0]):
-            return None
-        batch = sched.admit(reserve=1)
-        if not batch.seqs:
-            return None
-        return self._launch(batch.seqs, [s.token_ids[s.num_computed_tokens: s.num_computed_tokens + n]
-                                         for s, n in zip(batch.seqs, batch.num_new_tokens)])
 
     def append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list | None = None) -> int:
         """Commit tokens one by one, stopping exactly where plain decoding would. Returns how many
@@ -438,8 +241,6 @@ class LLMEngine:
         seq.finish_time = time.perf_counter()
         seq.text = text if text is not None else self.detokenize(seq)
         self.scheduler.finish(seq)
-        if self.spec is not None:
-            self.spec.release(seq)
 
     def spec_totals(self) -> dict:
         """Engine-wide speculative counters (vLLM's meanings); all zero without a drafter."""

@@ -127,7 +127,10 @@ class StepGraph:
             max_query_len=q_len, max_seq_len=max_seq_len or max_blocks * block_size, block_size=block_size,
             causal=causal, recurrent=self._ints[self._rec_at:].view(S, 3) if recurrent else None)
         self.extra = dict(extra or {})
-        self.aux: dict[str, Any] = {}  # anything else a step function keeps with its buffers
+        # what a kind of step keeps with these buffers (its own typed record: speculative/graphs.py), and a
+        # hybrid target's record of the rows each GDN layer keeps for the commit (engine/model_runner.py)
+        self.buffers: Any = None
+        self.pending: dict | None = None
         self.attn = list(attn)
         self.graph: Graph | None = None
         self.outputs: Any = None
@@ -187,11 +190,11 @@ class StepGraph:
             self._rows.copy_(torch.tensor(rows, dtype=torch.long, pin_memory=self._pin).view(3, -1), non_blocking=True)
             input_ids = positions = slot_mapping = None
         if input_ids is not None:
-            self._copy(self.input_ids, input_ids)
+            self.copy_into(self.input_ids, input_ids)
         if positions is not None:
-            self._copy(self.positions, positions)
+            self.copy_into(self.positions, positions)
         if slot_mapping is not None:
-            self._copy(m.slot_mapping, slot_mapping, pad=-1)
+            self.copy_into(m.slot_mapping, slot_mapping, pad=-1)
         if block_tables is not None:
             if not isinstance(block_tables, torch.Tensor):
                 width = max([len(t) for t in block_tables] + [1])
@@ -217,7 +220,7 @@ class StepGraph:
                                           non_blocking=True)
             seq_lens = query_start_loc = None
         if seq_lens is not None:
-            n = self._copy(m.seq_lens, seq_lens, pad=0)
+            n = self.copy_into(m.seq_lens, seq_lens, pad=0)
             if query_start_loc is None:
                 query_start_loc = [min(i, n) * self.q_len for i in range(self.num_seqs + 1)]
         if query_start_loc is not None:
@@ -229,9 +232,9 @@ class StepGraph:
                 qsl = torch.cat([qsl, qsl[-1:].expand(self.num_seqs + 1 - qsl.numel())])
             m.query_start_loc.copy_(qsl, non_blocking=True)
         if recurrent is not None:
-            self._copy(m.recurrent, recurrent)
+            self.copy_into(m.recurrent, recurrent)
         for name, value in extra.items():
-            self._copy(self.extra[name], value)
+            self.copy_into(self.extra[name], value)
 
     def replay(self) -> Any:
         """Replay the captured step (or run it eagerly off CUDA); returns the step's outputs."""
@@ -247,7 +250,9 @@ class StepGraph:
         self.fill(*args, **kwargs)
         return self.replay()
 
-    def _copy(self, buf: torch.Tensor, value: Tensorish, pad: int | None = None) -> int:
+    def copy_into(self, buf: torch.Tensor, value: Tensorish, pad: int | None = None) -> int:
+        """Copy host values or a tensor into the first rows of a static buffer (non_blocking), the rest
+        set to `pad` when given; returns how many rows were given."""
         if not isinstance(value, torch.Tensor):
             value = torch.tensor(value, dtype=buf.dtype, pin_memory=self._pin)
         n = value.shape[0]

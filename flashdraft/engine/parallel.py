@@ -324,7 +324,8 @@ def worker(rank: int, size: int, init: str, config: dict, device_name: str, cont
     """Rank `rank`'s process: load and split the target, then run rank 0's calls until told to stop."""
     from flashdraft.attention.base import LayerMasks
     from flashdraft.attention.torch_ref import StaticTorchAttention
-    from flashdraft.engine.model_runner import make_backend, make_caches
+    from flashdraft.engine.memory import make_caches
+    from flashdraft.engine.model_runner import make_backend
     from flashdraft.models.loader import load_model
 
     config = EngineConfig(**config)

@@ -9,6 +9,8 @@ import time
 from dataclasses import dataclass, field
 
 from flashdraft.sampling_params import SamplingParams
+from flashdraft.speculative.gate import AcceptanceGate
+from flashdraft.speculative.metrics import SpecStats
 
 
 class SeqStatus(enum.Enum):
@@ -76,6 +78,9 @@ class Sequence:
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list[TokenLogprob | None] | None = \
             [None] if params.prompt_logprobs is not None else None
+        # speculative decoding: this request's counters, and its own gate (a per-request threshold configured)
+        self.spec_stats: SpecStats | None = None
+        self.spec_gate: AcceptanceGate | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -2,31 +2,57 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any
 
 from flashdraft.config import EngineConfig
-
-if TYPE_CHECKING:
-    from flashdraft.engine.engine import LLMEngine
+from flashdraft.hub import local_path
+from flashdraft.models.hybrid import text_config
+from flashdraft.models.loader import default_model_path, load_config, resolve_model_dir
+from flashdraft.speculative.loader import checked_spec
 
 log = logging.getLogger("flashdraft")
+
+
+def shipped_drafter(model: str | None) -> str | None:
+    """The drafter this project trained and ships for `model`: only the embedded default has one,
+    whether named by None or given as its GGUF file (any path or name of the same file)."""
+    path = Path(__file__).resolve().parent.parent / "drafters" / "smollm2-135m-dflash"
+    if not (path / "config.json").exists():
+        return None
+    return str(path) if model is None or _is_default_model(Path(model).expanduser()) else None
+
+
+def _fingerprint(path) -> tuple[int, bytes]:
+    """Size and the first and last MiB: tells the embedded GGUF from others without reading it all."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(1 << 20)
+        f.seek(max(0, size - (1 << 20)))
+        return size, hashlib.sha256(head + f.read()).digest()
+
+
+def _is_default_model(path) -> bool:
+    if not path.is_file() or path.suffix != ".gguf":
+        return False
+    try:
+        default = default_model_path()
+    except FileNotFoundError:
+        return False
+    return path.stat().st_size == default.stat().st_size and _fingerprint(path) == _fingerprint(default)
 
 
 def check_drafter(draft: str, config: EngineConfig) -> None:
     """The drafter's folder and config.json, checked against the target's config.json before any weights
     load, so that a bad `draft` fails in seconds rather than after a large target has loaded
     (speculative/loader.py checked_spec, which load_drafter runs again beside the weights)."""
-    from flashdraft.hub import local_path
-    from flashdraft.models.hybrid import text_config
-    from flashdraft.models.loader import load_config, resolve_model_dir
-    from flashdraft.speculative.loader import checked_spec
-
     folder = local_path(draft, config.draft_revision, "drafter", weights=False)
     checked_spec(folder, text_config(load_config(resolve_model_dir(config.model, config.revision, weights=False))))
 
 
-def log_ready(engine: LLMEngine, draft: str | None) -> None:
+def log_ready(engine: Any, draft: str | None) -> None:
     """One INFO line of what was loaded and how much fits, as a server log's first word on the engine."""
     config, runner = engine.config, engine.runner
     if config.gpu_memory_utilization is not None and engine.device.type != "cuda":

@@ -34,13 +34,14 @@ ratio that has been, and drafts until one has.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from flashdraft.speculative.dflash import DFlashSpeculator
+from flashdraft.engine.model_runner import ModelRunner
+
+log = logging.getLogger("flashdraft")
 
 
 @dataclass(frozen=True)
@@ -130,29 +131,40 @@ class Observed:
         table[bucket] = ms if old is None else old + self.weight * (min(ms, self.spike * old) - old)
 
 
-def measure(spec: DFlashSpeculator, replays: int = 5) -> StepCosts | None:
-    """Each captured bucket's DFlash step and decode step (graph, head, greedy choice), the median
-    of `replays` timed replays after one untimed; None without captured graphs (CPU, eager runs).
-    A token tree's step graph holds its head and acceptance: it is timed alone. The replays rerun
-    what capture ran: placeholder rows, no request's pages."""
-    runner = spec.engine.runner
-    if spec.engine.device.type != "cuda":
+def at_start(runner: ModelRunner, spec_keys: list[tuple], plain_key: tuple, counts: tuple[int, ...],
+             block_size: int, tree: bool, max_num_seqs: int) -> StepCosts:
+    """The step gate's costs at start: measured over the captured graphs (logged), else unmeasured
+    buckets up to max_num_seqs that serving fills in."""
+    costs = measure(runner, spec_keys, plain_key, counts, block_size, tree)
+    if costs is None:
+        return StepCosts.unmeasured(max_num_seqs)
+    log.info("speculation pays from tau %s at %s running requests (step costs measured at start)",
+             "/".join(f"{costs.break_even(b):.2f}" for b in costs.batches), "/".join(map(str, costs.batches)))
+    for k in costs.fewer:
+        log.info("verifying %d of %d drafts: from tau %s", k, counts[0],
+                 "/".join(f"{costs.break_even(b, k=k):.2f}" for b in costs.batches))
+    return costs
+
+
+def measure(runner: ModelRunner, spec_keys: list[tuple], plain_key: tuple, counts: tuple[int, ...], block_size: int,
+            tree: bool, replays: int = 5) -> StepCosts | None:
+    """Each captured bucket's DFlash step (spec_keys: one graph kind a draft count of `counts`) and decode
+    step (graph, head, greedy choice), the median of `replays` timed replays after one untimed; None
+    without captured graphs (CPU, eager runs). A token tree's step graph holds its head and acceptance:
+    it is timed alone. The replays rerun what capture ran: placeholder rows, no request's pages."""
+    if runner.device.type != "cuda":
         return None
-    tree = spec.tree_size is not None
-    counts = (spec.num_draft,) if tree else spec.draft_counts
-    keys = [("dflash-tree", spec.tap_layers)] if tree else [spec.verify_key("dflash", k) for k in counts]
-    key_plain = ("decode", spec.tap_layers)
-    buckets = sorted(b for (k, b, q), g in runner.graphs.items() if k == keys[0] and g.captured)
+    buckets = sorted(b for (k, b, q), g in runner.graphs.items() if k == spec_keys[0] and g.captured)
     model = runner.model
     found = []
-    gen = torch.Generator(spec.engine.device).manual_seed(0)
+    gen = torch.Generator(runner.device).manual_seed(0)
     with torch.inference_mode():
         for b in buckets:
-            gp = runner.graphs.get((key_plain, b, 1))
-            gs = [runner.graphs.get((key, b, spec.block_size)) for key in keys]
+            gp = runner.graphs.get((plain_key, b, 1))
+            gs = [runner.graphs.get((key, b, block_size)) for key in spec_keys]
             if gp is None or not gp.captured or any(g is None or not g.captured for g in gs):
                 continue
-            for g, q in [(gp, 1)] + [(g, spec.block_size) for g in gs]:
+            for g, q in [(gp, 1)] + [(g, block_size) for g in gs]:
                 _spread(g, q, model.config.vocab_size, gen)
             found.append((b, _time(lambda g=gp, r=b: _head(model, g.replay()[:r]), replays),
                           *(_time(g.replay if tree else lambda g=g, r=b * (k + 1): _head(model, g.replay()[:r]),

@@ -58,7 +58,7 @@ class AcceptanceGate:
 
 def gate_record(seq, committed: int, step: int, min_tau: float) -> None:
     """A request's verify committed `committed` tokens: update its gate (made on its first verify)."""
-    if not hasattr(seq, "spec_gate"):
+    if seq.spec_gate is None:
         seq.spec_gate = AcceptanceGate()
     seq.spec_gate.record(committed, step, min_tau)
 

@@ -5,18 +5,16 @@ loaded, and the speculator that runs it built."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from flashdraft import settings
+from flashdraft.engine.pipeline import StepContext
 from flashdraft.hub import local_path
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.loader import dummy_weights, load_weights
 from flashdraft.speculative.dflash import DFlashSpeculator
 from flashdraft.speculative.formats import DraftSpec, read_draft_spec
-
-if TYPE_CHECKING:
-    from flashdraft.engine.engine import LLMEngine
 
 
 def checked_spec(folder: Path, target_config) -> DraftSpec:
@@ -79,7 +77,8 @@ def load_drafter(folder: str | Path, target_config, device: torch.device, dtype:
     return model.eval().requires_grad_(False)
 
 
-def load_speculator(draft: str | Path, engine: LLMEngine) -> DFlashSpeculator:
-    model = load_drafter(draft, engine.model_config, engine.device, engine.dtype, engine.config.load_format,
-                         engine.config.draft_revision)
-    return DFlashSpeculator(model, engine)
+def load_speculator(draft: str | Path, ctx: StepContext) -> DFlashSpeculator:
+    runner, config = ctx.runner, ctx.config
+    model = load_drafter(draft, runner.model.config, runner.device, runner.dtype, config.load_format,
+                         config.draft_revision)
+    return DFlashSpeculator(model, ctx, getattr(settings, "DRAW_SAMPLED", True))

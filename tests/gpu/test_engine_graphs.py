@@ -121,20 +121,20 @@ def test_overlapped_verify_matches_the_step_by_step_engine(tiny_llama, tmp_path,
 def test_overlapped_verifies_with_requests_joining(tiny_llama, tmp_path, monkeypatch, temps):
     """Two requests at most: the other two join while a verify is in flight, their prompts prefilled
     through a ragged graph behind the next verify and their blocks written into the graph of the step
-    after (overlap.py _launch_joining, _keep_rows): the same tokens, finish reasons and acceptance as
+    after (engine/pipeline.py's join, StepGraphs.keep_rows): the same tokens, finish reasons and acceptance as
     the step-by-step engine, and plain decoding's tokens."""
     from fixtures import build_random_drafter
 
-    from flashdraft.speculative.overlap import VerifyOverlap
+    from flashdraft.speculative.dflash import DFlashSpeculator
 
-    real, joined = VerifyOverlap._launch_joining, []
+    real, joined = DFlashSpeculator.prefill, []
 
-    def launch(self):
-        flight = real(self)
-        joined.append(0 if flight is None else len(flight.seqs))
+    def launch(self, batch):
+        flight = real(self, batch)
+        joined.append(len(flight.seqs))
         return flight
 
-    monkeypatch.setattr(VerifyOverlap, "_launch_joining", launch)
+    monkeypatch.setattr(DFlashSpeculator, "prefill", launch)
     draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4))
     outs, overlapped, plain = overlap_on_and_off(tiny_llama, draft, temps, attention_backend="triton", max_num_seqs=2)
     assert outs[0] == outs[1]
@@ -250,7 +250,7 @@ def test_eager_steps_padded_to_few_row_counts_give_the_same_tokens(tiny_llama, t
     """Eager steps of more than PAD_ROWS rows run padded to a multiple of it (a GEMM's kernel is
     picked and loaded per row count): tokens, drafts and acceptance as unpadded, and the padding
     rows store nothing (the DFlash engine's poison check reads every cache slot it must not)."""
-    from fixtures import build_random_drafter
+    from fixtures import build_random_drafter, poison_rejected
 
     from flashdraft import LLM, SamplingParams
     from flashdraft.engine.model_runner import PAD_ROWS, ModelRunner
@@ -274,9 +274,9 @@ def test_eager_steps_padded_to_few_row_counts_give_the_same_tokens(tiny_llama, t
                   kv_block_size=8, max_num_batched_tokens=96, cuda_graphs=False, enable_prefix_caching=False)
         assert llm.engine.runner.pad_rows == PAD_ROWS
         llm.engine.runner.pad_rows = pad
-        llm.engine.spec.poison_rejected = True
         rows.clear()
-        got[pad] = ([o.token_ids for o in llm.generate(prompts, params)], llm.engine.spec_totals())
+        with poison_rejected(llm):
+            got[pad] = ([o.token_ids for o in llm.generate(prompts, params)], llm.engine.spec_totals())
         padded = [(t, n) for t, n in rows if t != n]
         if pad:
             assert padded and all(t % PAD_ROWS == 0 and n < t < n + PAD_ROWS for t, n in padded)
@@ -422,10 +422,9 @@ def test_steps_of_fewer_drafts_through_their_own_graphs(tiny_llama, tmp_path, mo
 
     from fixtures import build_random_drafter
 
-    import flashdraft.config
-    from flashdraft import LLM, SamplingParams
+    from flashdraft import LLM, SamplingParams, settings
 
-    monkeypatch.setattr(flashdraft.config, "STEP_GATE", True)
+    monkeypatch.setattr(settings, "STEP_GATE", True)
     draft = str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=8))
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71)), [100, 3, 9, 200, 150, 11, 12]]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -434,11 +433,11 @@ def test_steps_of_fewer_drafts_through_their_own_graphs(tiny_llama, tmp_path, mo
     for a in (False, True):
         llm = LLM(str(tiny_llama), draft=draft, device=DEVICE, dtype="float32", attention_backend="triton",
                   kv_block_size=8, async_scheduling=a)
-        sp = llm.engine.spec
-        assert sp.draft_counts == (7, 3) and sp.profile is not None
+        sp = llm.engine.spec.policy
+        assert sp.choices == (7, 3) and sp.profile is not None
         assert all(ms > 0 for ms in sp.costs.fewer[3]) and len(sp.costs.fewer[3]) == len(sp.costs.batches)
         graphs = llm.engine.runner.graphs.items()
-        assert any(key == ("dflash", sp.tap_layers, 3) and g.captured for (key, _, _), g in graphs)
+        assert any(key == ("dflash", llm.engine.spec.tap_layers, 3) and g.captured for (key, _, _), g in graphs)
         sp.step_gate = None  # every step verifies, at the counts below
         sp._verify_count = lambda sp=sp: 7 if sp.steps // 4 % 2 else 3  # runs of 4 steps a count
         assert [o.token_ids for o in llm.generate(prompts, params)] == want

@@ -387,19 +387,20 @@ def test_engine_tokens_match_torch_path(tiny_qwen3, tmp_path, monkeypatch, with_
     # is computed and dropped, and its drafts would be recorded too
     kw = dict(draft=draft, device=str(DEVICE), dtype="float32", max_num_batched_tokens=24, kv_block_size=8,
               async_scheduling=False)
-    from flashdraft.speculative.dflash import DFlashSpeculator
+    import flashdraft.speculative.dflash as dflash
+    from flashdraft.speculative.graphs import StepGraphs
 
     drafts = []  # every verify's drafts: tokens are lossless whatever the drafter does, the drafts show it agrees
-    real_accept = DFlashSpeculator._accept
+    real_accept = dflash.accept_plans
 
-    def recorded(self, plans, ids, toks):
+    def recorded(plans, ids, toks):
         drafts.append([ids[p.row + 1: p.row + p.n].tolist() for p in plans if p.verify])
-        return real_accept(self, plans, ids, toks)
+        return real_accept(plans, ids, toks)
 
-    monkeypatch.setattr(DFlashSpeculator, "_accept", recorded)
-    # greedy graphed steps would take tokens and acceptance from their post graph, past _accept: here
+    monkeypatch.setattr(dflash, "accept_plans", recorded)
+    # greedy graphed steps would take tokens and acceptance from their post graph, past accept_plans: here
     # they take the eager route that every other step takes, so that every verify's drafts are seen
-    monkeypatch.setattr(DFlashSpeculator, "_greedy_post", lambda self, plans, g: False)
+    monkeypatch.setattr(StepGraphs, "greedy_post", staticmethod(lambda plans, g: False))
     with fused_mode("off"):
         ref = LLM(str(tiny_qwen3), attention_backend="torch", **kw)
         want = [o.token_ids for o in ref.generate(prompts, params)]
@@ -543,7 +544,7 @@ def test_graphed_chain_steps_advance_blocks_in_the_kernel(tiny_llama, tmp_path, 
     from fixtures import build_random_drafter
     from test_graphs import _graphed_llm
 
-    import flashdraft.speculative.graphed as graphed_mod
+    import flashdraft.speculative.graphs as graphs_mod
     from flashdraft import LLM, SamplingParams
 
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
@@ -554,7 +555,7 @@ def test_graphed_chain_steps_advance_blocks_in_the_kernel(tiny_llama, tmp_path, 
     counted, real = [], fused_tokens.advance_blocks
     monkeypatch.setattr(fused_tokens, "advance_blocks",
                         lambda *a, **k: counted.append(k.get("drafts") is not None) or real(*a, **k))
-    monkeypatch.setattr(graphed_mod, "fused_enabled", lambda x: True)  # the models stay on the torch path
+    monkeypatch.setattr(graphs_mod, "fused_enabled", lambda x: True)  # the models stay on the torch path
     graphed, replays = _graphed_llm(str(tiny_llama), kw)
     assert [o.token_ids for o in graphed.generate(prompts, params)] == ref
     assert replays["dflash"] > 0 and any(counted), (replays, counted)

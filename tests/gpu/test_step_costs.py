@@ -26,25 +26,24 @@ def totals_of_plain_tokens(llm, tiny_llama) -> dict:
 def test_measured_costs_gate_a_random_drafter(tiny_llama, tmp_path, monkeypatch):
     from fixtures import build_random_drafter
 
-    import flashdraft.config
-    from flashdraft import LLM
+    from flashdraft import LLM, settings
 
-    monkeypatch.setattr(flashdraft.config, "STEP_GATE", True)  # the default, off in tests
+    monkeypatch.setattr(settings, "STEP_GATE", True)  # the default, off in tests
     draft = build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)
     llm = LLM(str(tiny_llama), draft=str(draft), device="cuda", dtype="float32", max_num_seqs=8)
-    costs = llm.engine.spec.costs
+    costs = llm.engine.spec.policy.costs
     assert costs is not None and costs.batches == (1, 2, 4, 8)
     assert all(p > 0 for p in costs.plain_ms) and all(s > 0 for s in costs.spec_ms)
     # a DFlash step drafts, verifies 4 rows a request and writes their context: dearer than a decode
     assert all(s > p for p, s in zip(costs.plain_ms, costs.spec_ms))
-    assert llm.engine.spec.min_tau_rule is None and llm.engine.spec.step_gate is not None  # whole steps
+    assert llm.engine.spec.policy.min_tau_rule is None and llm.engine.spec.policy.step_gate is not None  # whole steps
     tot = totals_of_plain_tokens(llm, tiny_llama)
     assert tot["gated_steps"] > 0 and tot["num_drafts"] >= 4  # the warm-up verify steps, then none
     assert llm.engine.stats["num_overlapped_steps"] > 0  # paused steps launched ahead (async scheduling)
 
-    monkeypatch.setattr(flashdraft.config, "STEP_GATE", False)
+    monkeypatch.setattr(settings, "STEP_GATE", False)
     off = LLM(str(tiny_llama), draft=str(draft), device="cuda", dtype="float32", max_num_seqs=8)
-    assert off.engine.spec.costs is None and off.engine.spec.step_gate is None
+    assert off.engine.spec.policy.costs is None and off.engine.spec.policy.step_gate is None
 
 
 def test_measured_costs_gate_a_random_drafters_trees(tiny_llama, tmp_path, monkeypatch):
@@ -53,15 +52,14 @@ def test_measured_costs_gate_a_random_drafters_trees(tiny_llama, tmp_path, monke
     whose trees miss stops drafting, with plain decoding's tokens."""
     from fixtures import build_random_drafter
 
-    import flashdraft.config
-    from flashdraft import LLM
+    from flashdraft import LLM, settings
 
-    monkeypatch.setattr(flashdraft.config, "STEP_GATE", True)
+    monkeypatch.setattr(settings, "STEP_GATE", True)
     draft = build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)
     llm = LLM(str(tiny_llama), draft=str(draft), device="cuda", dtype="float32", max_num_seqs=8,
               speculative_tree_size=6)
-    sp = llm.engine.spec
-    assert sp.tree_size == 6 and sp.costs is not None and sp.costs.measured
+    sp = llm.engine.spec.policy
+    assert llm.engine.spec.tree_size == 6 and sp.costs is not None and sp.costs.measured
     assert sp.costs.batches == (1, 2, 4, 8) and not sp.costs.fewer
     # a tree step drafts, verifies 7 rows a request, accepts and moves their K/V: dearer than a decode
     assert all(s > p > 0 for p, s in zip(sp.costs.plain_ms, sp.costs.spec_ms))

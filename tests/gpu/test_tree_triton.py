@@ -169,8 +169,9 @@ def test_graphed_tree_steps_through_the_kernels(tiny_llama, tmp_path, monkeypatc
     from test_graphs import _graphed_llm
     from test_tree import use_oracle_graph_trees
 
-    import flashdraft.speculative.graphed as graphed_mod
-    import flashdraft.speculative.tree_step as tree_step
+    import flashdraft.speculative.drafts as drafts_mod
+    import flashdraft.speculative.graphs as graphs_mod
+    import flashdraft.speculative.trees as trees_mod
     from flashdraft import LLM, SamplingParams
 
     prompts = [[5, 17, 33, 80], [7] * 12, list(range(40, 71))]
@@ -188,8 +189,9 @@ def test_graphed_tree_steps_through_the_kernels(tiny_llama, tmp_path, monkeypatc
     real_move = tree_triton.move_slots
     monkeypatch.setattr(tree_triton, "move_slots", lambda k, v, src, dst: moved.append(int((src >= 0).sum()))
                         or real_move(k, v, src, dst))
-    monkeypatch.setattr(graphed_mod, "fused_enabled", lambda x: True)  # the models stay on the torch path
-    monkeypatch.setattr(tree_step, "use_kernels", lambda x: True)
+    monkeypatch.setattr(graphs_mod, "fused_enabled", lambda x: True)  # the models stay on the torch path
+    for module in (trees_mod, drafts_mod):
+        monkeypatch.setattr(module, "use_kernels", lambda x: True)
     outs = graphed.generate(prompts, params)
     assert [o.token_ids for o in outs] == want
     assert graphed.engine.spec_totals() == eager.engine.spec_totals()
@@ -198,7 +200,7 @@ def test_graphed_tree_steps_through_the_kernels(tiny_llama, tmp_path, monkeypatc
         assert graphed.engine.stats["num_overlapped_steps"] > 0
     if oracle:
         assert sum(moved) > 0  # the right path sat behind a wrong sibling: its rows moved
-        depth = graphed.engine.spec.depth
+        depth = graphed.engine.spec.max_accepted
         for o in outs:
             h = o.metrics["acceptance_histogram"]
             assert h[depth] >= o.metrics["num_drafts"] - 1, h

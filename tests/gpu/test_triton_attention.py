@@ -313,7 +313,7 @@ def test_engine_token_trees_match_plain_decoding(tiny_llama, tmp_path, size):
     counts may differ: with ragged graphs captured (Triton on CUDA), a step holding prefill chunks
     decodes its running requests without drafts (speculative/dflash.py _step), where the eager torch
     backend's step verifies their trees beside the chunks."""
-    from fixtures import build_random_drafter
+    from fixtures import build_random_drafter, poison_rejected
 
     from flashdraft import LLM, SamplingParams
 
@@ -326,8 +326,8 @@ def test_engine_token_trees_match_plain_decoding(tiny_llama, tmp_path, size):
     counts = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(tiny_llama), draft=draft, attention_backend=backend, speculative_tree_size=size, **kw)
-        llm.engine.spec.poison_rejected = True
-        assert [o.token_ids for o in llm.generate(prompts, params)] == ref, backend
+        with poison_rejected(llm):
+            assert [o.token_ids for o in llm.generate(prompts, params)] == ref, backend
         tot = llm.engine.spec_totals()
         counts[backend] = (tot["num_drafts"], tot["num_accepted_tokens"])
     assert counts["triton"][0] > 0 and counts["torch"][0] > 0, counts
