@@ -13,12 +13,66 @@ tok/s of such a pass include first-use costs).
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
-from sampled_drafts import arm_parser, arm_row, arm_setup, run  # benchmarks/ is on the path when this script runs
-
 from flashdraft import LLM, SamplingParams
+from flashdraft.bench.datasets import load_prompts
+from flashdraft.bench.stats import spec_delta
+
+
+def arm_parser() -> argparse.ArgumentParser:
+    """The options every side-by-side script here takes (prompts, arms' reps, engine)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dataset", default="mt-bench")
+    ap.add_argument("--num-prompts", type=int, default=12)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", default="1,all")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1000, help="request i uses seed + i")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="default: float32 on cpu, bfloat16 on cuda")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft", default="auto")
+    ap.add_argument("--json", default=None)
+    return ap
+
+
+def arm_setup(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], dict, list]:
+    """Concurrency levels, the engines' keyword arguments and the conversations."""
+    levels = [c.strip() for c in args.concurrency.split(",")]
+    if any(c not in ("1", "all") for c in levels):
+        ap.error(f"--concurrency takes 1 and/or all, got {args.concurrency!r}")
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    kw = {"model": args.model, "device": args.device, "dtype": dtype}
+    return levels, kw, [p.messages for p in load_prompts(args.dataset, args.num_prompts)]
+
+
+def run(llm: LLM, convs: list, params: list, one_at_a_time: bool) -> tuple[list, float, dict]:
+    """Token ids of every request, the wall seconds, and the drafting counters of the run
+    (flashdraft.bench.stats.spec_delta: tau, per-position rates, gated steps)."""
+    before = llm.engine.spec_totals()
+    t0 = time.perf_counter()
+    if one_at_a_time:
+        outs = [llm.chat([c], [p])[0] for c, p in zip(convs, params)]
+    else:
+        outs = llm.chat(convs, params)
+    dt = time.perf_counter() - t0
+    return [o.token_ids for o in outs], dt, spec_delta(before, llm.engine.spec_totals())
+
+
+def arm_row(arm: str, toks: list, dt: float, delta: dict, ref: list, **keys) -> dict:
+    """One arm's row: tokens, tok/s, outputs equal to the reference's, and with drafts tau."""
+    n = sum(len(t) for t in toks)
+    row = {**keys, "arm": arm, "tokens": n, "seconds": dt, "tok_s": n / dt,
+           "same_as_plain": sum(a == b for a, b in zip(toks, ref))}
+    if delta["num_drafts"]:
+        row.update(tau=delta["acceptance_length"], num_drafts=delta["num_drafts"], gated_steps=delta["gated_steps"],
+                   accept_rate_per_position=[round(x, 4) for x in delta["acceptance_rate_per_position"]])
+    return row
+
+
 
 
 def main() -> None:

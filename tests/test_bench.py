@@ -305,30 +305,6 @@ def test_e2e_step_benchmark_runs_on_cpu(tmp_path):
         assert result["speedup"][arm]["2"] == pytest.approx(want, abs=1e-3)
 
 
-def test_pair_steps_accounts_for_every_token_on_cpu():
-    """benchmarks/device/pair_steps.py on the embedded pair, 4 prompts, 2 at once: its step classes hold every
-    token each arm committed and every step it ran, its speedup is the arms' tok/s ratio, and in float32 the
-    DFlash outputs are plain decoding's."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "device" / "pair_steps.py"
-    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--dataset", "humaneval", "--num-prompts",
-                           "4", "--max-tokens", "12", "--ignore-eos", "--concurrency", "2"],
-                          check=True, capture_output=True, text=True, timeout=600)
-    (row,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert row["c"] == 2
-    for arm in ("plain", "dflash"):
-        classes = row[arm]["classes"]
-        assert sum(k["tokens"] for k in classes.values()) == 4 * 12
-        assert classes["join"]["calls"] >= 1 and all(k["forwards"] >= 1 for k in classes.values())
-    assert sum(k["forwards"] for k in row["dflash"]["classes"].values()) < \
-        sum(k["forwards"] for k in row["plain"]["classes"].values())  # drafts were accepted: fewer steps
-    assert row["speedup"] == pytest.approx(row["dflash"]["tok_s"] / row["plain"]["tok_s"])
-    assert row["same"]["matched"] == row["same"]["total"] == 4
-
-
 def test_e2e_step_counts_the_experts_a_moe_step_reads(tmp_path):
     """On a tiny Qwen3-MoE shape (2 layers, 2 of 8 experts a token): one sequence's decode step reads
     its 2 experts in each layer; four sampled sequences read between 2 and 8 a layer."""
@@ -393,27 +369,3 @@ def test_best_bandwidth_keeps_the_fastest_copy(monkeypatch):
 
     monkeypatch.setattr(e2e, "copy_bandwidth", full)
     assert e2e.best_bandwidth(cpu, 3.9e12) == 3.9e12
-
-
-def test_knob_ab_runs_each_setting_in_its_own_process(tmp_path, capsys):
-    """benchmarks/device/knob_ab.py: each setting's knobs reach its process's environment, the kept
-    lines come back under the setting's name, every run's output is written; bad settings are named."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "device" / "knob_ab.py"
-    spec = importlib.util.spec_from_file_location("knob_ab", path)
-    knob_ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(knob_ab)
-    show = "import os; print('== rows', os.environ.get('FLASHDRAFT_SKINNY_ROWS', 'unset')); print('other')"
-    rc = knob_ab.main(["--rounds", "2", "--out", str(tmp_path), "", "FLASHDRAFT_SKINNY_ROWS=64",
-                       "--", sys.executable, "-c", show])
-    printed = capsys.readouterr().out.splitlines()
-    assert rc == 0
-    round_lines = lambda r: [f"## round {r}, defaults (rc 0)", "== rows unset",  # noqa: E731
-                             f"## round {r}, FLASHDRAFT_SKINNY_ROWS=64 (rc 0)", "== rows 64"]
-    assert printed == round_lines(0) + round_lines(1)
-    assert "other" in (tmp_path / "round1-setting1.txt").read_text()
-    with pytest.raises(ValueError, match="FLASHDRAFT_NAME=VALUE"):
-        knob_ab.parse_setting("SKINNY_ROWS=64")

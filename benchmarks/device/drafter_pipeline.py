@@ -69,7 +69,6 @@ def evaluate(args, drafter: Path, summary: dict, out: Path) -> dict:
     llm = LLM(args.gguf, draft=str(drafter), device="cuda", dtype="bfloat16", max_num_seqs=256,
               kv_cache_memory_gb=12, max_model_len=4096, speculative_tree_size=args.tree_size)
     eng = llm.engine
-    eng.spec.draw_sampled = not args.argmax_drafts
     res = {}
     for temp in args.eval_temps:
         for name in ("humaneval", "mt_bench", "sharegpt_heldout"):
@@ -173,9 +172,6 @@ def main() -> None:
     ap.add_argument("--keep-every", type=int, default=None,
                     help="train: also keep the drafter of every N-th step (in --work/drafter/steps/<step>)")
     ap.add_argument("--eval-temps", type=_temps, default="0,1", help="eval: comma-separated temperatures")
-    ap.add_argument("--argmax-drafts", action="store_true",
-                    help="eval: sampled requests draft the argmax (as before drafts were drawn with the "
-                         "target's noise)")
     ap.add_argument("--tree-size", type=int, default=None,
                     help="eval: verify token trees of this many drafts (flashdraft --speculative-tree-size)")
     ap.add_argument("--no-eval", action="store_true")
