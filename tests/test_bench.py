@@ -265,16 +265,20 @@ def test_unreachable_server_is_a_clear_error(capsys):
     assert "cannot list models" in capsys.readouterr().err
 
 
-def load_e2e_step():
-    """benchmarks/e2e_step.py as a module (benchmarks/ is no package)."""
+def load_benchmark(name: str):
+    """benchmarks/NAME.py as a module (benchmarks/ is no package)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_step.py"
-    spec = importlib.util.spec_from_file_location("e2e_step_under_test", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_e2e_step():
+    return load_benchmark("e2e_step")
 
 
 def test_e2e_step_benchmark_runs_on_cpu(tmp_path):
@@ -342,7 +346,7 @@ def test_critical_path_counts_what_each_kernel_adds():
 
     from torch.autograd import DeviceType
 
-    critical_path = load_e2e_step().critical_path
+    critical_path = load_benchmark("timing").critical_path
 
     def ev(start, end, key, dev=DeviceType.CUDA):
         return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), key=key, device_type=dev)
@@ -369,3 +373,20 @@ def test_best_bandwidth_keeps_the_fastest_copy(monkeypatch):
 
     monkeypatch.setattr(e2e, "copy_bandwidth", full)
     assert e2e.best_bandwidth(cpu, 3.9e12) == 3.9e12
+
+
+def test_benchmark_report_is_one_table_and_one_json_line(tmp_path, capsys):
+    """benchmarks/timing.py's report, the end of every benchmark script: a title, a Markdown table of the
+    rows (every key as a column unless named, numbers right-aligned, missing cells '-'), then the record
+    with the run's commit, device and date as exactly one JSON line; the same record written to `out`."""
+    timing = load_benchmark("timing")
+    rows = [{"arm": "plain", "tok_s": 1234.5, "tau": None}, {"arm": "dflash", "tok_s": 2469.0, "tau": 3.25}]
+    out = tmp_path / "r.json"
+    record = timing.report("two arms", rows, {"bench": "t", "rows": rows}, out, device="cpu")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:5] == ["two arms", "| arm | tok_s | tau |", "| --- | ---: | ---: |", "| plain | 1,234 | - |",
+                         "| dflash | 2,469 | 3.25 |"]
+    assert len(lines) == 6 and json.loads(lines[5]) == json.loads(out.read_text()) == record
+    assert {"commit", "device", "date", "torch"} <= record.keys() and record["rows"] == rows
+    assert timing.middle_median([9.0, 1.0, 2.0, 3.0, 4.0, 9.0, 9.0, 0.0]) == 3.5  # the middle half: 2, 3, 4, 9
+    assert timing.percentile([3.0, 1.0, 2.0], 50) == 2.0 and timing.percentile([], 99) != timing.percentile([], 99)
