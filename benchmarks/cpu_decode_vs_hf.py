@@ -7,16 +7,19 @@ side in one process on the same chat prompts. Prints a table and one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from flashdraft import LLM, SamplingParams
-from flashdraft.models.loader import default_model_path
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from timing import median, report  # noqa: E402
+
+from flashdraft import LLM, SamplingParams  # noqa: E402
+from flashdraft.models.loader import default_model_path  # noqa: E402
 
 PROMPTS = [
     "Write a short story about a dragon who learns to bake bread.",
@@ -74,24 +77,20 @@ def main() -> None:
     t_b = time.perf_counter()
     batched = llm.generate(prompts, params)
     t_b = time.perf_counter() - t_b
-    x = [torch.tensor(p) for p in prompts]
     res = {}
     for name, rs in rows.items():
-        e2e = [n / t for _, t, _ in rs]
-        dec = [(n - 1) / (t - ttft) for _, t, ttft in rs]
-        res[name] = {"e2e_tok_s": statistics.median(e2e), "decode_tok_s": statistics.median(dec)}
+        res[name] = {"decode_tok_s": median((n - 1) / (t - ttft) for _, t, ttft in rs),
+                     "e2e_tok_s": median(n / t for _, t, _ in rs)}
     res["flashdraft"]["batch8_tok_s"] = len(prompts) * n / t_b
-    del x, batched
+    del batched
     ratio = res["flashdraft"]["decode_tok_s"] / res["hf"]["decode_tok_s"]
-    print(f"SmolLM2-135M fp32 greedy, {len(prompts)} chat prompts x {n} new tokens x {args.rounds} rounds, "
-          f"torch {torch.__version__}, {os.cpu_count()} cpus ({platform.processor() or platform.machine()})")
-    print(f"{'engine':<12}{'decode tok/s':>14}{'e2e tok/s':>12}")
-    for name in ("flashdraft", "hf"):
-        print(f"{name:<12}{res[name]['decode_tok_s']:>14.1f}{res[name]['e2e_tok_s']:>12.1f}")
-    print(f"flashdraft / hf decode speed: {ratio:.2f}x; identical outputs: {same}/{len(rows['hf'])}; "
-          f"flashdraft batch-8 throughput {res['flashdraft']['batch8_tok_s']:.1f} tok/s")
-    print(json.dumps({"bench": "cpu_decode_vs_hf", "new_tokens": n, "results": res, "ratio_decode": ratio,
-                      "identical": same, "runs": len(rows["hf"])}))
+    report(f"SmolLM2-135M fp32 greedy, {len(prompts)} chat prompts x {n} new tokens x {args.rounds} rounds, batch 1 "
+           f"(flashdraft / HF decode {ratio:.2f}x, identical outputs {same}/{len(rows['hf'])}, flashdraft at batch "
+           f"8: {res['flashdraft']['batch8_tok_s']:.1f} tok/s)",
+           [{"engine": name, **res[name]} for name in ("flashdraft", "hf")],
+           {"bench": "cpu_decode_vs_hf", "new_tokens": n, "results": res, "ratio_decode": ratio,
+            "identical": same, "runs": len(rows["hf"])}, columns=["engine", "decode_tok_s", "e2e_tok_s"],
+           device="cpu")
 
 
 if __name__ == "__main__":

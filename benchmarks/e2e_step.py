@@ -27,7 +27,7 @@ GPU's: the bytes rank 0 reads (its share of every layer and of the LM head) over
     python benchmarks/e2e_step.py --target qwen3-8b -tp 2 --out e2e-tp2.json  # two GPUs
     python benchmarks/e2e_step.py --target tiny-hybrid --device cpu            # smoke test, anywhere
 
-Writes one JSON document (stdout, and --out)."""
+Prints a table of every arm's steps and one JSON line (also written to --out)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from timing import copy_bandwidth, cuda_ms, kernel_table, log, middle_median, report  # noqa: E402
 
 from flashdraft import LLM, SamplingParams  # noqa: E402
 from flashdraft.engine.memory import kv_bytes_per_token, state_bytes_per_seq  # noqa: E402
@@ -119,24 +121,6 @@ def write_folders(root: Path, target: dict, draft_layers: int, block: int) -> tu
            "dflash_config": {"mask_token_id": 0, "target_layer_ids": default_target_layer_ids(n, draft_layers)}}
     (d / "config.json").write_text(json.dumps(cfg))
     return t, d
-
-
-def copy_bandwidth(device: torch.device) -> float | None:
-    """Bytes per second of a device-to-device copy, counting bytes read and written (best of 10)."""
-    if device.type != "cuda":
-        return None
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    best = float("inf")
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    del a, b
-    return 2 * (1 << 30) / best
 
 
 def best_bandwidth(device: torch.device, previous: float | None) -> float | None:
@@ -252,16 +236,7 @@ def in_graph_ms(llm: LLM, arm: str, batch: int, replays: int = 20) -> float | No
     """The step timed inside its CUDA graph, replayed over the inputs of the last step it ran (it
     rewrites the same K/V slots and states: run fill_graph first); None without graphs."""
     g = step_graph(llm, arm, batch)
-    if g is None:
-        return None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
+    return None if g is None else cuda_ms(g.replay, replays)
 
 
 def head_ms(llm: LLM, rows: int, replays: int = 20) -> float | None:
@@ -274,60 +249,13 @@ def head_ms(llm: LLM, rows: int, replays: int = 20) -> float | None:
     model = eng.runner.model
     hidden = torch.randn(rows, model.config.hidden_size, device=eng.device, dtype=eng.dtype)
     with torch.inference_mode():
-        greedy_tokens(model.compute_logits(hidden, float32=False))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            greedy_tokens(model.compute_logits(hidden, float32=False))
-        end.record()
-        torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
+        return cuda_ms(lambda: greedy_tokens(model.compute_logits(hidden, float32=False)), replays)
 
 
 def kernel_split(llm: LLM, arm: str, batch: int, top: int, replays: int = 10) -> list[dict] | None:
-    """The kernels of the in-graph step by GPU time (torch profiler over graph replays), the `top` first."""
+    """The `top` kernels of the in-graph step by what they add to its span (torch profiler over replays)."""
     g = step_graph(llm, arm, batch)
-    if g is None:
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    g.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(replays):
-            g.replay()
-        torch.cuda.synchronize()
-    added = critical_path(p.events())
-    rows = [{"us": round(e.device_time_total / replays, 1), "calls": e.count / replays, "kernel": e.key[:90],
-             "added_us": round(added.get(e.key, 0.0) / replays, 1)}
-            for e in p.key_averages() if e.device_time_total > 0]
-    rows.sort(key=lambda r: -r["us"])
-    return rows[:top]
-
-
-def kernel_spans(events) -> list[tuple[float, float, str]]:
-    """(start, end, name) of the profiler's GPU kernels, in start order."""
-    from torch.autograd import DeviceType
-
-    return sorted(((e.time_range.start, e.time_range.end, e.key) for e in events
-                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start), key=lambda k: k[0])
-
-
-def critical_path(events, gap_us: float = 10.0) -> dict[str, float]:
-    """Microseconds each kernel adds to the stream's span, summed by kernel name: its end minus the
-    previous kernel's end (kernels of a stream end in order; with PDL a kernel starts before its
-    predecessor ends, so its duration overstates what it adds). A kernel starting more than gap_us
-    after the previous one ended (the next replay) adds its own duration."""
-    out: dict[str, float] = {}
-    prev_end = None
-    for start, end, key in kernel_spans(events):
-        if prev_end is None or start - prev_end > gap_us:
-            add = end - start
-        else:
-            add = max(0.0, end - prev_end)
-        out[key] = out.get(key, 0.0) + add
-        prev_end = end if prev_end is None else max(prev_end, end)
-    return out
+    return None if g is None else kernel_table(g.replay, replays)[0][:top]
 
 
 def timed(llm: LLM, prompts: list[list[int]], tokens: int, temperature: float = 0.0
@@ -359,14 +287,6 @@ def timed(llm: LLM, prompts: list[list[int]], tokens: int, temperature: float = 
             eng.spec_totals()["num_drafts"] - blocks)
 
 
-def middle_median(gaps: list[float]) -> float | None:
-    """The median of a run's step paces over its middle half (past the prefill steps at its start and
-    before the requests end one by one at its end): robust to a one-off stall, unlike the two-run
-    difference."""
-    mid = sorted(gaps[len(gaps) // 4: 3 * len(gaps) // 4])
-    return mid[len(mid) // 2] if mid else None
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="qwen3.5-0.8b", choices=sorted(TARGETS))
@@ -396,13 +316,12 @@ def main() -> None:
     ap.add_argument("--settle-s", type=float, default=0.0, metavar="S",
                     help="seconds idle after an engine is built (its dummy weights written), before any timing: "
                          "a GPU's graph replays have run ~10%% slower for seconds after heavy work "
-                         "(docs/performance.md section 4)")
+                         "(docs/performance.md section 12)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
     conc = [int(c) for c in args.concurrency.split(",")]
-    result = {"target": args.target, "shape": TARGETS[args.target], "device": torch.cuda.get_device_name(device)
-              if device.type == "cuda" else "cpu", "torch": torch.__version__, "prompt_len": args.prompt_len,
+    result = {"target": args.target, "shape": TARGETS[args.target], "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "tensor_parallel_size": args.tensor_parallel_size,
               "disable_custom_all_reduce": args.disable_custom_all_reduce,
               "copy_bytes_per_s": copy_bandwidth(device), "arms": {}}
@@ -412,7 +331,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             for arm in arms:
                 out = Path(tmp) / f"{arm}.json"
-                subprocess.run([sys.executable, __file__, *sys.argv[1:], "--arms", arm, "--out", str(out)], check=True)
+                subprocess.run([sys.executable, __file__, *sys.argv[1:], "--arms", arm, "--out", str(out)], check=True,
+                               stdout=subprocess.DEVNULL)  # its progress on stderr; its report read back here
                 one = json.loads(out.read_text())
                 result["arms"][arm] = one["arms"][arm]
                 result.update({k: v for k, v in one.items() if k in ("state_bytes_per_seq", "graphs", "step_costs")})
@@ -477,12 +397,11 @@ def main() -> None:
                     if "roofline_ms" in row:
                         row["gpu_x_roofline"] = round((graph + head) / row["roofline_ms"], 3)
                 split = kernel_split(llm, arm, c, args.profile) if args.profile and graph is not None else None
-                print(json.dumps({"arm": arm, **row}), flush=True)
+                log(f"{arm} c={c}: " + ", ".join(f"{k} {v}" for k, v in row.items() if k != "concurrency"))
                 if split:
                     row["kernels"] = split
                     for k in split:
-                        print(f"  {k['us']:8.1f} us ({k['added_us']:8.1f} added) x{k['calls']:5.0f}  {k['kernel']}",
-                              flush=True)
+                        log(f"  {k['us']:8.1f} us ({k['added_us']:8.1f} added) x{k['calls']:5.0f}  {k['kernel']}")
                 rows.append(row)
             result["arms"][arm] = rows
             costs = getattr(llm.engine.spec, "costs", None)
@@ -505,15 +424,11 @@ def main() -> None:
             rate = lambda r: r["tokens_per_step"] / r["ms_per_step"]  # noqa: E731
             result.setdefault("speedup", {})[arm] = {r["concurrency"]: round(rate(d) / rate(r), 3)
                                                      for r, d in zip(result["arms"]["plain"], result["arms"][arm])}
-    emit(result, args.out)
-
-
-def emit(result: dict, out: str | None) -> None:
-    """The run's JSON document to stdout, and to `out` when given."""
-    text = json.dumps(result, indent=1)
-    print(text)
-    if out:
-        Path(out).write_text(text)
+    columns = ["arm", "concurrency", "ms_per_step", "ms_per_step_median", "gpu_ms", "roofline_ms", "x_roofline",
+               "tokens_per_step", "overlapped_steps", "verified_blocks"]
+    rows = [{"arm": arm, **r} for arm, rs in result["arms"].items() for r in rs]
+    report(f"{args.target}: ms per step (two-run difference; median pace), GPU step (graph + head), roofline",
+           rows, result, args.out, columns, device)
 
 
 if __name__ == "__main__":

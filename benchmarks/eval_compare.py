@@ -4,15 +4,22 @@ and, for each drafter against the first, a 95% interval of the difference from b
 the prompts (the same draw for both drafters: the prompts are paired).
 
     python benchmarks/eval_compare.py BASE/eval.json OTHER/eval.json [...] [--draws 2000] [--seed 0]
+
+Prints a table and one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import report  # noqa: E402
 
 DRAFTS, ACCEPTED = 2, 3  # columns of eval.json's per_prompt rows
 
@@ -55,13 +62,11 @@ def main() -> None:
     evals = [json.loads(Path(p).read_text())["eval"] for p in args.evals]
     res = compare(evals, args.draws, args.seed)
     names = [Path(p).parent.name or p for p in args.evals]
-    print("set".ljust(24) + "".join(n[:18].rjust(20) for n in names))
-    for key, r in res.items():
-        line = key.ljust(24) + f"{r['tau'][0]:20.3f}"
-        for tau, (lo, hi) in zip(r["tau"][1:], r["diff"]):
-            line += f"{tau:8.3f} [{lo:+.3f},{hi:+.3f}]"
-        print(line)
-    print(json.dumps(res))
+    rows = [{"set": key, names[0]: round(r["tau"][0], 3),
+             **{n: f"{tau:.3f} [{lo:+.3f}, {hi:+.3f}]" for n, tau, (lo, hi) in zip(names[1:], r["tau"][1:], r["diff"])}}
+            for key, r in res.items()]
+    report(f"pooled tau per set; each drafter after {names[0]}: its tau [95% interval of the difference]", rows,
+           {"bench": "eval_compare", "files": args.evals, "draws": args.draws, "compare": res}, device="cpu")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ the pooled tau by prompt length (chat-template tokens: under 128, 128-511, 512 o
     python benchmarks/per_prompt_tau.py [--dataset sharegpt] [--num-prompts 120] [--max-tokens 128]
         [--min-prompt-tokens 0] [--draft DIR] [--lowest 5] [--device cpu] [--json out.json]
 
---min-prompt-tokens N keeps, of the first --num-prompts prompts, those of N tokens or more.
+--min-prompt-tokens N keeps, of the first --num-prompts prompts, those of N tokens or more. Prints the
+lowest prompts as a table and one JSON line of the figures above; --json writes every prompt's.
 """
 
 from __future__ import annotations
@@ -14,10 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from flashdraft import LLM, SamplingParams
-from flashdraft.bench.datasets import load_prompts
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from timing import log, report  # noqa: E402
+
+from flashdraft import LLM, SamplingParams  # noqa: E402
+from flashdraft.bench.datasets import load_prompts  # noqa: E402
 
 
 def pooled(metrics: list[dict]) -> float:
@@ -61,22 +69,26 @@ def main() -> None:
         raise SystemExit(f"only {len(taus)} of {len(outs)} requests ran a verify step: no per-prompt tau to compare")
     drafts = sum(o.metrics["num_drafts"] for _, _, o in rows)
     q = statistics.quantiles(taus, n=4)
-    print(f"{len(taus)} prompts x {args.max_tokens} tokens in {wall:.0f}s: "
-          f"pooled tau {pooled([o.metrics for _, _, o in rows]):.2f} over {drafts} verify steps; "
-          f"per prompt: quartiles {q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f}, "
-          f"below 2: {sum(t < 2 for t in taus)}, 3.5 or more: {sum(t >= 3.5 for t in taus)}")
-    by_len = []
+    tau = pooled([o.metrics for _, _, o in rows])
+    log(f"{len(taus)} prompts x {args.max_tokens} tokens in {wall:.0f}s")
+    by_len = {}
     for name, lo, hi in (("under 128", 0, 128), ("128-511", 128, 512), ("512+", 512, float("inf"))):
         part = [o.metrics for _, _, o in rows if lo <= o.metrics["num_prompt_tokens"] < hi]
         if part:
-            by_len.append(f"{name}: {pooled(part):.2f} ({len(part)})")
-    print("pooled tau by prompt tokens: " + ", ".join(by_len))
+            by_len[name] = {"tau": pooled(part), "prompts": len(part)}
     plain = LLM(draft=None, **kw)
     low = rows[: args.lowest]
     ref = plain.chat([convs[i] for _, i, _ in low], [params] * len(low))
-    for (t, i, o), r in zip(low, ref):
-        print(f"tau {t:.2f} | same tokens as plain: {o.token_ids == r.token_ids} | "
-              f"{convs[i][0]['content'][:70]!r} -> {o.text[:70]!r}")
+    lowest = [{"tau": t, "same_as_plain": o.token_ids == r.token_ids, "prompt": repr(convs[i][0]["content"][:60]),
+               "output": repr(o.text[:60])} for (t, i, o), r in zip(low, ref)]
+    report(f"pooled tau {tau:.2f} over {drafts} verify steps of {len(taus)} prompts; per prompt: quartiles "
+           f"{q[0]:.2f} / {q[1]:.2f} / {q[2]:.2f}, below 2: {sum(t < 2 for t in taus)}, 3.5 or more: "
+           f"{sum(t >= 3.5 for t in taus)}; by prompt tokens: "
+           + ", ".join(f"{k} {v['tau']:.2f} ({v['prompts']})" for k, v in by_len.items())
+           + f"; the {len(low)} lowest:", lowest,
+           {"bench": "per_prompt_tau", "dataset": args.dataset, "prompts": len(taus), "max_tokens": args.max_tokens,
+            "pooled_tau": tau, "verify_steps": drafts, "quartiles": q, "by_prompt_tokens": by_len, "lowest": lowest},
+           device=args.device)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{"prompt": convs[i][0]["content"], "tau": t, "text": o.text, "metrics": o.metrics}

@@ -1,5 +1,6 @@
 """Tokens and acceptance counts of the embedded pair on the CPU (float32), per arm and request, as one
-JSON file; with two files, how they differ.
+JSON file; with two files, how they differ. Either way prints a table and one JSON line (the counts
+without the tokens).
 
     python benchmarks/same_tokens.py --out before.json
     python benchmarks/same_tokens.py --compare before.json after.json
@@ -10,6 +11,11 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import log, report  # noqa: E402
 
 ARMS = {  # name: (engine options, sampling)
     "plain": ({"draft": None}, 0.0),
@@ -21,12 +27,12 @@ ARMS = {  # name: (engine options, sampling)
 }
 
 
-def run(args) -> dict:
+def run(args) -> tuple[dict, list[dict]]:
     from flashdraft import LLM, SamplingParams
     from flashdraft.bench.datasets import load_prompts
 
     sets = {name: load_prompts(name, args.num_prompts) for name in ("humaneval", "mt-bench")}
-    out = {}
+    out, summary = {}, []
     for arm, (opts, temp) in ARMS.items():
         if args.arms and arm not in args.arms.split(","):
             continue
@@ -42,33 +48,34 @@ def run(args) -> dict:
             out[f"{arm}/{name}"] = rows
             d = sum(r["drafts"] for r in rows)
             a = sum(r["accepted"] for r in rows)
-            print(f"{arm:12s} {name:10s} {time.perf_counter() - t0:6.1f} s  verifies {d}  tau "
-                  f"{(a + d) / d if d else 0:.3f}", flush=True)
+            summary.append({"arm": arm, "set": name, "seconds": time.perf_counter() - t0, "verifies": d,
+                            "tau": (a + d) / d if d else None})
+            log(f"{arm:12s} {name:10s} {summary[-1]['seconds']:6.1f} s  verifies {d}")
         del llm
-    return out
+    return out, summary
 
 
-def compare(a: dict, b: dict) -> int:
-    bad = 0
+def compare(a: dict, b: dict) -> tuple[int, list[dict]]:
+    """How many (arm, set) keys differ between two runs, and a row per key: requests with the same tokens,
+    with the same acceptance counts, and (greedy arms of the first run) equal to its plain decoding."""
+    bad, rows = 0, []
+    plain = {k.split("/")[1]: v for k, v in a.items() if k.startswith("plain/")}
     for key in a:
         if key not in b:
-            print(f"{key}: missing in the second file")
+            rows.append({"arm/set": key, "tokens": "missing in the second file"})
             bad += 1
             continue
         same_tok = sum(x["tokens"] == y["tokens"] for x, y in zip(a[key], b[key]))
         same_acc = sum((x["drafts"], x["accepted"], x["histogram"]) == (y["drafts"], y["accepted"], y["histogram"])
                        for x, y in zip(a[key], b[key]))
         n = len(a[key])
-        print(f"{key:24s} tokens {same_tok}/{n}  acceptance {same_acc}/{n}")
-        bad += (same_tok < n) + (same_acc < n)
-    plain = {k.split("/")[1]: v for k, v in a.items() if k.startswith("plain/")}
-    for key, rows in a.items():
+        row = {"arm/set": key, "tokens": f"{same_tok}/{n}", "acceptance": f"{same_acc}/{n}"}
         name = key.split("/")[1]
-        if key.startswith("plain/") or "-t1" in key or name not in plain:
-            continue
-        match = sum(x["tokens"] == y["tokens"] for x, y in zip(rows, plain[name]))
-        print(f"{key:24s} equal to plain decoding: {match}/{len(rows)}")
-    return bad
+        if not key.startswith("plain/") and "-t1" not in key and name in plain:
+            row["equal to plain"] = f"{sum(x['tokens'] == y['tokens'] for x, y in zip(a[key], plain[name]))}/{n}"
+        rows.append(row)
+        bad += (same_tok < n) + (same_acc < n)
+    return bad, rows
 
 
 def main() -> None:
@@ -81,8 +88,15 @@ def main() -> None:
     args = p.parse_args()
     if args.compare:
         a, b = (json.load(open(f)) for f in args.compare)
-        sys.exit(1 if compare(a, b) else 0)
-    json.dump(run(args), open(args.out, "w"))
+        bad, rows = compare(a, b)
+        report(f"{args.compare[0]} against {args.compare[1]}: requests alike", rows,
+               {"bench": "same_tokens", "compare": args.compare, "differing": bad, "rows": rows}, device="cpu")
+        sys.exit(1 if bad else 0)
+    out, summary = run(args)
+    json.dump(out, open(args.out, "w"))
+    report(f"the embedded pair, float32 CPU, {args.num_prompts} prompts a set x {args.max_tokens} tokens "
+           f"(tokens in {args.out})", summary, {"bench": "same_tokens", "out": args.out, "rows": summary},
+           device="cpu")
 
 
 if __name__ == "__main__":

@@ -9,28 +9,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import socket
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
 
-from flashdraft.bench.datasets import load_prompts
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from timing import percentile as pct  # noqa: E402
+from timing import report  # noqa: E402
+
+from flashdraft.bench.datasets import load_prompts  # noqa: E402
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
 async def one(client, prompt, args, sem, res):
@@ -95,15 +96,12 @@ def main() -> None:
                "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 95, 99)},
                "itl_ms": {q: 1e3 * pct(itl, q) for q in (50, 95, 99)},
                "e2e_s": {q: pct(e2e, q) for q in (50, 95, 99)}, "mean_e2e_s": statistics.mean(e2e) if e2e else None}
-    print(f"{sent} requests at concurrency {args.concurrency}, max_tokens {args.max_tokens}: "
-          f"{summary['completed']} completed, {summary['errored']} errored, {summary['lost']} lost, "
-          f"{wall:.1f}s wall")
-    for k in ("ttft_ms", "itl_ms", "e2e_s"):
-        print(f"  {k:8} p50 {summary[k][50]:9.1f}  p95 {summary[k][95]:9.1f}  p99 {summary[k][99]:9.1f}")
-    print(json.dumps({"bench": "server_load_check", **summary}))
     errors = [r.get("error") for r in res if not r["ok"]]
-    if errors:
-        print("first error:", errors[0])
+    report(f"{sent} requests at concurrency {args.concurrency}, max_tokens {args.max_tokens}: "
+           f"{summary['completed']} completed, {summary['errored']} errored, {summary['lost']} lost, {wall:.1f}s wall",
+           [{"latency": k, "p50": summary[k][50], "p95": summary[k][95], "p99": summary[k][99]}
+            for k in ("ttft_ms", "itl_ms", "e2e_s")],
+           {"bench": "server_load_check", **summary, "first_error": errors[0] if errors else None}, device="cpu")
     sys.exit(0 if summary["completed"] == sent else 1)
 
 

@@ -265,16 +265,20 @@ def test_unreachable_server_is_a_clear_error(capsys):
     assert "cannot list models" in capsys.readouterr().err
 
 
-def load_e2e_step():
-    """benchmarks/e2e_step.py as a module (benchmarks/ is no package)."""
+def load_benchmark(name: str):
+    """benchmarks/NAME.py as a module (benchmarks/ is no package)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_step.py"
-    spec = importlib.util.spec_from_file_location("e2e_step_under_test", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_e2e_step():
+    return load_benchmark("e2e_step")
 
 
 def test_e2e_step_benchmark_runs_on_cpu(tmp_path):
@@ -303,30 +307,6 @@ def test_e2e_step_benchmark_runs_on_cpu(tmp_path):
         (r,), (d,) = result["arms"]["plain"], result["arms"][arm]
         want = d["tokens_per_step"] / d["ms_per_step"] / (r["tokens_per_step"] / r["ms_per_step"])
         assert result["speedup"][arm]["2"] == pytest.approx(want, abs=1e-3)
-
-
-def test_pair_steps_accounts_for_every_token_on_cpu():
-    """benchmarks/device/pair_steps.py on the embedded pair, 4 prompts, 2 at once: its step classes hold every
-    token each arm committed and every step it ran, its speedup is the arms' tok/s ratio, and in float32 the
-    DFlash outputs are plain decoding's."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "device" / "pair_steps.py"
-    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--dataset", "humaneval", "--num-prompts",
-                           "4", "--max-tokens", "12", "--ignore-eos", "--concurrency", "2"],
-                          check=True, capture_output=True, text=True, timeout=600)
-    (row,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert row["c"] == 2
-    for arm in ("plain", "dflash"):
-        classes = row[arm]["classes"]
-        assert sum(k["tokens"] for k in classes.values()) == 4 * 12
-        assert classes["join"]["calls"] >= 1 and all(k["forwards"] >= 1 for k in classes.values())
-    assert sum(k["forwards"] for k in row["dflash"]["classes"].values()) < \
-        sum(k["forwards"] for k in row["plain"]["classes"].values())  # drafts were accepted: fewer steps
-    assert row["speedup"] == pytest.approx(row["dflash"]["tok_s"] / row["plain"]["tok_s"])
-    assert row["same"]["matched"] == row["same"]["total"] == 4
 
 
 def test_e2e_step_counts_the_experts_a_moe_step_reads(tmp_path):
@@ -366,7 +346,7 @@ def test_critical_path_counts_what_each_kernel_adds():
 
     from torch.autograd import DeviceType
 
-    critical_path = load_e2e_step().critical_path
+    critical_path = load_benchmark("timing").critical_path
 
     def ev(start, end, key, dev=DeviceType.CUDA):
         return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), key=key, device_type=dev)
@@ -395,25 +375,18 @@ def test_best_bandwidth_keeps_the_fastest_copy(monkeypatch):
     assert e2e.best_bandwidth(cpu, 3.9e12) == 3.9e12
 
 
-def test_knob_ab_runs_each_setting_in_its_own_process(tmp_path, capsys):
-    """benchmarks/device/knob_ab.py: each setting's knobs reach its process's environment, the kept
-    lines come back under the setting's name, every run's output is written; bad settings are named."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "device" / "knob_ab.py"
-    spec = importlib.util.spec_from_file_location("knob_ab", path)
-    knob_ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(knob_ab)
-    show = "import os; print('== rows', os.environ.get('FLASHDRAFT_SKINNY_ROWS', 'unset')); print('other')"
-    rc = knob_ab.main(["--rounds", "2", "--out", str(tmp_path), "", "FLASHDRAFT_SKINNY_ROWS=64",
-                       "--", sys.executable, "-c", show])
-    printed = capsys.readouterr().out.splitlines()
-    assert rc == 0
-    round_lines = lambda r: [f"## round {r}, defaults (rc 0)", "== rows unset",  # noqa: E731
-                             f"## round {r}, FLASHDRAFT_SKINNY_ROWS=64 (rc 0)", "== rows 64"]
-    assert printed == round_lines(0) + round_lines(1)
-    assert "other" in (tmp_path / "round1-setting1.txt").read_text()
-    with pytest.raises(ValueError, match="FLASHDRAFT_NAME=VALUE"):
-        knob_ab.parse_setting("SKINNY_ROWS=64")
+def test_benchmark_report_is_one_table_and_one_json_line(tmp_path, capsys):
+    """benchmarks/timing.py's report, the end of every benchmark script: a title, a Markdown table of the
+    rows (every key as a column unless named, numbers right-aligned, missing cells '-'), then the record
+    with the run's commit, device and date as exactly one JSON line; the same record written to `out`."""
+    timing = load_benchmark("timing")
+    rows = [{"arm": "plain", "tok_s": 1234.5, "tau": None}, {"arm": "dflash", "tok_s": 2469.0, "tau": 3.25}]
+    out = tmp_path / "r.json"
+    record = timing.report("two arms", rows, {"bench": "t", "rows": rows}, out, device="cpu")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:5] == ["two arms", "| arm | tok_s | tau |", "| --- | ---: | ---: |", "| plain | 1,234 | - |",
+                         "| dflash | 2,469 | 3.25 |"]
+    assert len(lines) == 6 and json.loads(lines[5]) == json.loads(out.read_text()) == record
+    assert {"commit", "device", "date", "torch"} <= record.keys() and record["rows"] == rows
+    assert timing.middle_median([9.0, 1.0, 2.0, 3.0, 4.0, 9.0, 9.0, 0.0]) == 3.5  # the middle half: 2, 3, 4, 9
+    assert timing.percentile([3.0, 1.0, 2.0], 50) == 2.0 and timing.percentile([], 99) != timing.percentile([], 99)

@@ -38,7 +38,7 @@ def test_eval_per_prompt_rows_and_distinct_tau(tmp_path, monkeypatch):
     for name, texts in files.items():
         (prompts / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
     drafter = ROOT / "flashdraft/drafters/smollm2-135m-dflash"
-    args = dict(gguf=None, data_dir=str(prompts), argmax_drafts=False, tree_size=None)
+    args = dict(gguf=None, data_dir=str(prompts), tree_size=None)
     res = dp.evaluate(SimpleNamespace(eval_temps=[0.0, 1.0], **args), drafter, {}, tmp_path)
 
     def pooled(rows):  # rows: PER_PROMPT columns

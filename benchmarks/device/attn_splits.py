@@ -4,43 +4,33 @@ count against the one the kernel's heuristic picks, timed inside CUDA graphs as 
     python benchmarks/device/attn_splits.py OUT_DIR [--shapes smollm2,qwen3-8b]
 
 A graph holds `calls` launches of one configuration, each over its own layer's caches (a step's
-layers read distinct K/V: nothing stays in L2 between them), replayed after a warm replay, timed
+layers read distinct K/V: nothing stays in L2 between them), replayed in rounds after warm replays, timed
 with CUDA events. The step's meta is sized as a serving graph's: max_seq_len is the graph bucket's
 bound (8,192), not the batch's keys, so each program cuts its own keys into at most the count's
 partitions of 64 keys or more (flashdraft/attention/triton_paged.py). Reported beside each time: the
-K/V bytes read over the copy bandwidth measured in the same run. Writes OUT_DIR/attn_splits.json and
-prints a table: per configuration, the heuristic's count and time, and the best count and time.
+K/V bytes read over the copy bandwidth measured in the same run. Prints a table (per configuration, the
+heuristic's count and time, and the best count and time) and one JSON line, also written to
+OUT_DIR/attn_splits.json.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from timing import Clock, copy_bandwidth, graph_ms, log, report  # noqa: E402
 
 from flashdraft.attention import triton_paged as tp  # noqa: E402
 from flashdraft.attention.base import AttentionBatch, DeviceMeta  # noqa: E402
 
 SHAPES = {"smollm2": (9, 3, 64), "qwen3-8b": (32, 8, 128)}  # query heads, kv heads, head_dim
 PAGE, BOUND = 16, 8192
-
-
-def copy_gbps(dev) -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    b.copy_(a)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(5):
-        b.copy_(a)
-    e.record()
-    torch.cuda.synchronize()
-    return 2 * 5 * a.numel() / (s.elapsed_time(e) * 1e-3) / 1e9
 
 
 def setup(shape, S: int, q_len: int, L: int, layers: int, dev, causal: bool = True):
@@ -57,26 +47,15 @@ def setup(shape, S: int, q_len: int, L: int, layers: int, dev, causal: bool = Tr
     return q, caches, meta, H, n_kv, D
 
 
-def time_graph(q, caches, meta, splits: int | None, replays: int = 10) -> float:
+def time_graph(q, caches, meta, splits: int | None, clock: Clock) -> float:
+    """Microseconds a layer: one CUDA graph of every layer's call, timed by `clock` (timing.graph_ms)."""
     out = torch.empty_like(q)
 
     def calls():
         for k, v in caches:
             tp.paged_attention(q, k, v, meta, 0.125, out=out, num_splits=splits, zero_padding=True)
 
-    calls()  # compile, workspaces, arrival counts
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        calls()
-    g.replay()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(replays):
-        g.replay()
-    e.record()
-    torch.cuda.synchronize()
-    return 1e3 * s.elapsed_time(e) / (replays * len(caches))
+    return 1e3 * graph_ms(calls, clock, inner=1)["ms"] / len(caches)
 
 
 def main() -> None:
@@ -91,8 +70,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16)
     a = ap.parse_args()
     dev = torch.device("cuda")
-    bw = copy_gbps(dev)
-    print(f"copy {bw:.0f} GB/s, {torch.cuda.get_device_name()}", flush=True)
+    clock = Clock(dev, round_s=0.05)
+    bw = copy_bandwidth(dev) / 1e9
+    log(f"copy {bw:.0f} GB/s, {torch.cuda.get_device_name()}")
     rows = []
     default_merge = tp.MERGE_SPLITS
     for shape in a.shapes.split(","):
@@ -112,19 +92,21 @@ def main() -> None:
                             lo, hi = sorted((merge, default_merge))
                             if merge != default_merge and not lo < c <= hi:
                                 continue  # merged where the default count merges it: the same launch
-                            times[f"{c}/m{merge}"] = time_graph(q, caches, meta, c)
+                            times[f"{c}/m{merge}"] = time_graph(q, caches, meta, c, clock)
                     tp.MERGE_SPLITS = default_merge
-                    now = times.get(f"{picked}/m{default_merge}") or time_graph(q, caches, meta, picked)
+                    now = times.get(f"{picked}/m{default_merge}") or time_graph(q, caches, meta, picked, clock)
                     best = min(times, key=times.get)
                     floor = kv_bytes / (bw * 1e3)  # us
                     rows.append(dict(shape=shape, S=S, q_len=q_len, keys=L, programs=programs, picked=picked,
                                      picked_us=now, best=best, best_us=times[best], kv_floor_us=floor, times=times))
-                    print(f"{shape:8s} S={S:3d} q={q_len:2d} L={L:5d} programs={programs:4d} "
-                          f"heuristic {picked:2d}: {now:7.2f} us  best {best:>6s}: {times[best]:7.2f} us  "
-                          f"({now / times[best]:.2f}x)  K/V floor {floor:6.2f} us", flush=True)
+                    log(f"{shape:8s} S={S:3d} q={q_len:2d} L={L:5d} programs={programs:4d} "
+                        f"heuristic {picked:2d}: {now:7.2f} us  best {best:>6s}: {times[best]:7.2f} us  "
+                        f"({now / times[best]:.2f}x)  K/V floor {floor:6.2f} us")
                     del q, caches
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "attn_splits.json").write_text(json.dumps(dict(copy_gbps=bw, rows=rows), indent=1))
+    report(f"paged attention, us a layer by split count (copy {bw:,.0f} GB/s)", rows,
+           {"bench": "attn_splits", "copy_gbps": bw, "rows": rows}, Path(a.out) / "attn_splits.json",
+           ["shape", "S", "q_len", "keys", "programs", "picked", "picked_us", "best", "best_us", "kv_floor_us"], dev)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ a tie that bf16 rounding can flip; a logic bug shows up as a large gap).
 
     python benchmarks/device/bf16_divergence.py --gguf smollm2.gguf --draft DRAFTER --prompts humaneval.jsonl --out DIR
     python benchmarks/device/bf16_divergence.py --device cpu --prompts mt-bench --tree-sizes 7,15 --out DIR
+
+Prints a table (per pair of arms: outputs identical, and the fp32 gaps at the first partings) and one JSON
+line, also written to DIR/divergence.json; every arm's tokens go to DIR/tokens.json.
 """
 
 from __future__ import annotations
@@ -16,13 +19,19 @@ import argparse
 import gc
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import torch
 
-from flashdraft import LLM, SamplingParams
-from flashdraft.bench.datasets import load_prompts
-from flashdraft.models.loader import resolve_model_dir
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from timing import log, report  # noqa: E402
+
+from flashdraft import LLM, SamplingParams  # noqa: E402
+from flashdraft.bench.datasets import load_prompts  # noqa: E402
+from flashdraft.models.loader import resolve_model_dir  # noqa: E402
 
 
 def main() -> None:
@@ -68,7 +77,8 @@ def main() -> None:
 
     hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(args.gguf)), dtype=torch.float32).to(args.device)
     hf.eval()
-    report = {"prompts": len(ids), "max_tokens": args.max_tokens, "pairs": {}}
+    result = {"bench": "bf16_divergence", "prompts": len(ids), "max_tokens": args.max_tokens, "pairs": {}}
+    table = []
     for a, b in itertools.combinations(arms, 2):
         rows = []
         for n, (p, x, y) in enumerate(zip(ids, arms[a], arms[b])):
@@ -83,10 +93,14 @@ def main() -> None:
                          "fp32_gap": float(logits[x[i]] - logits[y[i]]),
                          "fp32_top2": top.indices.tolist(), "fp32_top2_gap": float(top.values[0] - top.values[1])})
         same = len(ids) - len(rows)
-        report["pairs"][f"{a} vs {b}"] = {"identical": same, "divergences": rows}
-        gaps = [round(abs(r["fp32_gap"]), 4) for r in rows]
-        print(f"{a} vs {b}: {same}/{len(ids)} identical; |fp32 gap| at first divergence {sorted(gaps)}", flush=True)
-    (Path(args.out) / "divergence.json").write_text(json.dumps(report, indent=1))
+        result["pairs"][f"{a} vs {b}"] = {"identical": same, "divergences": rows}
+        gaps = sorted(abs(r["fp32_gap"]) for r in rows)
+        table.append({"arms": f"{a} vs {b}", "identical": f"{same}/{len(ids)}",
+                      "median |fp32 gap|": gaps[len(gaps) // 2] if gaps else None,
+                      "max |fp32 gap|": max(gaps, default=None)})
+        log(f"{a} vs {b}: {same}/{len(ids)} identical; |fp32 gap| at first divergence {[round(g, 4) for g in gaps]}")
+    report(f"bf16 partings, {len(ids)} prompts x {args.max_tokens} tokens: fp32 logit gap at each first parting",
+           table, result, Path(args.out) / "divergence.json", device=args.device)
 
 
 if __name__ == "__main__":

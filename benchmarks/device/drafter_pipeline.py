@@ -9,6 +9,9 @@ lands in --out (config, weights split in parts, logs, eval.json).
     # torchrun --nproc-per-node N drafter_pipeline.py --phase train ... (rank 0 evaluates)
     # training longer than one command may run: --stop-after S, then the same command with --resume
     # evaluation alone: --phase eval --drafter DIR
+
+Prints a table of what the run made (the evaluation's tau per set and temperature, or the data and the
+training) and one JSON line.
 """
 
 from __future__ import annotations
@@ -17,23 +20,25 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from flashdraft import LLM, SamplingParams
-from flashdraft.train.data import generate_responses, read_prompt_file, read_samples
-from flashdraft.train.loss import LABELS
-from flashdraft.train.trainer import TrainConfig, train
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from timing import log, report  # noqa: E402
+
+from flashdraft import LLM, SamplingParams  # noqa: E402
+from flashdraft.train.data import generate_responses, read_prompt_file, read_samples  # noqa: E402
+from flashdraft.train.loss import LABELS  # noqa: E402
+from flashdraft.train.trainer import TrainConfig, train  # noqa: E402
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def gen_data(args, out: Path) -> Path:
+def gen_data(args, out: Path, summary: dict) -> Path:
     data = out / "data.jsonl"
     convs = read_prompt_file(Path(args.data_dir) / args.prompt_file)[: args.num_prompts]
     llm = LLM(args.gguf, draft=None, device="cuda", dtype="bfloat16", max_num_seqs=args.gen_batch,
@@ -53,6 +58,8 @@ def gen_data(args, out: Path) -> Path:
                                sampled_prefix=args.sampled_prefix)
     dt = time.time() - t0
     n_tok = sum(len(json.loads(x)["response_ids"]) for x in data.read_text().splitlines())
+    summary["gen"] = {"samples": n_seq, "prompts": len(convs), "response_tokens": n_tok, "seconds": dt,
+                      "tok_s": n_tok / dt, "max_num_seqs": args.gen_batch}
     log(f"self-distillation: {n_seq} samples ({args.samples_per_prompt} per prompt) for {len(convs)} prompts, "
         f"{n_tok} response tokens in {dt:.0f}s "
         f"({n_tok / dt:.0f} tok/s), max_num_seqs {args.gen_batch}")
@@ -69,7 +76,6 @@ def evaluate(args, drafter: Path, summary: dict, out: Path) -> dict:
     llm = LLM(args.gguf, draft=str(drafter), device="cuda", dtype="bfloat16", max_num_seqs=256,
               kv_cache_memory_gb=12, max_model_len=4096, speculative_tree_size=args.tree_size)
     eng = llm.engine
-    eng.spec.draw_sampled = not args.argmax_drafts
     res = {}
     for temp in args.eval_temps:
         for name in ("humaneval", "mt_bench", "sharegpt_heldout"):
@@ -101,6 +107,21 @@ def evaluate(args, drafter: Path, summary: dict, out: Path) -> dict:
             summary["eval"] = res
             (out / "eval.json").write_text(json.dumps(summary, indent=1))
     return res
+
+
+def report_run(summary: dict) -> None:
+    """The table and JSON line: the evaluation's tau per set and temperature, else the data and training."""
+    if summary.get("eval"):
+        rows = [{"set": k, "prompts": r["prompts"], "tau": r["tau"], "verify steps": r["drafts"],
+                 "tau, distinct prompts": r["tau_distinct_prompts"]} for k, r in summary["eval"].items()]
+        title = f"acceptance of {summary.get('drafter', 'the trained drafter')}: committed tokens per verify step"
+    else:
+        rows = [{"part": part, **{k: v for k, v in vals.items() if not isinstance(v, (dict, list))}}
+                for part, vals in summary.items() if part in ("gen", "train")]
+        title = "drafter pipeline"
+    record = {k: v for k, v in summary.items() if k != "eval"}
+    record["eval"] = {k: {f: v for f, v in r.items() if f != "per_prompt"} for k, r in summary.get("eval", {}).items()}
+    report(title, rows, {"bench": "drafter_pipeline", **record})
 
 
 def _temps(text: str) -> list[float]:
@@ -173,9 +194,6 @@ def main() -> None:
     ap.add_argument("--keep-every", type=int, default=None,
                     help="train: also keep the drafter of every N-th step (in --work/drafter/steps/<step>)")
     ap.add_argument("--eval-temps", type=_temps, default="0,1", help="eval: comma-separated temperatures")
-    ap.add_argument("--argmax-drafts", action="store_true",
-                    help="eval: sampled requests draft the argmax (as before drafts were drawn with the "
-                         "target's noise)")
     ap.add_argument("--tree-size", type=int, default=None,
                     help="eval: verify token trees of this many drafts (flashdraft --speculative-tree-size)")
     ap.add_argument("--no-eval", action="store_true")
@@ -205,8 +223,10 @@ def main() -> None:
     if args.phase == "eval":
         summary = {"drafter": args.drafter, "device": torch.cuda.get_device_name(), "torch": torch.__version__}
         evaluate(args, Path(args.drafter), summary, out)
+        report_run(summary)
         return
-    data = Path(args.data) if args.data else gen_data(args, work)
+    made: dict = {}
+    data = Path(args.data) if args.data else gen_data(args, work, made)
     if args.phase in ("gen", "all") and not args.data:
         with open(out / "data.jsonl.gz", "wb") as gz:
             subprocess.run(["gzip", "-c", str(data)], stdout=gz, check=True)
@@ -215,6 +235,7 @@ def main() -> None:
                            check=True)
             os.remove(out / "data.jsonl.gz")
     if args.phase == "gen":
+        report_run(made)
         return
     taps = [i for part in args.target_layer_ids for i in part] if args.target_layer_ids else \
         (None if args.init_drafter else [1, 14, 27])
@@ -243,8 +264,11 @@ def main() -> None:
         last = json.loads(lines[-1])
     log(f"training: {last['step']} of {last['total_steps']} steps, {last['epoch'] + 1} epochs, "
         f"{time.time() - t0:.0f}s, final loss {last['loss']:.3f}, train tau {last['tau']:.2f}")
+    made["train"] = {"steps": last["step"], "of": last["total_steps"], "epochs": last["epoch"] + 1,
+                     "seconds": time.time() - t0, "loss": last["loss"], "train_tau": last["tau"]}
     if last["step"] < last["total_steps"]:
         log("stopped early (--stop-after); the same command with --resume goes on")
+        report_run(made)
         return
     # results leave the machine before the evaluation, in case the run hits its time limit
     (out / "config.json").write_text((drafter / "config.json").read_text())
@@ -256,7 +280,7 @@ def main() -> None:
     (out / "eval.json").write_text(json.dumps(summary, indent=1))
     if not args.no_eval:
         evaluate(args, drafter, summary, out)
-    log("done")
+    report_run({**made, **summary})
 
 
 if __name__ == "__main__":

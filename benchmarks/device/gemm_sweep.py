@@ -17,13 +17,14 @@ measured in the same run.
     python benchmarks/device/gemm_sweep.py --out DIR            # H100: about 4 minutes
     TRITON_INTERPRET=1 python benchmarks/device/gemm_sweep.py --tiny --device cpu --out /tmp/gs
 
-Writes DIR/gemm_sweep.json and DIR/gemm_sweep.md."""
+Writes DIR/gemm_sweep.json and DIR/gemm_sweep.md; prints the table and the JSON as one line."""
 
 from __future__ import annotations
 
 import argparse
 import itertools
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -31,9 +32,14 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from gpu_roofline import Clock, Roofline, log, short_error
 
-from flashdraft.models.launch import pdl_enter, pdl_trigger
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "device")]
+
+from gpu_roofline import Roofline  # noqa: E402
+from timing import Clock, copy_bandwidth, graph_ms, log, run_info, short_error  # noqa: E402
+
+from flashdraft.models.launch import pdl_enter, pdl_trigger  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
@@ -119,10 +125,10 @@ class Sweep:
         self.res: dict = {"errors": [], "gemm": []}
 
     def graph_time(self, fn, calls: int) -> float:
-        """Microseconds per fn(i) call: gpu_roofline's timer (`calls` calls inside one graph on
-        CUDA), with i counting up so the calls cycle through the weight copies."""
+        """Microseconds per fn(i) call, `calls` calls inside one graph on CUDA (timing.graph_ms), with i
+        counting up so the calls cycle through the weight copies."""
         i = itertools.count()
-        return self.timer.time_op(lambda: fn(next(i)), inner=calls)["ms"] * 1e3
+        return graph_ms(lambda: fn(next(i)), self.clock, inner=calls)["ms"] * 1e3
 
     def gemm(self) -> None:
         from flashdraft.models import skinny
@@ -408,8 +414,8 @@ class Sweep:
                     buf = torch.empty_like(q)
                     try:
                         diff = float((paged_attention(q, kc, vc, meta, scale, num_splits=sp).float() - ref).abs().max())
-                        t = rl.time_op(lambda sp=sp, buf=buf, q=q, meta=meta, kc=kc, vc=vc, scale=scale:
-                                       paged_attention(q, kc, vc, meta, scale, out=buf, num_splits=sp))
+                        t = graph_ms(lambda sp=sp, buf=buf, q=q, meta=meta, kc=kc, vc=vc, scale=scale:
+                                     paged_attention(q, kc, vc, meta, scale, out=buf, num_splits=sp), self.clock)
                         row[f"splits_{sp or 'auto'}"] = {"us": t["ms"] * 1e3, "max_abs_diff": diff}
                     except Exception as e:
                         row[f"splits_{sp or 'auto'}"] = {"error": short_error(e)}
@@ -419,16 +425,14 @@ class Sweep:
                 out.append(row)
 
     def run(self) -> None:
-        rl = self.timer = Roofline(argparse.Namespace(device=self.args.device, tiny=self.args.tiny, budget_s=60,
-                                                      matmul_n=None, backends=None))
-        rl.clock = self.clock
         n = (1 << 30) if not self.args.tiny else (32 << 20)
-        t = rl._time_copy(n)
-        self.bw = 2 * n / (t["ms"] / 1e3) / 1e9
-        self.res["copy_gbps"] = self.bw
-        if self.cuda:
-            p = torch.cuda.get_device_properties(self.dev)
-            self.res["device"] = p.name
+        bps = copy_bandwidth(self.dev, n)
+        if bps is None:  # off CUDA: the same copy on the clock
+            src = torch.ones(n, dtype=torch.uint8, device=self.dev)
+            dst = torch.empty_like(src)
+            bps = 2 * n / (self.clock.time(lambda: dst.copy_(src))["ms"] / 1e3)
+        self.bw = bps / 1e9
+        self.res |= run_info(self.dev) | {"copy_gbps": self.bw}
         log(f"copy bandwidth {self.bw:.0f} GB/s")
         for part in self.args.sections.split(","):
             try:
@@ -464,6 +468,8 @@ class Sweep:
                                  f"{glu[0]['us']:.1f} | {glu[0]['gbps']:.0f} | {glu[0]['of_copy_bw']:.2f} | "
                                  f"glu {cfg}; tile rules {rules[0]['us']:.1f} us |")
         (out / "gemm_sweep.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        print(json.dumps(self.res, default=str), flush=True)
 
 
 @triton.jit

@@ -17,7 +17,8 @@ Smoke test anywhere (small shapes, CPU allowed, no graphs off CUDA, Triton only 
 
 (the second also runs the triton rows, in the Triton interpreter: about 10 minutes on 2 cores).
 
-Writes DIR/roofline.json (all numbers, errors included) and DIR/roofline.md (summary tables).
+Writes DIR/roofline.json (all numbers, errors included) and DIR/roofline.md (summary tables), and prints
+the tables and the JSON as one line.
 Backends: `triton` (flashdraft.attention.triton_paged, CUDA only, when importable, or on CPU under
 TRITON_INTERPRET=1), `triton+fused` (the same with the fused Triton norm / RoPE + KV store / silu
 kernels of flashdraft.models.fused and the few-row Triton GEMMs of flashdraft.models.skinny: the
@@ -37,8 +38,6 @@ import json
 import math
 import os
 import platform
-import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -49,7 +48,9 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from timing import T0, Clock, copy_bandwidth, graph_ms, log, run_info, short_error  # noqa: E402
 
 from flashdraft.attention.base import AttentionBatch, DeviceMeta, LayerMasks  # noqa: E402
 from flashdraft.attention.torch_ref import StaticTorchAttention, TorchAttention  # noqa: E402
@@ -86,53 +87,6 @@ TINY_OSS = dict(TINY, intermediate_size=64, num_local_experts=8, num_experts_per
                 attention_bias=True, rope_parameters=GPT_OSS_20B["rope_parameters"])
 TARGETS = {"qwen3-8b": (QWEN3_8B, TINY), "qwen3-30b-a3b": (QWEN3_30B_A3B, TINY_MOE),
            "gpt-oss-20b": (GPT_OSS_20B, TINY_OSS)}
-T0 = time.perf_counter()
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
-
-
-def short_error(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-
-
-class Clock:
-    """Per-call milliseconds: CUDA events on CUDA (queued back to back, no sync inside), wall clock
-    on CPU. Iterations are sized to ~round_s per round; the median of `rounds` rounds is reported."""
-
-    def __init__(self, device: torch.device, round_s: float = 0.2, rounds: int = 3):
-        self.cuda = device.type == "cuda"
-        self.round_s, self.rounds = round_s, rounds
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def _once(self, fn, iters: int) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / iters
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t) * 1e3 / iters
-
-    def time(self, fn, warmup: int = 3, max_iters: int = 200) -> dict:
-        for _ in range(warmup):
-            fn()
-        self.sync()
-        probe = self._once(fn, 1)
-        iters = int(min(max_iters, max(3, self.round_s * 1e3 / max(probe, 1e-3))))
-        runs = [self._once(fn, iters) for _ in range(self.rounds)]
-        return {"ms": statistics.median(runs), "min_ms": min(runs), "iters": iters, "rounds": self.rounds}
-
-
 # ---- models ---------------------------------------------------------------------------------------
 def target_config(shape: dict) -> SimpleNamespace:
     if "num_local_experts" in shape:
@@ -249,42 +203,29 @@ class Roofline:
     # ---- machine --------------------------------------------------------------------------------
     def machine(self) -> None:
         a = self.args
-        info = {"device": str(self.dev), "torch": torch.__version__, "python": platform.python_version(),
-                "dtype": str(self.dtype).removeprefix("torch.")}
+        info = run_info(self.dev) | {"python": platform.python_version(),
+                                     "dtype": str(self.dtype).removeprefix("torch.")}
         if self.cuda:
             p = torch.cuda.get_device_properties(self.dev)
             info |= {"name": p.name, "total_memory_gb": p.total_memory / 1e9, "sms": p.multi_processor_count,
                      "cuda": torch.version.cuda}
-        try:
-            import triton
-
-            info["triton"] = triton.__version__
-        except Exception:
-            info["triton"] = None
-        try:  # a copied tree may carry a stale .git: FLASHDRAFT_COMMIT names the commit explicitly
-            info["commit"] = os.environ.get("FLASHDRAFT_COMMIT") or subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                timeout=10).stdout.strip() or None
-        except Exception:
-            info["commit"] = None
         self.res["machine"] = info
         log(f"machine: {info}")
         n = (1 << 30) if not self.tiny else (32 << 20)
-        t = self._time_copy(n)
-        self.bw = bw = 2 * n / (t["ms"] / 1e3) / 1e9
-        self.res["copy"] = {"bytes": n, "gbps_read_plus_write": bw, **t}
-        log(f"copy {n / 2**30:.2f} GiB: {t['ms']:.3f} ms -> {bw:.0f} GB/s (read+write)")
+        bps = copy_bandwidth(self.dev, n)
+        if bps is None:  # off CUDA: the same copy on the clock
+            src = torch.ones(n, dtype=torch.uint8, device=self.dev)
+            dst = torch.empty_like(src)
+            bps = 2 * n / (self.clock.time(lambda: dst.copy_(src))["ms"] / 1e3)
+        self.bw = bw = bps / 1e9
+        self.res["copy"] = {"bytes": n, "gbps_read_plus_write": bw}
+        log(f"copy {n / 2**30:.2f} GiB: {bw:.0f} GB/s (read+write)")
         N = a.matmul_n or (8192 if not self.tiny else 256)
         t = self._time_matmul(N)
         self.tflops = 2 * N**3 / (t["ms"] / 1e3) / 1e12
         self.res["matmul"] = {"n": N, "dtype": str(self.dtype).removeprefix("torch."), "tflops": self.tflops, **t}
         log(f"matmul {N}^3 {self.res['matmul']['dtype']}: {t['ms']:.3f} ms -> {self.tflops:.1f} TFLOP/s")
         self.free()
-
-    def _time_copy(self, n: int) -> dict:
-        src = torch.ones(n, dtype=torch.uint8, device=self.dev)
-        dst = torch.empty_like(src)
-        return self.clock.time(lambda: dst.copy_(src), warmup=3)
 
     def _time_matmul(self, N: int) -> dict:
         x = torch.randn(N, N, device=self.dev, dtype=self.dtype)
@@ -634,34 +575,10 @@ class Roofline:
         parts = {"draft": gd.replay, "verify": gv.replay, "context": gc.replay, "step": step}
         return {part: self.clock.time(fn) for part, fn in parts.items()}
 
-    # ---- attention alone ------------------------------------------------------------------------
+    # ---- attention alone ----------------------------------------------------------------------
     def time_op(self, fn, inner: int = 20) -> dict:
         """Milliseconds per call; on CUDA `inner` calls inside one graph (no launch overhead)."""
-        fn()
-        self.clock.sync()
-        if self.cuda:
-            try:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    fn()
-                torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for _ in range(inner):
-                        fn()
-                t = self.clock.time(g.replay, warmup=2, max_iters=50)
-                del g
-                return {"ms": t["ms"] / inner, "min_ms": t["min_ms"] / inner, "graph": True}
-            except Exception as e:
-                log(f"  (graph capture failed, timing eagerly: {short_error(e)})")
-                try:
-                    torch.cuda.synchronize()
-                except Exception as e2:
-                    log(f"  (synchronize after the failed capture: {short_error(e2)})")
-        t = self.clock.time(fn, warmup=2)
-        return {"ms": t["ms"], "min_ms": t["min_ms"], "graph": False}
+        return graph_ms(fn, self.clock, inner)
 
     def attention(self) -> None:
         out = self.res["attention"] = []
@@ -804,6 +721,8 @@ class Roofline:
         (out_dir / "roofline.json").write_text(json.dumps(self.res, indent=1, default=str))
         (out_dir / "roofline.md").write_text(markdown(self.res))
         log(f"wrote {out_dir / 'roofline.json'} and {out_dir / 'roofline.md'}")
+        print(markdown(self.res))
+        print(json.dumps(self.res, default=str), flush=True)
 
 
 def fmt(x, spec: str = ".3f") -> str:

@@ -8,6 +8,8 @@ kernel starts before its predecessor ends, so its duration overstates it).
 
 TREE_SIZES (e.g. 0,15): the whole step of each size's engine, 0 the drafter's chain (the default); a
 token tree's step graph holds its acceptance and the accepted rows' moves, so it has no post graph.
+Prints a table of every graph's ms a replay and one JSON line with each graph's costliest kernels;
+PAIR_KERNELS_TRACE=DIR writes one replay's kernels in order (start, duration, gap) per graph.
 """
 import os
 import sys
@@ -18,44 +20,28 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from e2e_step import critical_path, fill_graph, kernel_spans  # noqa: E402
+from e2e_step import fill_graph  # noqa: E402
+from timing import cuda_ms, kernel_spans, kernel_table, log, report  # noqa: E402
 
 from flashdraft import LLM  # noqa: E402
 from flashdraft.bench.command import tokenize  # noqa: E402
 from flashdraft.bench.datasets import load_prompts  # noqa: E402
 
 SHIPPED = str(ROOT / "flashdraft" / "drafters" / "smollm2-135m-dflash")
+TOP = int(os.environ.get("PAIR_KERNELS_TOP", "12"))
 
 
-def replay_ms(replay, n: int) -> float:
-    """Milliseconds a call of replay(), over n calls after one warm call, timed with CUDA events."""
-    replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / n
-
-
-def split(replay, label: str, replays: int = 20, top: int = int(os.environ.get("PAIR_KERNELS_TOP", "12"))) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    ms = replay_ms(replay, replays)
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(replays):
-            replay()
-        torch.cuda.synchronize()
-    added = critical_path(p.events())
+def split(replay, label: str, c: int, replays: int = 20) -> dict:
+    """One graph's ms a replay (CUDA events) and its kernels (profiler), the TOP costliest logged."""
+    ms = cuda_ms(replay, replays)
+    kernels, events = kernel_table(replay, replays)
     if os.environ.get("PAIR_KERNELS_TRACE"):  # one replay's kernels in order: start, duration, gap after the last end
-        _write_sequence(p.events(), Path(os.environ["PAIR_KERNELS_TRACE"]) / (label.replace(" ", "_") + ".tsv"))
-    rows = sorted(((e.device_time_total / replays, added.get(e.key, 0.0) / replays, e.count / replays, e.key[:80])
-                   for e in p.key_averages() if e.device_time_total > 0), key=lambda r: -r[1])
-    print(f"== {label}: {ms:.3f} ms a replay, {sum(r[2] for r in rows):.0f} kernels")
-    for us, add, n, name in rows[:top]:
-        print(f"  {us:8.1f} us ({add:7.1f} added) x{n:4.0f}  {name}")
+        _write_sequence(events, Path(os.environ["PAIR_KERNELS_TRACE"]) / (f"{label}, c={c}".replace(" ", "_") + ".tsv"))
+    launches = sum(k["calls"] for k in kernels)
+    log(f"== {label}, c={c}: {ms:.3f} ms a replay, {launches:.0f} kernels")
+    for k in kernels[:TOP]:
+        log(f"  {k['us']:8.1f} us ({k['added_us']:7.1f} added) x{k['calls']:4.0f}  {k['kernel']}")
+    return {"graph": label, "c": c, "ms": round(ms, 3), "kernels": round(launches), "top": kernels[:TOP]}
 
 
 def _write_sequence(events, path: Path) -> None:
@@ -74,6 +60,7 @@ def _write_sequence(events, path: Path) -> None:
 def main() -> None:
     gguf, ds, concs = sys.argv[1], sys.argv[2], [int(c) for c in sys.argv[3].split(",")]
     trees = [int(t) for t in sys.argv[4].split(",")] if len(sys.argv) > 4 else [0]
+    rows: list[dict] = []
     for tree in trees:
         llm = LLM(gguf, draft=SHIPPED, device="cuda", dtype="bfloat16", speculative_min_acceptance_length=None,
                   speculative_tree_size=tree or None)
@@ -90,12 +77,14 @@ def main() -> None:
             key = (("dflash-tree", sp.tap_layers) if tree else sp.verify_key("dflash", sp.num_draft))
             step = eng.runner.graphs[(key, bucket, sp.block_size)]
             if tree == trees[0]:
-                split(eng.runner.graphs[(("decode", sp.tap_layers), bucket, 1)].replay, f"decode, c={c}")
-            split(step.replay, f"{name} step, c={c}")
+                rows.append(split(eng.runner.graphs[(("decode", sp.tap_layers), bucket, 1)].replay, "decode", c))
+            rows.append(split(step.replay, f"{name} step", c))
             if step.aux.get("post") is not None:
-                split(step.aux["post"].replay, f"its post graph, c={c}")
+                rows.append(split(step.aux["post"].replay, f"{name} post graph", c))
         del llm, eng, sp
         torch.cuda.empty_cache()
+    report(f"the shipped pair's graphs over {ds}'s prompts: ms a replay", rows,
+           {"bench": "pair_kernels", "dataset": ds, "graphs": rows}, columns=["graph", "c", "ms", "kernels"])
 
 
 if __name__ == "__main__":

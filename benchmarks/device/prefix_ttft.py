@@ -11,14 +11,16 @@ measured step times, so with it two runs of one prompt may verify at different s
 tau from the same tokens).
 
 mt_bench_turns.jsonl: one {"turns": [first, second]} a line (MT-Bench's question.jsonl has this field).
-Prints one line per question and a summary JSON line."""
+Prints a table of the two arms and one JSON line (each question's line goes to stderr)."""
 import json
 import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from timing import log, report  # noqa: E402
 
 from flashdraft import LLM, SamplingParams  # noqa: E402
 
@@ -54,9 +56,9 @@ def main() -> None:
                                  "cached": m["num_cached_tokens"], "prompt": m["num_prompt_tokens"],
                                  "tokens": out.token_ids})
         c, k = results["cached"][-1], results["cold"][-1]
-        print(f"{i:3d} prompt {c['prompt']:5d} cached {c['cached']:5d} | TTFT cached {c['ttft_ms']:7.2f} ms, cold "
-              f"{k['ttft_ms']:7.2f} ms | tau {c['tau']:.3f} / {k['tau']:.3f} | same tokens "
-              f"{c['tokens'] == k['tokens']}", flush=True)
+        log(f"{i:3d} prompt {c['prompt']:5d} cached {c['cached']:5d} | TTFT cached {c['ttft_ms']:7.2f} ms, cold "
+            f"{k['ttft_ms']:7.2f} ms | tau {c['tau']:.3f} / {k['tau']:.3f} | same tokens "
+            f"{c['tokens'] == k['tokens']}")
     summary = {arm: {"ttft_ms_median": statistics.median(r["ttft_ms"] for r in rs),
                      "ttft_ms_mean": statistics.mean(r["ttft_ms"] for r in rs),
                      "tau_mean": statistics.mean(r["tau"] for r in rs),
@@ -65,7 +67,10 @@ def main() -> None:
     summary["same_tokens"] = sum(a["tokens"] == b["tokens"] for a, b in zip(results["cached"], results["cold"]))
     summary["same_tau"] = sum(a["tau"] == b["tau"] for a, b in zip(results["cached"], results["cold"]))
     summary["questions"] = len(rows)
-    print(json.dumps(summary))
+    report(f"MT-Bench turn 2, {len(rows)} questions, {dtype}, gate {'off' if gate else 'auto'}: same tokens "
+           f"{summary['same_tokens']}/{len(rows)}, same tau {summary['same_tau']}/{len(rows)}",
+           [{"arm": arm, **summary[arm]} for arm in ("cached", "cold")], {"bench": "prefix_ttft", **summary},
+           device="cuda")
 
 
 if __name__ == "__main__":

@@ -7,15 +7,17 @@ launched behind an unread step, so their cost is host time; this measures it.
     python benchmarks/device/processed_pair.py smollm2.gguf mt_bench.jsonl [N] [MAX_TOKENS] [DTYPE]
 
 Arms: base (greedy), logprobs (logprobs=1), penalties (repetition_penalty=1.1, frequency_penalty=0.3),
-each with speculation on and off, N prompts one at a time (c=1) and in batches of 8 (c=8). Prints one
-JSON line per arm and a summary line."""
+each with speculation on and off, N prompts one at a time (c=1) and in batches of 8 (c=8). Prints a table
+of the arms and one JSON line."""
 import json
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+from timing import log, report  # noqa: E402
 
 from flashdraft import LLM, SamplingParams  # noqa: E402
 
@@ -64,9 +66,14 @@ def main() -> None:
                 line |= {"logprob_max_diff": max(diffs), "logprob_median_diff": sorted(diffs)[len(diffs) // 2],
                          "first_mismatch": [f for f in firsts if f is not None]}
             summary[f"{arm}@{c}"] = line
-            print(json.dumps(line), flush=True)
+            log(json.dumps(line))
     base = {c: summary[f"base@{c}"]["spec_tok_s"] for c in (1, 8)}
-    print(json.dumps({"spec_tok_s_vs_base": {k: round(v["spec_tok_s"] / base[v["c"]], 3) for k, v in summary.items()}}))
+    report(f"the shipped pair, {dtype}, {len(convs)} MT-Bench prompts x {max_tokens} tokens: plain against DFlash",
+           list(summary.values()),
+           {"bench": "processed_pair", "dtype": dtype, "arms": summary,
+            "spec_tok_s_vs_base": {k: round(v["spec_tok_s"] / base[v["c"]], 3) for k, v in summary.items()}},
+           columns=["c", "arm", "plain_tok_s", "spec_tok_s", "speedup", "tau", "same_tokens", "logprob_max_diff"],
+           device="cuda")
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ them), and a sharded against a whole DFlash drafter's weight GEMMs.
 
     python benchmarks/device/tp_costs.py --tp 2 --target qwen3-8b --out tp_costs.json
     python benchmarks/device/tp_costs.py --tp 2 --device cpu       # smoke test (gloo, no graphs)
+
+Prints a table and one JSON line (also written to --out).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import socket
 import sys
@@ -36,6 +37,8 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from timing import capture, cuda_ms, log, report  # noqa: E402
+
 SHAPES = {  # hidden, layers, vocab, heads, kv heads, head dim, intermediate (drafter: 5 layers of the target's)
     "qwen3-8b": (4096, 36, 151936, 32, 8, 128, 12288),
     "llama-3-70b": (8192, 80, 128256, 64, 8, 128, 28672),
@@ -46,32 +49,12 @@ SHAPES = {  # hidden, layers, vocab, heads, kv heads, head dim, intermediate (dr
 def timed(fn, device: torch.device, replays: int, together: bool = True) -> float:
     """ms per call of fn: its CUDA graph replayed (CPU: called); together: every rank times it at once."""
     if device.type != "cuda":
-        import time
-
-        fn()
-        t = time.perf_counter()
-        for _ in range(replays):
-            fn()
-        return 1e3 * (time.perf_counter() - t) / replays
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+        return cuda_ms(fn, replays, 1, device)
+    g = capture(fn)
     g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if together:
         dist.barrier()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(replays):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
+    return cuda_ms(g.replay, replays, 0, device)
 
 
 def symm_mem_ms(rows: int, hidden: int, count: int, dtype, device: torch.device, replays: int):
@@ -131,13 +114,11 @@ def run(rank: int, size: int, port: int, args, out: dict) -> None:
                         h = tp.all_reduce(h * 0.5)
                 result.setdefault(f"engine_{name}_ms", {})[rows] = timed(made, device, args.replays)
             if rank == 0:
-                print(f"rows {rows}: engine path, 2L (scale + all-reduce): nccl "
-                      f"{result['engine_nccl_ms'][rows]:.3f} ms, one-shot {result['engine_one_shot_ms'][rows]:.3f} ms",
-                      flush=True)
+                log(f"rows {rows}: engine path, 2L (scale + all-reduce): nccl "
+                    f"{result['engine_nccl_ms'][rows]:.3f} ms, one-shot {result['engine_one_shot_ms'][rows]:.3f} ms")
         if rank == 0:
-            print(f"rows {rows}: 2L all-reduces {result['all_reduce_ms'][rows]:.3f} ms (symmetric memory: "
-                  f"{result['symm_mem_all_reduce_ms'][rows]}), all-gather {result['all_gather_ms'][rows]:.3f} ms",
-                  flush=True)
+            log(f"rows {rows}: 2L all-reduces {result['all_reduce_ms'][rows]:.3f} ms (symmetric memory: "
+                f"{result['symm_mem_all_reduce_ms'][rows]}), all-gather {result['all_gather_ms'][rows]:.3f} ms")
     # the drafter: 5 layers of the target's width, its GEMMs whole (rank 0 alone) and as one rank's share
     layers = 5
     for rows in (int(r) for r in args.draft_rows.split(",")):
@@ -165,7 +146,7 @@ def run(rank: int, size: int, port: int, args, out: dict) -> None:
         sharded = timed(gemms(size, True), device, args.replays)
         result["drafter"][rows] = {"whole_ms": whole, "sharded_ms": sharded}
         if rank == 0:
-            print(f"drafter rows {rows}: whole {whole:.3f} ms, sharded {sharded:.3f} ms", flush=True)
+            log(f"drafter rows {rows}: whole {whole:.3f} ms, sharded {sharded:.3f} ms")
     if rank == 0:
         out.update(result)
     dist.barrier()
@@ -190,12 +171,14 @@ def main() -> None:
     manager = mp.get_context("spawn").Manager()
     out = manager.dict()
     mp.start_processes(run, args=(args.tp, port, args, out), nprocs=args.tp, start_method="spawn")
-    result = {"tp": args.tp, "target": args.target, "shape": SHAPES[args.target], "torch": torch.__version__,
-              "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", **dict(out)}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    result = {"bench": "tp_costs", "tp": args.tp, "target": args.target, "shape": SHAPES[args.target], **dict(out)}
+    keys = ("all_reduce_ms", "symm_mem_all_reduce_ms", "engine_nccl_ms", "engine_one_shot_ms", "all_gather_ms")
+    rows = [{"rows": r, **{k.removesuffix("_ms"): result.get(k, {}).get(r) for k in keys}}
+            for r in result.get("all_reduce_ms", {})]
+    rows += [{"rows": r, "drafter whole": d["whole_ms"], "drafter sharded": d["sharded_ms"]}
+             for r, d in result.get("drafter", {}).items()]
+    report(f"TP {args.tp}, {args.target}: ms for a step's 2L all-reduces, its all-gather, the drafter's GEMMs",
+           rows, result, args.out, device=args.device)
 
 
 if __name__ == "__main__":

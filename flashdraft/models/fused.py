@@ -137,7 +137,7 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
     meanwhile fetches the K/V cached by earlier steps. Before its own wait it reads what no kernel
     of the step writes: the position's cos/sin rows, the token's slot (both copied in before the
     step) and the norm weights. (Its work done inside the attention kernel instead, or in the qkv
-    GEMM's epilogue, made decode steps slower: docs/performance.md, the MoE section.)"""
+    GEMM's epilogue, made decode steps slower: docs/performance.md section 12.)"""
     pdl_trigger(USE_PDL)
     HALF: tl.constexpr = ROT // 2
     t = tl.program_id(0).to(tl.int64)

@@ -19,8 +19,8 @@ Blocks of MAX_ROWS + 1 to MID_ROWS rows (64: a small target's verify and draft b
 5-8) take `dot` with x^T tiles of 64 where `mid_tiles` has tiles for the weight's shape (widths up to
 1,024), cuBLAS elsewhere: on SmolLM2 the glu then saves the silu * up kernel, and every GEMM launched here
 keeps the step's PDL chain (launch.py), which a cuBLAS kernel breaks. The shipped pair's DFlash step graph
-went from 1.068 to 0.989 ms at concurrency 8 (64 rows; H200, benchmarks/device/pair_kernels.py under
-knob_ab.py). Its 128-row tiles (FLASHDRAFT_MID_ROWS=128) lost at concurrency 16: 1.318 against 1.145 ms.
+went from 1.068 to 0.989 ms at concurrency 8 (64 rows; H200, benchmarks/device/pair_kernels.py, one
+process a setting). Its 128-row tiles (FLASHDRAFT_MID_ROWS=128) lost at concurrency 16: 1.318 against 1.145 ms.
 
 The model path uses `dot` for every M, one row included: a row's result then does not depend on how
 many rows share the call (the tiles are the same for 1-16 rows), so a plain decode step at batch 1
