@@ -209,7 +209,7 @@ def step_graph(llm: LLM, arm: str, batch: int):
     eng = llm.engine
     runner = eng.runner
     bucket = 1 << (batch - 1).bit_length()
-    key = (("target", ()), bucket, 1) if eng.spec is None else (("dflash", eng.spec.tap_layers), bucket,
+    key = (("target", ()), bucket, 1) if eng.spec is None else (eng.spec.graphs.key("dflash"), bucket,
                                                                   eng.spec.block_size)
     g = runner.graphs.get(key)
     return g if g is not None and g.captured else None
@@ -404,7 +404,7 @@ def main() -> None:
                         log(f"  {k['us']:8.1f} us ({k['added_us']:8.1f} added) x{k['calls']:5.0f}  {k['kernel']}")
                 rows.append(row)
             result["arms"][arm] = rows
-            costs = getattr(llm.engine.spec, "costs", None)
+            costs = llm.engine.spec.policy.costs if llm.engine.spec is not None else None
             if costs is not None:  # what the gate of dflash-auto decides by
                 result["step_costs"] = costs.as_dict()
             if arm.startswith("plain"):

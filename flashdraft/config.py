@@ -12,21 +12,9 @@ from typing import Any
 
 import torch
 
-log = logging.getLogger("flashdraft")
+from flashdraft import settings
 
-# speculative_tree_size="auto" on a CPU: a token tree of as many drafts as the drafter's chain (B - 1), so a
-# verify checks the chain's rows and commits more (the shipped drafter, 2-core CPU, fp32, 6 prompts x 96 tokens:
-# HumanEval tau 3.82 against 3.40, 39.5-39.9 against 32.7-37.0 tok/s one at a time; MT-Bench 2.48 against 2.14,
-# 28.1-29.7 against 19.5-26.5 tok/s; docs/performance.md section 4). On CUDA the chain: a tree of 15 serves
-# the shipped pair within a few percent of it (its larger verify costs about what its extra tokens save), and
-# bf16 trees part from plain decoding's outputs far more often than the chain, bit-identical one at a time.
-CPU_TREE = True
-# speculative_min_acceptance_length="auto", on every device: whole steps decode without drafts while the
-# batch's tau is below the break-even tau of what the steps cost (speculative/costs.py, gate.py StepGate):
-# on CUDA with captured graphs (chains and token trees) measured at start and refined while serving,
-# elsewhere (a CPU, eager CUDA) timed while serving; so that drafts that miss (a drafter out of its domain, a
-# batch large enough for verify rows to cost real work) stop costing steps.
-STEP_GATE = True
+log = logging.getLogger("flashdraft")
 
 
 @dataclass
@@ -51,14 +39,14 @@ class EngineConfig:
     # num_speculative_tokens and draft_revision (speculative_fields)
     speculative_config: dict | None = None
     # verify a token tree of this many drafts per step instead of the drafter's chain (speculative/tree.py):
-    # the drafter's most likely continuations of its block, best first; None: the chain; "auto": CPU_TREE
+    # the drafter's most likely continuations of its block, best first; None: the chain; "auto": settings.CPU_TREE
     speculative_tree_size: int | str | None = "auto"
     # pause speculation for a step when at least this many requests are running (plain decode
     # steps, drafter context kept current); None: always speculate
     speculative_disable_batch_size: int | None = None
     # per request: decode without drafts for a while when its recent tau (tokens per verify) falls
     # below this (speculative/gate.py); "auto": whole steps without drafts while the batch's tau is
-    # below the break-even tau of the step costs (STEP_GATE); a number: that threshold for every
+    # below the break-even tau of the step costs (settings.STEP_GATE); a number: that threshold for every
     # request; None: never
     speculative_min_acceptance_length: float | str | None = "auto"
     seed: int = 0
@@ -170,7 +158,7 @@ class EngineConfig:
 
     def tree_size(self, device: torch.device, block_size: int, chain_only: str | None = None) -> int | None:
         """Drafts of the token tree a verify checks, or None for the drafter's chain: "auto" is a tree of
-        block_size - 1 on a CPU (CPU_TREE) unless num_speculative_tokens shortens the chain, else the chain.
+        block_size - 1 on a CPU (settings.CPU_TREE) unless num_speculative_tokens shortens the chain, else the chain.
         chain_only: why this pair verifies chains (a DFlash2 drafter's selector picks each slot given the
         one before; a sliding-window target's rows attend by position, which tree rows do not follow),
         logged when a tree size was asked for."""
@@ -180,7 +168,7 @@ class EngineConfig:
                 log.warning("speculative_tree_size %s: %s", t, chain_only)
             return None
         if t == "auto":
-            cpu = device.type == "cpu" and CPU_TREE and self.num_speculative_tokens is None
+            cpu = device.type == "cpu" and settings.CPU_TREE and self.num_speculative_tokens is None
             return block_size - 1 if cpu and block_size > 1 else None
         return t
 

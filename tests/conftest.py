@@ -72,15 +72,15 @@ def _small_cpu_kv():
 def _chain_unless_asked():
     """Engines verify the drafter's chain unless a test asks for token trees (the CPU default is a tree;
     its own tests turn it on). Session-wide: module-scoped engines are built before function fixtures."""
-    import flashdraft.config
+    from flashdraft import settings
 
-    flashdraft.config.CPU_TREE = False
+    settings.CPU_TREE = False
     # tests drive the verify path on every step: random drafters' tau is ~1, which the default step
     # gate would soon stop drafting for (its own tests turn it on)
-    flashdraft.config.STEP_GATE = False
+    settings.STEP_GATE = False
     yield
-    flashdraft.config.CPU_TREE = True
-    flashdraft.config.STEP_GATE = True
+    settings.CPU_TREE = True
+    settings.STEP_GATE = True
 
 
 @pytest.fixture(autouse=True, scope="module")

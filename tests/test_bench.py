@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import socket
 
 import pytest
@@ -283,8 +284,9 @@ def load_e2e_step():
 
 def test_e2e_step_benchmark_runs_on_cpu(tmp_path):
     """benchmarks/e2e_step.py (the device step benchmark) end to end on a tiny hybrid shape: the arms,
-    each step counted, the two-run difference and the median pace both present and positive, the blocks
-    each DFlash run verified."""
+    each step counted, the two-run difference and the median pace both present (finite: their values are
+    the machine's, and on a loaded one the two-run difference can come out negative), the blocks each
+    DFlash run verified."""
     import subprocess
     import sys
     from pathlib import Path
@@ -297,12 +299,12 @@ def test_e2e_step_benchmark_runs_on_cpu(tmp_path):
     result = json.loads(out.read_text())
     for arm in ("plain", "dflash", "dflash-auto"):
         (row,) = result["arms"][arm]
-        assert row["steps"] == 8 and row["ms_per_step"] > 0 and row["ms_per_step_median"] > 0
+        assert row["steps"] == 8 and math.isfinite(row["ms_per_step"]) and math.isfinite(row["ms_per_step_median"])
         assert row["overlapped_steps"] == 0  # a CPU schedules one step at a time
     assert "verified_blocks" not in result["arms"]["plain"][0]
     short, long = result["arms"]["dflash"][0]["verified_blocks"]  # the gate off: both requests verify each step
     assert long - short == 2 * 8
-    assert result["break_even_tau"]["2"] > 0
+    assert math.isfinite(result["break_even_tau"]["2"])
     for arm in ("dflash", "dflash-auto"):  # tokens per second against plain's
         (r,), (d,) = result["arms"]["plain"], result["arms"][arm]
         want = d["tokens_per_step"] / d["ms_per_step"] / (r["tokens_per_step"] / r["ms_per_step"])

@@ -48,8 +48,9 @@ def _spread_ms(run) -> dict:
 
 def gate_state(sp) -> dict:
     """What the speculator's step gate decides by after a run: the step times it saw with and without drafts,
-    the costs measured at start, the gate's and the draft-count profile's state (internal attributes)."""
-    seen = getattr(sp, "seen", None)
+    the costs measured at start, the gate's and the draft-count profile's state (the draft policy's)."""
+    sp = sp.policy
+    seen = sp.seen
     return dict(seen_spec=_rounded(getattr(seen, "spec", {})), seen_plain=_rounded(getattr(seen, "plain", {})),
                 costs=sp.costs.as_dict() if getattr(sp, "costs", None) else None,
                 gate=dict(vars(sp.step_gate)) if getattr(sp, "step_gate", None) else None,

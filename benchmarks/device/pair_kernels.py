@@ -69,18 +69,18 @@ def main() -> None:
         name = f"tree of {tree}" if tree else "DFlash"
         for c in concs:
             if tree == trees[0]:  # the decode graph over a real step's inputs too: its requests paused
-                sp.pause_at = 1
+                sp.policy.pause_at = 1
                 fill_graph(llm, ids[:c])
-                sp.pause_at = None
+                sp.policy.pause_at = None
             fill_graph(llm, ids[:c])
             bucket = 1 << (c - 1).bit_length()
-            key = (("dflash-tree", sp.tap_layers) if tree else sp.verify_key("dflash", sp.num_draft))
+            key = sp.graphs.key("dflash-tree" if tree else "dflash")
             step = eng.runner.graphs[(key, bucket, sp.block_size)]
             if tree == trees[0]:
                 rows.append(split(eng.runner.graphs[(("decode", sp.tap_layers), bucket, 1)].replay, "decode", c))
             rows.append(split(step.replay, f"{name} step", c))
-            if step.aux.get("post") is not None:
-                rows.append(split(step.aux["post"].replay, f"{name} post graph", c))
+            if step.buffers.post is not None:
+                rows.append(split(step.buffers.post.replay, f"{name} post graph", c))
         del llm, eng, sp
         torch.cuda.empty_cache()
     report(f"the shipped pair's graphs over {ds}'s prompts: ms a replay", rows,

@@ -81,4 +81,4 @@ def load_speculator(draft: str | Path, ctx: StepContext) -> DFlashSpeculator:
     runner, config = ctx.runner, ctx.config
     model = load_drafter(draft, runner.model.config, runner.device, runner.dtype, config.load_format,
                          config.draft_revision)
-    return DFlashSpeculator(model, ctx, getattr(settings, "DRAW_SAMPLED", True))
+    return DFlashSpeculator(model, ctx, settings.DRAW_SAMPLED)
