@@ -147,12 +147,15 @@ def test_greedy_lossless_smollm2_random_drafter(smollm2, tmp_path):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ref = [o.token_ids for o in smollm2.generate(prompts, params)]
     batched = [o.token_ids for o in spec.generate(prompts, params)]
-    single = [spec.generate([p], params)[0].token_ids for p in prompts]
+    # one at a time, four of them: each verify of a random drafter's block commits about one token, so a
+    # request alone costs as many 8-row steps as it has tokens
+    single = [spec.generate([p], params)[0].token_ids for p in prompts[:4]]
     total = sum(len(r) for r in ref)
     match_b = sum(a == b for r, g in zip(ref, batched) for a, b in zip(r, g))
     match_s = sum(a == b for r, g in zip(ref, single) for a, b in zip(r, g))
-    print(f"SmolLM2 + random drafter: token match batched {match_b}/{total}, single {match_s}/{total}")
-    assert match_b == total and match_s == total
+    total_s = sum(len(r) for r in ref[:4])
+    print(f"SmolLM2 + random drafter: token match batched {match_b}/{total}, single {match_s}/{total_s}")
+    assert match_b == total and match_s == total_s
     assert spec.engine.spec_totals()["num_drafts"] > 0
 
 
