@@ -81,3 +81,71 @@ def test_generate_verifies_token_trees():
     for bad, message in (("64", "speculative_tree_size must be"), ("many", "expected a number of drafts")):
         r = subprocess.run(args + ["--speculative-tree-size", bad], capture_output=True, text=True, timeout=300)
         assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ---- the flags are the EngineConfig fields ------------------------------------------------------
+def _subparser(name: str):
+    import argparse
+
+    from flashdraft.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def test_every_engine_field_is_a_flag_or_marked_not_one():
+    """A new EngineConfig field needs flag(...) or no_flag(...): the CLI cannot forget it. The flag
+    fields are the options of serve (which adds the opt-in --seed), by their option strings."""
+    from dataclasses import fields
+
+    from flashdraft.config import EngineConfig
+    from flashdraft.config_flags import flag_spec
+
+    options = {s for a in _subparser("serve")._actions for s in a.option_strings}
+    not_flags = set()
+    for f in fields(EngineConfig):
+        spec = flag_spec(f)  # raises for a field declared with neither
+        if spec is None:
+            not_flags.add(f.name)
+            continue
+        names = spec.names if spec.names is not None else ("--" + f.name.replace("_", "-"),)
+        assert set(names) | set(spec.off) <= options, f.name
+        assert names or spec.off, f"{f.name}: a flag field without a flag"
+    assert not_flags == {"kv_block_size", "max_graph_batch"}
+
+
+def test_parsed_defaults_are_the_config_defaults():
+    """Each subcommand's engine flags, given nothing, build EngineConfig() field by field; generate and
+    bench leave the engine seed alone (their --seed is their requests')."""
+    from dataclasses import fields
+
+    from flashdraft.cli import serve_engine_kwargs
+    from flashdraft.config import EngineConfig, engine_kwargs
+
+    default = EngineConfig()
+    for command, argv in (("serve", []), ("generate", ["hi"]), ("bench", [])):
+        args = _subparser(command).parse_args(argv)
+        kw = serve_engine_kwargs(args) if command == "serve" else engine_kwargs(args)
+        flags = {f.name for f in fields(EngineConfig)} - {"kv_block_size", "max_graph_batch"}
+        assert set(kw) == (flags if command == "serve" else flags - {"seed"}), command
+        built = EngineConfig.from_kwargs(**kw)
+        for f in fields(EngineConfig):
+            assert getattr(built, f.name) == getattr(default, f.name), (command, f.name)
+
+
+def test_engine_flags_set_their_fields():
+    """The flags that are not --field-name VALUE: off switches, aliases, the engine seed, parsed values."""
+    from flashdraft.cli import serve_engine_kwargs
+
+    cases = [(["--no-spec"], "draft", None), (["--draft", "d", "--no-spec"], "draft", None),
+             (["--no-cuda-graphs"], "cuda_graphs", False), (["--enforce-eager"], "cuda_graphs", False),
+             (["-tp", "2"], "tensor_parallel_size", 2), (["--seed", "3"], "seed", 3),
+             (["--no-enable-prefix-caching"], "enable_prefix_caching", False),
+             (["--async-scheduling"], "async_scheduling", True),
+             (["--disable-custom-all-reduce"], "disable_custom_all_reduce", True),
+             (["--speculative-tree-size", "off"], "speculative_tree_size", None),
+             (["--speculative-min-acceptance-length", "2.5"], "speculative_min_acceptance_length", 2.5),
+             (["--speculative-config", '{"model": "d"}'], "speculative_config", {"model": "d"}),
+             (["--kv-cache-memory-gb", "1.5"], "kv_cache_memory_gb", 1.5), (["--max-num-seqs", "8"], "max_num_seqs", 8)]
+    for argv, name, value in cases:
+        assert serve_engine_kwargs(_subparser("serve").parse_args(argv))[name] == value, argv
