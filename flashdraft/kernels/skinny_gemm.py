@@ -348,8 +348,8 @@ def _router_tiles(N: int, K: int) -> tuple[int, int, int, int, int] | None:
     settings.ROUTER_PART_K, each a whole number of 128- (else 64-) wide tiles. A router reads almost
     nothing (GPT-OSS-20B's 32 x 2,880: 184 KB) and its few long strips are pure latency: 2 programs
     of 23 tiles took 6.2 us (H200). Qwen3-30B-A3B's 128 x 2,048: 8 strips x 8 parts of 256;
-    GPT-OSS-20B's 32 x 2,880: 2 strips x 9 parts of 320. None (the general rules) past ROUTER_MAX_N outputs or when no tile
-    divides K."""
+    GPT-OSS-20B's 32 x 2,880: 2 strips x 9 parts of 320. None (the general rules) past ROUTER_MAX_N
+    outputs or when no tile divides K."""
     if not settings.ROUTER_PART_K or N > ROUTER_MAX_N or N % 16:
         return None
     bk = _largest_dividing(K, (128, 64))

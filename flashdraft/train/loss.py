@@ -21,8 +21,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashdraft import settings
 from flashdraft.models.dflash_draft import DFlashDraftModel
-from flashdraft.models.rope import apply_rope
 from flashdraft.models.layers import rms_norm
+from flashdraft.models.rope import apply_rope
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 LABELS = ("data", "argmax", "kl")
