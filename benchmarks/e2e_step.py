@@ -47,9 +47,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from timing import copy_bandwidth, cuda_ms, kernel_table, log, middle_median, report  # noqa: E402
 
-from flashdraft import LLM, SamplingParams  # noqa: E402
+from flashdraft import LLM, SamplingParams, settings  # noqa: E402
 from flashdraft.engine.memory import kv_bytes_per_token, state_bytes_per_seq  # noqa: E402
-from flashdraft.models import moe as moe_mod  # noqa: E402
 from flashdraft.models.moe import MoE  # noqa: E402
 from flashdraft.speculative.formats import default_target_layer_ids  # noqa: E402
 
@@ -176,11 +175,11 @@ def experts_read(llm: LLM, prompts: list[list[int]], temperature: float) -> list
         for name in ("route", "route_fused"):
             m.__dict__[name] = _keeping(getattr(m, name), rows, lambda idx, m=m: seen.__setitem__(id(m), idx))
     graphs, runner.use_graphs = runner.use_graphs, False
-    in_norm, moe_mod.ROUTE_IN_NORM = moe_mod.ROUTE_IN_NORM, False  # route through route_fused, to be seen
+    in_norm, settings.ROUTE_IN_NORM = settings.ROUTE_IN_NORM, False  # route through route_fused, to be seen
     try:
         fill_graph(llm, prompts, temperature)
     finally:
-        runner.use_graphs, moe_mod.ROUTE_IN_NORM = graphs, in_norm
+        runner.use_graphs, settings.ROUTE_IN_NORM = graphs, in_norm
         for m in moes:
             m.__dict__.pop("route", None)
             m.__dict__.pop("route_fused", None)

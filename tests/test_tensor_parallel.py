@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from flashdraft import LLM, SamplingParams
 from flashdraft.attention.base import AttentionBatch
 from flashdraft.attention.torch_ref import TorchAttention
-from flashdraft.models.hybrid import RecurrentRows
+from flashdraft.models.gdn import RecurrentRows
 from flashdraft.models.loader import load_model
 from flashdraft.models.parallel import TPGroup, check_shardable, shard_decoder
 

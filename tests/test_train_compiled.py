@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flashdraft.train.loss as L
+from flashdraft import settings
 from flashdraft.train.drafter import drafter_spec, init_drafter
 from flashdraft.train.trainer import TrainConfig
 
@@ -39,7 +40,7 @@ def _case(tiny_llama, dtype):
 def _run(drafter, args, compile_mode, autocast):
     drafter.zero_grad(set_to_none=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(L, "COMPILE", compile_mode)
+        mp.setattr(settings, "TRAIN_COMPILE", compile_mode)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss, stats = L.dflash_loss(drafter, *args)
         loss.backward()
@@ -64,7 +65,7 @@ def test_compiled_training_step_matches_eager(tiny_llama, autocast):
 def test_compile_setting_is_checked(tiny_llama):
     drafter, args = _case(tiny_llama, torch.float32)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(L, "COMPILE", "yes")
+        mp.setattr(settings, "TRAIN_COMPILE", "yes")
         with pytest.raises(ValueError, match="FLASHDRAFT_TRAIN_COMPILE"):
             L.dflash_loss(drafter, *args)
 
@@ -86,7 +87,7 @@ def test_training_forward_equals_the_serving_drafter(tiny_llama, compile_mode):
     emb = torch.nn.functional.embedding(blocks.flatten(1), embed.double())
     mask = L.block_attention_mask(anchors, torch.ones_like(anchors, dtype=torch.bool), ids.shape[1], B)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(L, "COMPILE", compile_mode)
+        mp.setattr(settings, "TRAIN_COMPILE", compile_mode)
         trained = L.draft_hidden(drafter, taps[:1].double(), emb, anchors, mask)[0].view(-1, B, embed.shape[1])
 
     c, attn = drafter.config, TorchAttention()

@@ -346,14 +346,15 @@ def test_graphed_tree_step_with_oracle_trees(tiny, monkeypatch):
 def test_tree_kernels_switch(monkeypatch):
     """FLASHDRAFT_TREE_KERNELS=off keeps tree work on torch ops; a bad value is named in the error."""
     import flashdraft.speculative.tree as tree
+    from flashdraft import settings
 
     x = torch.zeros(2)
-    monkeypatch.setattr(tree, "KERNELS", "off")
+    monkeypatch.setattr(settings, "TREE_KERNELS", "off")
     assert tree.use_kernels(x) is False
-    monkeypatch.setattr(tree, "KERNELS", "yes")
+    monkeypatch.setattr(settings, "TREE_KERNELS", "yes")
     with pytest.raises(ValueError, match="FLASHDRAFT_TREE_KERNELS"):
         tree.use_kernels(x)
-    monkeypatch.setattr(tree, "KERNELS", "auto")
+    monkeypatch.setattr(settings, "TREE_KERNELS", "auto")
     assert tree.use_kernels(x) is False  # a CPU tensor: no fused path
 
 

@@ -7,7 +7,7 @@ A graph holds `calls` launches of one configuration, each over its own layer's c
 layers read distinct K/V: nothing stays in L2 between them), replayed in rounds after warm replays, timed
 with CUDA events. The step's meta is sized as a serving graph's: max_seq_len is the graph bucket's
 bound (8,192), not the batch's keys, so each program cuts its own keys into at most the count's
-partitions of 64 keys or more (flashdraft/attention/triton_paged.py). Reported beside each time: the
+partitions of 64 keys or more (kernels/attention.py). Reported beside each time: the
 K/V bytes read over the copy bandwidth measured in the same run. Prints a table (per configuration, the
 heuristic's count and time, and the best count and time) and one JSON line, also written to
 OUT_DIR/attn_splits.json.
@@ -26,8 +26,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from timing import Clock, copy_bandwidth, graph_ms, log, report  # noqa: E402
 
-from flashdraft.attention import triton_paged as tp  # noqa: E402
+from flashdraft import settings  # noqa: E402
 from flashdraft.attention.base import AttentionBatch, DeviceMeta  # noqa: E402
+from flashdraft.kernels import attention  # noqa: E402
 
 SHAPES = {"smollm2": (9, 3, 64), "qwen3-8b": (32, 8, 128)}  # query heads, kv heads, head_dim
 PAGE, BOUND = 16, 8192
@@ -53,7 +54,7 @@ def time_graph(q, caches, meta, splits: int | None, clock: Clock) -> float:
 
     def calls():
         for k, v in caches:
-            tp.paged_attention(q, k, v, meta, 0.125, out=out, num_splits=splits, zero_padding=True)
+            attention.paged_attention(q, k, v, meta, 0.125, out=out, num_splits=splits, zero_padding=True)
 
     return 1e3 * graph_ms(calls, clock, inner=1)["ms"] / len(caches)
 
@@ -74,26 +75,26 @@ def main() -> None:
     bw = copy_bandwidth(dev) / 1e9
     log(f"copy {bw:.0f} GB/s, {torch.cuda.get_device_name()}")
     rows = []
-    default_merge = tp.MERGE_SPLITS
+    default_merge = settings.MERGE_SPLITS
     for shape in a.shapes.split(","):
         for S in map(int, a.batches.split(",")):
             for q_len in map(int, a.q_lens.split(",")):
                 for L in map(int, a.keys.split(",")):
                     q, caches, meta, H, n_kv, D = setup(shape, S, q_len, L, a.layers, dev)
                     kv_bytes = S * L * n_kv * D * 2 * 2
-                    tp.MERGE_SPLITS = default_merge
-                    block_m = tp._tiles(D, H // n_kv, q_len)[1]
+                    settings.MERGE_SPLITS = default_merge
+                    block_m = attention._tiles(D, H // n_kv, q_len)[1]
                     programs = -(-q_len // (block_m // (H // n_kv))) * S * n_kv
-                    picked = tp.auto_splits(D, H // n_kv, q_len, S, n_kv, BOUND, dev)
+                    picked = attention.auto_splits(D, H // n_kv, q_len, S, n_kv, BOUND, dev)
                     times = {}
                     for merge in map(int, a.merge.split(",")):
-                        tp.MERGE_SPLITS = merge
+                        settings.MERGE_SPLITS = merge
                         for c in map(int, a.counts.split(",")):
                             lo, hi = sorted((merge, default_merge))
                             if merge != default_merge and not lo < c <= hi:
                                 continue  # merged where the default count merges it: the same launch
                             times[f"{c}/m{merge}"] = time_graph(q, caches, meta, c, clock)
-                    tp.MERGE_SPLITS = default_merge
+                    settings.MERGE_SPLITS = default_merge
                     now = times.get(f"{picked}/m{default_merge}") or time_graph(q, caches, meta, picked, clock)
                     best = min(times, key=times.get)
                     floor = kv_bytes / (bw * 1e3)  # us

@@ -1,8 +1,8 @@
 """Few-row GEMMs of a Qwen3-8B decoder on the GPU: cuBLAS (F.linear) against the Triton kernels of
-flashdraft/models/skinny.py over a sweep of tile configs, at M = 1, 8, 16, 32 rows, and the GPU
+kernels/skinny_gemm.py over a sweep of tile configs, at M = 1, 8, 16, 32 rows, and the GPU
 time of a decode step, a 16-row verify and a draft block split by kernel (torch profiler over
 CUDA-graph replays), and the paged attention kernel at every forced split-K count. `--sections moe`
-times the expert kernels (models/moe_triton.py) of --model's MoE shape at --rows tokens, sorted and
+times the expert kernels (kernels/moe_experts.py) of --model's MoE shape at --rows tokens, sorted and
 unsorted, and sweeps the unsorted path's tiles. `--sections floors` times what no GEMM can go below:
 an empty kernel launched in a graph (with and without PDL), and each shape's weights read by a plain
 streaming kernel (four programs an SM, no reduction), cold and hot in L2. The GEMM section's "parts"
@@ -39,7 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "benchmarks" / "
 from gpu_roofline import Roofline  # noqa: E402
 from timing import Clock, copy_bandwidth, graph_ms, log, run_info, short_error  # noqa: E402
 
-from flashdraft.models.launch import pdl_enter, pdl_trigger  # noqa: E402
+from flashdraft.kernels.launch import pdl_enter, pdl_trigger  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
@@ -131,7 +131,7 @@ class Sweep:
         return graph_ms(lambda: fn(next(i)), self.clock, inner=calls)["ms"] * 1e3
 
     def gemm(self) -> None:
-        from flashdraft.models import skinny
+        from flashdraft.kernels import skinny_gemm
 
         shapes = TINY_SHAPES if self.args.tiny else MODEL_SHAPES[self.args.model]
         rows = [1, 3] if self.args.tiny else [int(m) for m in self.args.rows.split(",")]
@@ -150,35 +150,36 @@ class Sweep:
                 ref = F.linear(x.float(), ws[0].float())
                 cands = [("cublas", {}, lambda i, x=x, w=ws: F.linear(x, w[i % len(w)]))]
                 if M == 1 and not self.args.quick:
-                    cands += [("gemv", c, lambda i, c=c, x=x, w=ws: skinny.gemv(x, w[i % len(w)], **c))
+                    cands += [("gemv", c, lambda i, c=c, x=x, w=ws: skinny_gemm.gemv(x, w[i % len(w)], **c))
                               for c in gemv_configs(self.args.tiny)]
                 if self.args.mid:
-                    cands += [("dot", c, lambda i, c=c, x=x, w=ws: skinny.dot(x, w[i % len(w)], **c))
+                    cands += [("dot", c, lambda i, c=c, x=x, w=ws: skinny_gemm.dot(x, w[i % len(w)], **c))
                               for c in mid_configs(N, K, M)]
                 else:
-                    cands += [("dot", c, lambda i, c=c, x=x, w=ws: skinny.dot(x, w[i % len(w)], **c))
+                    cands += [("dot", c, lambda i, c=c, x=x, w=ws: skinny_gemm.dot(x, w[i % len(w)], **c))
                               for c in dot_configs(self.args.tiny, self.args.quick)]
-                # what the model runs: the tile rules of skinny._dot_tiles (and _dot_split), and those
+                # what the model runs: the tile rules of skinny_gemm._dot_tiles (and _dot_split), and those
                 # tiles with K split over 1-4 programs a strip
-                cands += [("rules", {}, lambda i, x=x, w=ws: skinny.skinny_linear(x, w[i % len(w)]))]
-                cands += [("parts", {}, lambda i, x=x, w=ws: skinny.skinny_linear(x, w[i % len(w)], parts=True))]
-                cands += [("split", {"split": sp}, lambda i, sp=sp, x=x, w=ws: skinny.skinny_linear(
+                cands += [("rules", {}, lambda i, x=x, w=ws: skinny_gemm.skinny_linear(x, w[i % len(w)]))]
+                cands += [("parts", {}, lambda i, x=x, w=ws: skinny_gemm.skinny_linear(x, w[i % len(w)], parts=True))]
+                cands += [("split", {"split": sp}, lambda i, sp=sp, x=x, w=ws: skinny_gemm.skinny_linear(
                     x, w[i % len(w)], split=sp)) for sp in (1, 2, 3, 4)]
                 if self.args.split_tiles and not self.args.mid:  # split-K with explicit tiles and pipeline depths
                     cands += [("dot", dict(block_n=bn, block_k=bk, num_warps=4, num_stages=st, split=sp),
-                               lambda i, c=(bn, bk, 4, st, sp), x=x, w=ws: skinny.dot(x, w[i % len(w)], *c))
+                               lambda i, c=(bn, bk, 4, st, sp), x=x, w=ws: skinny_gemm.dot(x, w[i % len(w)], *c))
                               for bn, bk, st, sp in itertools.product((16, 32, 64), (64, 128, 256), (2, 3, 4, 5),
                                                                       (1, 2, 3, 4, 5))
                               if K % (sp * bk) == 0 and N % bn == 0 and (sp == 1 or bn <= 64)
                               and (bk > 64 or K % 128)]  # 64-wide tiles where 128 does not divide K (GPT-OSS's 2,880)
                 if name == "gate_up":  # the same bytes with the silu * up epilogue: [M, N/2] out
-                    from flashdraft.models import fused
+                    from flashdraft.kernels import layer_ops
 
-                    cands += [("glu", c, lambda i, c=c, x=x, w=ws: skinny.skinny_linear(
+                    cands += [("glu", c, lambda i, c=c, x=x, w=ws: skinny_gemm.skinny_linear(
                         x, w[i % len(w)], glu=True, tiles=tuple(c.values()) if c else None))
                         for c in glu_configs(self.args.tiny, M, self.args.mid)]
                     if self.cuda:  # what rows past the Triton limit run: cuBLAS, then the silu * up kernel
-                        cands += [("cublas+silu", {}, lambda i, x=x, w=ws: fused.silu_mul(F.linear(x, w[i % len(w)])))]
+                        cands += [("cublas+silu", {},
+                                   lambda i, x=x, w=ws: layer_ops.silu_mul(F.linear(x, w[i % len(w)])))]
                 best = None
                 for kind, cfg, fn in cands:
                     if time.perf_counter() > deadline:
@@ -222,7 +223,8 @@ class Sweep:
         expert weights read cold (each call routes anew among the layer's experts): the sorted path,
         the unsorted (direct) path with its tile rules, then its gate_up tiles and its down tiles
         swept in turn. Bytes: the distinct experts a call reads."""
-        from flashdraft.models import moe_triton
+        from flashdraft import settings
+        from flashdraft.kernels import moe_experts
 
         E, k, H, inter, bias = TINY_MOE if self.args.tiny else MOE_SHAPES[self.args.model]
         el = torch.finfo(self.dtype).bits // 8
@@ -234,7 +236,7 @@ class Sweep:
         act = ("swiglu_oai", 1.702, 7.0) if bias else ("silu",)
         per_expert = (3 * H * inter + (3 * inter + H if bias else 0)) * el
         out = self.res["moe"] = []
-        saved = moe_triton.DIRECT_TOKENS, moe_triton.DIRECT_TILES
+        saved = settings.MOE_DIRECT, settings.MOE_DIRECT_TILES
         rows = [1, 2] if self.args.tiny else [int(m) for m in self.args.rows.split(",")]
         try:
             for T in rows:
@@ -247,11 +249,11 @@ class Sweep:
                 nbytes = experts * per_expert
 
                 def fn(i, ids=ids, w=w, x=x):
-                    return moe_triton.fused_moe(x, wgu, wd, w, ids[i % len(ids)], act, bgu, bd, slots=True)
+                    return moe_experts.fused_moe(x, wgu, wd, w, ids[i % len(ids)], act, bgu, bd, slots=True)
 
                 def timed(kind, direct, tiles, T=T, experts=experts, nbytes=nbytes, fn=fn, calls=n_routes):
-                    moe_triton.DIRECT_TOKENS = direct
-                    moe_triton.DIRECT_TILES = tiles
+                    settings.MOE_DIRECT = direct
+                    settings.MOE_DIRECT_TILES = tiles
                     row = {"tokens": T, "kind": kind, "tiles": tiles if direct else None, "experts": experts}
                     try:
                         us = self.graph_time(fn, max(8, calls))
@@ -261,10 +263,10 @@ class Sweep:
                     out.append(row)
                     return row
 
-                moe_triton.DIRECT_TOKENS = 0
+                settings.MOE_DIRECT = 0
                 ref = fn(0).float()
                 sorted_row = timed("sorted", 0, saved[1])
-                moe_triton.DIRECT_TOKENS = 1 << 30
+                settings.MOE_DIRECT = 1 << 30
                 row = timed("direct", 1 << 30, saved[1])
                 row["max_abs_diff"] = float((fn(0).float() - ref).abs().max())
                 best = {"gate_up": saved[1][0], "down": saved[1][1]}
@@ -281,12 +283,12 @@ class Sweep:
                     f"best direct {b.get('us', float('nan')):.1f} us ({b.get('of_copy_bw', 0):.2f} of copy) "
                     f"{b['tiles']}")
         finally:
-            moe_triton.DIRECT_TOKENS, moe_triton.DIRECT_TILES = saved
+            settings.MOE_DIRECT, settings.MOE_DIRECT_TILES = saved
 
     def floors(self) -> None:
         """An empty kernel's launch in a graph (PDL on and off), and each shape's weights read by
         the streaming kernel below, cold (copies past L2) and hot (one copy), microseconds a call."""
-        from flashdraft.models.launch import launch_kwargs
+        from flashdraft.kernels.launch import launch_kwargs
 
         y = torch.zeros(16, device=self.dev, dtype=torch.float32)
         kw = launch_kwargs(y)
@@ -332,9 +334,9 @@ class Sweep:
         """Kernel time split of graph replays: plain decode at batch 1 and 32, the 16-row verify
         (with taps) and the draft block at batch 1; default (fused) path."""
         rl = self.roofline_run()
-        from flashdraft.attention.triton_paged import TritonAttention
+        from flashdraft.attention.triton_backend import TritonAttention
         from flashdraft.engine.sampler import greedy_tokens
-        from flashdraft.models.transformer import fused_mode
+        from flashdraft.kernels.dispatch import fused_mode
 
         target, drafter = rl.target, rl.drafter
         taps = tuple(rl.spec.target_layer_ids)
@@ -394,7 +396,7 @@ class Sweep:
         split-K heuristic and with every forced split count."""
         rl = self.roofline_run()
         from flashdraft.attention.base import DeviceMeta
-        from flashdraft.attention.triton_paged import paged_attention
+        from flashdraft.kernels.attention import paged_attention
 
         tc = rl.tcfg
         out = self.res["attention_splits"] = []

@@ -19,11 +19,11 @@ Smoke test anywhere (small shapes, CPU allowed, no graphs off CUDA, Triton only 
 
 Writes DIR/roofline.json (all numbers, errors included) and DIR/roofline.md (summary tables), and prints
 the tables and the JSON as one line.
-Backends: `triton` (flashdraft.attention.triton_paged, CUDA only, when importable, or on CPU under
+Backends: `triton` (flashdraft.kernels.attention, CUDA only, when importable, or on CPU under
 TRITON_INTERPRET=1), `triton+fused` (the same with the fused Triton norm / RoPE + KV store / silu
-kernels of flashdraft.models.fused and the few-row Triton GEMMs of flashdraft.models.skinny: the
+kernels of flashdraft.kernels.layer_ops and the few-row Triton GEMMs of flashdraft.kernels.skinny_gemm: the
 engine's default on CUDA, with programmatic dependent launch on Hopper), `triton+fused+pdloff`
-(the same without it, flashdraft/models/launch.py), `triton+fused+cublas` (the same with cuBLAS
+(the same without it, kernels/launch.py), `triton+fused+cublas` (the same with cuBLAS
 for every GEMM; every other row runs the torch elementwise ops and cuBLAS), `torch_static`
 (StaticTorchAttention; the plain-PyTorch + CUDA-graph baseline) and, for decode only, `torch_eager`
 (TorchAttention without graphs: the engine's current GPU path). Each failing measurement is
@@ -57,10 +57,11 @@ from flashdraft.attention.torch_ref import StaticTorchAttention, TorchAttention 
 from flashdraft.engine.graphs import StepGraph  # noqa: E402
 from flashdraft.engine.memory import kv_bytes_per_token  # noqa: E402
 from flashdraft.engine.sampler import greedy_tokens  # noqa: E402
+from flashdraft.kernels.dispatch import fused_mode, gemm_mode  # noqa: E402
+from flashdraft.kernels.launch import pdl_mode  # noqa: E402
 from flashdraft.models.dflash_draft import DFlashDraftModel  # noqa: E402
-from flashdraft.models.launch import pdl_mode  # noqa: E402
 from flashdraft.models.rope import rope_parameters  # noqa: E402
-from flashdraft.models.transformer import DecoderLM, fused_mode, gemm_mode  # noqa: E402
+from flashdraft.models.transformer import DecoderLM  # noqa: E402
 from flashdraft.speculative.formats import DraftSpec, default_target_layer_ids  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -298,8 +299,8 @@ class Roofline:
         self.backends = {}
         if self.cuda or os.environ.get("TRITON_INTERPRET") == "1":
             try:
-                from flashdraft.attention.triton_paged import TritonAttention
-                from flashdraft.models import fused  # noqa: F401
+                from flashdraft.attention.triton_backend import TritonAttention
+                from flashdraft.kernels import layer_ops  # noqa: F401
 
                 self.backends["triton"] = TritonAttention
                 self.backends["triton+fused"] = TritonAttention
@@ -585,7 +586,7 @@ class Roofline:
         triton_fn = None
         if "triton" in self.backends:
             try:
-                from flashdraft.attention.triton_paged import paged_attention as triton_fn
+                from flashdraft.kernels.attention import paged_attention as triton_fn
             except Exception as e:
                 self.error("import paged_attention", e)
         flex_jobs = []

@@ -59,7 +59,7 @@ class DeviceMeta:
     causal: bool = True
     tree_mask: torch.Tensor | None = None  # [T] int64, as in AttentionBatch
     window: int | None = None  # as in AttentionBatch
-    recurrent: torch.Tensor | None = None  # hybrid targets: [S, 3] int32 (slot, fresh, keep), models/gdn_triton.py
+    recurrent: torch.Tensor | None = None  # hybrid targets: [S, 3] int32 (slot, fresh, keep), kernels/gdn_ops.py
 
     @classmethod
     def from_batch(cls, batch: AttentionBatch, device: torch.device, max_blocks: int | None = None) -> DeviceMeta:

@@ -13,14 +13,15 @@ from flashdraft.engine.graphs import Graph, StepGraph, capture, to_device
 from flashdraft.engine.memory import local_heads, make_caches
 from flashdraft.engine.sampler import SamplingBatch, greedy_tokens
 from flashdraft.engine.sequence import Sequence
-from flashdraft.models.hybrid import RecurrentRows, take_rows
-from flashdraft.models.transformer import DecoderLM, fused_enabled
+from flashdraft.kernels.dispatch import fused_enabled
+from flashdraft.models.gdn import RecurrentRows, take_rows
+from flashdraft.models.transformer import DecoderLM
 from flashdraft.speculative.kv_slots import move_rows
 
-PAD_ROWS = 32  # = skinny.MAX_ROWS: fewer rows run the Triton GEMMs, one variant for any count
+PAD_ROWS = 32  # = settings.SKINNY_ROWS (its default): fewer rows run the Triton GEMMs, one variant for any count
 # row counts of the placeholder steps run at start: the few-row GEMMs' two tile heights (up to 16
 # rows, up to 32) and cuBLAS with the MLP's separate silu * up kernel (and for hybrid targets the
-# chunked GDN kernel, gdn_triton.CHUNKED_MIN_ROWS rows: fla-core tunes its kernels on first use)
+# chunked GDN kernel, gdn_ops.CHUNKED_MIN_ROWS rows: fla-core tunes its kernels on first use)
 WARM_ROWS = (16, 32, 64)
 # buckets of the graphed ragged steps (prefill chunks beside decode or verify rows): total rows,
 # and sequences (a step's attention grid grows with rows x sequences, so both are bucketed)
@@ -32,7 +33,7 @@ def make_backend(name: str) -> AttentionBackend:
     if name == "torch":
         return TorchAttention()
     if name == "triton":
-        from flashdraft.attention.triton_paged import TritonAttention  # GPU only
+        from flashdraft.attention.triton_backend import TritonAttention  # GPU only
 
         return TritonAttention()
     raise ValueError(f"unknown attention_backend {name!r}; choose torch or triton")
@@ -49,7 +50,7 @@ class ModelRunner:
         # CUDA graphs need a backend that reads its step description from device tensors
         self.use_graphs = config.cuda_graphs and device.type == "cuda" and hasattr(self.attn, "set_meta")
         # hybrid targets (models/hybrid.py): recurrent-state slots; graphed when the GDN kernels run
-        # (models/gdn_triton.py), which read the step's sequences from device tensors
+        # (kernels/gdn_ops.py), which read the step's sequences from device tensors
         self.hybrid = hasattr(model, "make_states")
         if self.hybrid and self.use_graphs:
             with torch.inference_mode():
@@ -78,7 +79,7 @@ class ModelRunner:
         self.k_cache, self.v_cache, self.states, self.kv = make_caches(model, num_blocks, self.block_size,
                                                                        config.max_num_seqs, device, dtype)
         if self.backend_name == "triton" and device.type == "cuda":  # no kernel compiles once serving
-            from flashdraft.attention.triton_paged import compile_variants
+            from flashdraft.kernels.attention import compile_variants
 
             for _, window in dict.fromkeys(model.layer_masks):
                 compile_variants(*local_heads(model), model.head_dim, self.block_size,

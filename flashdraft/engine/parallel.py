@@ -22,7 +22,7 @@ command a step, and the collectives meet inside the two graphs.
 A rank that exits is seen within half a second by rank 0's watchdog thread, which logs it by name and aborts
 the group, so that rank 0, if it waits on that rank in a collective, gets an error at once; the engine's step
 then raises one naming the rank. A rank that hangs without exiting ends the group at its timeout
-(`TP_TIMEOUT_S`).
+(`settings.TP_TIMEOUT_S`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import contextlib
 import datetime
 import logging
 import math
-import os
 import pickle
 import socket
 import threading
@@ -44,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from flashdraft import settings
 from flashdraft.attention.base import DeviceMeta
 from flashdraft.config import EngineConfig
 from flashdraft.engine.graphs import Graph, capture, capturing
@@ -51,7 +51,6 @@ from flashdraft.models.parallel import OneShotAllReduce, TPGroup, one_shot_or_no
 from flashdraft.speculative.kv_slots import move_rows
 
 log = logging.getLogger(__name__)
-TP_TIMEOUT_S = int(os.environ.get("FLASHDRAFT_TP_TIMEOUT_S", "300"))
 
 
 def _free_port() -> int:
@@ -117,7 +116,7 @@ class Ranks:
         def join() -> None:
             try:
                 dist.init_process_group(backend, init_method=init, rank=0, world_size=size,
-                                        timeout=datetime.timedelta(seconds=TP_TIMEOUT_S))
+                                        timeout=datetime.timedelta(seconds=settings.TP_TIMEOUT_S))
             except BaseException as e:  # noqa: BLE001 (raised below, in the caller's thread)
                 failed.append(e)
         joining = threading.Thread(target=join, daemon=True)
@@ -293,9 +292,9 @@ def _leave(graphs) -> None:
         return
     leaving = threading.Thread(target=dist.destroy_process_group, daemon=True)
     leaving.start()
-    leaving.join(TP_TIMEOUT_S)
+    leaving.join(settings.TP_TIMEOUT_S)
     if leaving.is_alive():
-        log.error("the tensor-parallel group did not close in %d s; left behind", TP_TIMEOUT_S)
+        log.error("the tensor-parallel group did not close in %d s; left behind", settings.TP_TIMEOUT_S)
 
 
 def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -332,7 +331,7 @@ def worker(rank: int, size: int, init: str, config: dict, device_name: str, cont
     device = rank_device(torch.device(device_name), rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=TP_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=settings.TP_TIMEOUT_S)
     dist.init_process_group(_backend(device), init_method=init, rank=rank, world_size=size, timeout=timeout)
     tp = tp_group(rank, size, device, config)
     graphs: dict[int, Graph] = {}

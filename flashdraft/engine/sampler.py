@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashdraft.models.transformer import fused_enabled
+from flashdraft.kernels.dispatch import fused_enabled
 
 _M32 = 0xFFFFFFFF
 
@@ -109,11 +109,11 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits [..., V] -> argmax over V: on the fused GPU path the two Triton kernels of
-    fused_tokens.argmax (flashdraft/models/fused_tokens.py), else torch's argmax. Both break ties to the lowest id."""
+    token_ops.argmax (kernels/token_ops.py), else torch's argmax. Both break ties to the lowest id."""
     if logits.numel() and fused_enabled(logits):
-        from flashdraft.models import fused_tokens
+        from flashdraft.kernels import token_ops
 
-        return fused_tokens.argmax(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
+        return token_ops.argmax(logits.reshape(-1, logits.shape[-1])).view(logits.shape[:-1])
     return logits.argmax(dim=-1)
 
 
@@ -171,12 +171,12 @@ def _perturbed(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Ten
 
 def _top_log_probs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x.float().log_softmax(-1).topk(k) of a [N, V] x: on the fused GPU path the two Triton kernels of
-    fused_tokens.topk_log_softmax, which read x in its own dtype (ties to the lower column; torch
+    token_ops.topk_log_softmax, which read x in its own dtype (ties to the lower column; torch
     leaves their order open)."""
     if x.numel() and fused_enabled(x):
-        from flashdraft.models import fused_tokens
+        from flashdraft.kernels import token_ops
 
-        return fused_tokens.topk_log_softmax(x, k)
+        return token_ops.topk_log_softmax(x, k)
     return x.float().log_softmax(-1).topk(k, dim=-1)
 
 

@@ -78,12 +78,12 @@ class ConvDecoderLayer(DecoderLayer):
     def forward_fused(self, x, residual, positions, rope, k_cache, v_cache, attn, batch):
         """As DecoderLayer.forward_fused (x: this layer's input_layernorm output), the convolutions
         between the fused kernels."""
-        from flashdraft.models import fused
+        from flashdraft.kernels import layer_ops
 
         x, delta = self.attention_conv.prepare(x)
         a = self.self_attn.forward_fused(x, positions, rope, k_cache, v_cache, attn, batch)
         norm = self.post_attention_layernorm
-        x, residual = fused.add_rmsnorm(self.attention_conv.finish(a, delta), residual, norm.weight, norm.eps)
+        x, residual = layer_ops.add_rmsnorm(self.attention_conv.finish(a, delta), residual, norm.weight, norm.eps)
         x, delta = self.mlp_conv.prepare(x)
         return self.mlp_conv.finish(self.mlp.forward_fused(x), delta), residual
 

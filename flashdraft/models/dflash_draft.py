@@ -11,19 +11,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch, layer_backend
+from flashdraft.kernels.dispatch import fused_enabled
 from flashdraft.models.dflash2 import CandidateSelector, ConvDecoderLayer
+from flashdraft.models.layers import Embedding, Linear, RMSNorm, linear
 from flashdraft.models.rope import RotaryTable, apply_rope
-from flashdraft.models.transformer import (
-    DecoderLayer,
-    Embedding,
-    Linear,
-    RMSNorm,
-    forward_layers_fused,
-    fused_enabled,
-    linear,
-    load_packed,
-    step_slots,
-)
+from flashdraft.models.transformer import DecoderLayer, forward_layers_fused, load_packed, step_slots
 from flashdraft.speculative.formats import DraftSpec
 
 # tensors some checkpoints carry that serving does not use
@@ -81,12 +73,12 @@ class DFlashDraftModel(nn.Module):
         """Context K/V for committed positions: K = rope(k_norm(k_proj(f))), V = v_proj(f) with
         f = hidden_norm(fc(taps)), for every layer, stored at batch.slot_mapping."""
         if fused_enabled(taps):
-            from flashdraft.models import fused
+            from flashdraft.kernels import layer_ops
 
-            f, _ = fused.add_rmsnorm(self.fc(taps), None, self.hidden_norm.weight, self.hidden_norm.eps)
+            f, _ = layer_ops.add_rmsnorm(self.fc(taps), None, self.hidden_norm.weight, self.hidden_norm.eps)
             kv = linear(f, self._ctx_kv_weight, self._ctx_kv_bias)
-            fused.context_kv_store(kv, positions, self.rope.cos, self.rope.sin, self._ctx_k_norm_weight,
-                                   self.layers[0].self_attn.k_norm.eps, kv_cache, step_slots(attn, batch))
+            layer_ops.context_kv_store(kv, positions, self.rope.cos, self.rope.sin, self._ctx_k_norm_weight,
+                                       self.layers[0].self_attn.k_norm.eps, kv_cache, step_slots(attn, batch))
             return
         f = self.hidden_norm(self.fc(taps))
         kv = F.linear(f, self._ctx_kv_weight, self._ctx_kv_bias)

@@ -30,6 +30,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from flashdraft import settings
+
 log = logging.getLogger(__name__)
 
 _LAYER_NAMES = {
@@ -50,12 +52,6 @@ SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss")
 # yarn fields of a gpt-oss file and the rope_parameters key each sets (None: read elsewhere)
 _YARN_FIELDS = {"type": None, "factor": "factor", "original_context_length": "original_max_position_embeddings",
                 "attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
-
-
-def cache_root() -> Path:
-    base = os.environ.get("FLASHDRAFT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "flashdraft")
-    return Path(base)
 
 
 def _file_key(path: Path) -> str:
@@ -93,7 +89,7 @@ def convert_gguf(path: str | os.PathLike, out_dir: Path | None = None) -> Path:
     from transformers import AutoConfig, AutoTokenizer
 
     path = Path(path)
-    out = out_dir or cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}"
+    out = out_dir or settings.cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}"
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
     reader = gguf.GGUFReader(str(path))

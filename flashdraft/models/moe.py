@@ -16,7 +16,7 @@ Experts are stored stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj
 gate_up_proj_bias [E, 2I] and down_proj_bias [E, H] when the family has them.
 
 On CPU the experts a step hits run one after another (transformers' loop). On the fused GPU path
-the routed rows are sorted by expert and go through grouped Triton GEMMs (models/moe_triton.py), with
+the routed rows are sorted by expert and go through grouped Triton GEMMs (kernels/moe_experts.py), with
 shapes fixed by the row count, so decode, verify and draft blocks replay inside CUDA graphs.
 
 Under tensor parallelism (models/parallel.py) each rank holds every expert's share of the intermediate size
@@ -24,7 +24,6 @@ and `tp`, which sums the layer's combined output over the ranks: one all-reduce 
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -32,9 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# the post-attention add_rmsnorm and the router GEMM as one kernel, the top-k in the gate_up kernel
-# (MoE.norm_forward_fused); FLASHDRAFT_ROUTE_IN_NORM=0: the separate kernels (A/B runs)
-ROUTE_IN_NORM = os.environ.get("FLASHDRAFT_ROUTE_IN_NORM", "1") != "0"
+from flashdraft import settings
+from flashdraft.models.layers import linear
 
 
 def is_moe_layer(cfg, i: int) -> bool:
@@ -101,14 +99,13 @@ class MoE(nn.Module):
         return out if ex.down_proj_bias is None else out + ex.down_proj_bias[e]
 
     def kernel_act(self) -> tuple | None:
-        """The gated activation as the Triton kernels name it (moe_triton.fused_moe), None if they lack it."""
+        """The gated activation as the Triton kernels name it (moe_experts.fused_moe), None if they lack it."""
         return ("silu",) if self.act is F.silu else None
 
     def route_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """route() on the fused path: the router GEMM (few-row Triton kernels; a split-K one leaves its
         parts to the top-k kernel, which adds them) and one top-k kernel."""
-        from flashdraft.models.moe_triton import route_topk
-        from flashdraft.models.transformer import linear
+        from flashdraft.kernels.moe_routing import route_topk
 
         return route_topk(linear(x, self.gate.weight, parts=True), self.top_k, True, self.norm_topk_prob, x.dtype)
 
@@ -119,27 +116,28 @@ class MoE(nn.Module):
     def norm_forward_fused(self, a: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer after attention on the fused path: (the k weighted expert outputs [T, k, H] for the next
         add_rmsnorm to sum, the new residual) from the attention output `a` (or its split-K parts), the
-        residual and the post-attention RMSNorm `norm`. Up to moe_triton.NORM_ROUTER_ROWS rows the add,
+        residual and the post-attention RMSNorm `norm`. Up to moe_routing.NORM_ROUTER_ROWS rows the add,
         norm and router GEMM are one kernel (norm_router) and, on the direct path, the top-k runs in the
         gate_up kernel: three launches where add_rmsnorm, router, top-k, gate_up and down were five."""
-        from flashdraft.models import fused, moe_triton
+        from flashdraft.kernels import layer_ops, moe_experts, moe_routing
 
         act = self.kernel_act()
         weight, bias, softmax_all, renorm = self.routing()
-        if act is None or not ROUTE_IN_NORM or not moe_triton.norm_router_fits(*residual.shape, weight.shape[0]):
-            x, residual = fused.add_rmsnorm(a, residual, norm.weight, norm.eps)
+        in_norm = act is not None and settings.ROUTE_IN_NORM
+        if not (in_norm and moe_routing.norm_router_fits(*residual.shape, weight.shape[0])):
+            x, residual = layer_ops.add_rmsnorm(a, residual, norm.weight, norm.eps)
             return self.forward_fused(x, slots=True), residual
-        x, residual, logits = moe_triton.norm_router(a, residual, norm.weight, norm.eps, weight, bias)
+        x, residual, logits = moe_routing.norm_router(a, residual, norm.weight, norm.eps, weight, bias)
         ex = self.experts
-        return self._summed(moe_triton.fused_moe(x, ex.gate_up_proj, ex.down_proj, None, None, act,
-                                                 ex.gate_up_proj_bias, ex.down_proj_bias, slots=self.tp is None,
-                                                 route=(logits, self.top_k, softmax_all, renorm))), residual
+        return self._summed(moe_experts.fused_moe(x, ex.gate_up_proj, ex.down_proj, None, None, act,
+                                                  ex.gate_up_proj_bias, ex.down_proj_bias, slots=self.tp is None,
+                                                  route=(logits, self.top_k, softmax_all, renorm))), residual
 
     def forward_fused(self, x: torch.Tensor, slots: bool = False) -> torch.Tensor:
         """The kernel path: [T, H], or with slots the k weighted expert outputs [T, k, H] for the next
-        fused.add_rmsnorm to sum (the torch fallback, and tensor parallelism, then still return [T, H]:
+        layer_ops.add_rmsnorm to sum (the torch fallback, and tensor parallelism, then still return [T, H]:
         the k outputs are joined before the all-reduce, which then moves [T, H] rather than [T, k, H])."""
-        from flashdraft.models.moe_triton import fused_moe
+        from flashdraft.kernels.moe_experts import fused_moe
 
         act = self.kernel_act()
         if act is None:
@@ -166,8 +164,7 @@ class GptOssMoE(MoE):
         return top.softmax(-1, dtype=top.dtype), idx
 
     def route_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from flashdraft.models.moe_triton import route_topk
-        from flashdraft.models.transformer import linear
+        from flashdraft.kernels.moe_routing import route_topk
 
         return route_topk(linear(x, self.router.weight, self.router.bias, parts=True), self.top_k, False, False,
                           x.dtype)

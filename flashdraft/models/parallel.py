@@ -34,16 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flashdraft.models.hybrid import (
-    HYBRID_MODEL_TYPES,
-    GatedAttention,
-    GatedDeltaNet,
-    HybridLM,
-    SharedExpertMoE,
-    text_config,
-)
+from flashdraft.models.gdn import GatedDeltaNet
+from flashdraft.models.hybrid import HYBRID_MODEL_TYPES, GatedAttention, HybridLM, SharedExpertMoE, text_config
+from flashdraft.models.layers import MLP, Embedding, Linear, linear
 from flashdraft.models.moe import MoE, is_moe_layer
-from flashdraft.models.transformer import MLP, DecoderLM, Embedding, Linear, linear
+from flashdraft.models.transformer import DecoderLM
 
 log = logging.getLogger(__name__)
 DENSE = ("llama", "mistral", "qwen2", "qwen3")

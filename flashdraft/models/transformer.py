@@ -8,161 +8,18 @@ packed into one matmul each."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch, layer_backend
+from flashdraft.kernels.dispatch import fused_enabled
+from flashdraft.models.layers import MLP, Embedding, Linear, RMSNorm, activation, linear
 from flashdraft.models.moe import GptOssMoE, MoE, gpt_oss_experts, is_moe_layer, stack_experts
 from flashdraft.models.rope import RotaryTable, apply_rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "gpt_oss")
-
-# The fused Triton kernels of flashdraft/models/fused.py (add+RMSNorm, q/k norm + RoPE + K/V store,
-# silu*mul) replace the elementwise torch ops: "auto" for CUDA activations when triton imports, "on"
-# also for CPU tensors under TRITON_INTERPRET=1 (tests), "off" never. No backward: never with grad.
-FUSED = os.environ.get("FLASHDRAFT_FUSED", "auto")
-_triton_ok: bool | None = None
-
-
-def fused_enabled(x: torch.Tensor) -> bool:
-    """Whether a forward over activations like `x` takes the fused path (see FUSED)."""
-    global _triton_ok
-    if FUSED == "off" or torch.is_grad_enabled():
-        return False
-    if FUSED not in ("auto", "on"):
-        raise ValueError(f"FLASHDRAFT_FUSED must be auto, on or off, got {FUSED!r}")
-    if FUSED == "auto" and x.device.type != "cuda":
-        return False
-    if _triton_ok is None:
-        try:
-            import flashdraft.models.fused  # noqa: F401
-            _triton_ok = True
-        except ImportError:
-            _triton_ok = False
-    if FUSED == "on" and not (_triton_ok and (x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")):
-        raise RuntimeError("FLASHDRAFT_FUSED=on needs triton and CUDA tensors (or TRITON_INTERPRET=1)")
-    return _triton_ok
-
-
-@contextlib.contextmanager
-def _switch(name: str, mode: str):
-    old, globals()[name] = globals()[name], mode
-    try:
-        yield
-    finally:
-        globals()[name] = old
-
-
-def fused_mode(mode: str):
-    """Temporarily set FUSED (tests, benchmarks). CUDA graphs keep the path they were captured with."""
-    return _switch("FUSED", mode)
-
-
-class Embedding(nn.Embedding):
-    """nn.Embedding; on the fused path the lookup is fused_tokens.embedding (one Triton kernel)."""
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if fused_enabled(self.weight):
-            from flashdraft.models import fused_tokens
-
-            return fused_tokens.embedding(ids, self.weight)
-        return super().forward(ids)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / RMS(x), the statistics in float32 at least, normalised x cast back to x's dtype
-    before the weight multiply (the result takes the promoted dtype of the two)."""
-    h = x.to(torch.promote_types(x.dtype, torch.float32))
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-# Few-row GEMMs (decode batches, verify and draft blocks: <= SKINNY_ROWS rows) on the Triton kernels
-# of flashdraft/models/skinny.py, which read the weights closer to the memory bandwidth than cuBLAS
-# does at these shapes: "auto" for CUDA activations in bf16/fp16 when triton imports, "triton" also
-# for CPU tensors under TRITON_INTERPRET=1 (tests), "cublas" never. No backward: never with grad.
-GEMM = os.environ.get("FLASHDRAFT_GEMM", "auto")
-# the most rows the few-row tiles take: 32; 64-256 (FLASHDRAFT_SKINNY_ROWS) only for sweeps and A/B runs:
-# with those tiles the shipped pair's 64-row verify blocks ran 9% slower than on cuBLAS (H200), which the
-# mid-row tiles below beat instead
-SKINNY_ROWS = int(os.environ.get("FLASHDRAFT_SKINNY_ROWS", "32"))
-if SKINNY_ROWS not in (32, 64, 128, 256):
-    raise ValueError(f"FLASHDRAFT_SKINNY_ROWS must be 32, 64, 128 or 256, got {SKINNY_ROWS}")
-
-
-# Blocks of SKINNY_ROWS + 1 to MID_ROWS rows (a small target's verify and draft blocks at concurrency 5-8:
-# SmolLM2's 64 rows of 8) take the Triton GEMMs too where skinny.mid_tiles has tiles for the weight's shape
-# (widths up to 1,024), cuBLAS elsewhere. FLASHDRAFT_MID_ROWS=32: never; 128: up to 128 (A/B runs: the
-# shipped pair's 128-row step graph at concurrency 16 took 1.318 ms against 1.145 on cuBLAS, H200).
-MID_ROWS = int(os.environ.get("FLASHDRAFT_MID_ROWS", "64"))
-if MID_ROWS not in (32, 64, 128):
-    raise ValueError(f"FLASHDRAFT_MID_ROWS must be 32, 64 or 128, got {MID_ROWS}")
-
-
-def skinny_enabled(x: torch.Tensor, weight: torch.Tensor | None = None, glu: bool = False) -> bool:
-    """Whether a 2-D activation `x` takes the few-row Triton GEMM (see GEMM); past SKINNY_ROWS rows
-    only with the weight given (its [gate; up] matrix for glu) and a shape skinny.mid_tiles takes."""
-    if GEMM not in ("auto", "triton", "cublas"):
-        raise ValueError(f"FLASHDRAFT_GEMM must be auto, triton or cublas, got {GEMM!r}")
-    most = max(SKINNY_ROWS, MID_ROWS)
-    if GEMM == "cublas" or torch.is_grad_enabled() or x.dim() != 2 or not 1 <= x.shape[0] <= most:
-        return False
-    if GEMM == "auto" and (x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16)):
-        return False
-    if GEMM == "triton" and x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    if not (fused_enabled(x) or GEMM == "triton"):
-        return False
-    if x.shape[0] <= SKINNY_ROWS:
-        return True
-    from flashdraft.models.skinny import mid_tiles
-
-    return weight is not None and mid_tiles(*weight.shape, glu) is not None
-
-
-def gemm_mode(mode: str):
-    """Temporarily set GEMM (tests, benchmarks). CUDA graphs keep the kernels they were captured with."""
-    return _switch("GEMM", mode)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           parts: bool = False) -> torch.Tensor:
-    """F.linear, except for few rows: on CUDA the Triton kernels of skinny.py (see GEMM), and for
-    2-64 rows on CPU (verify and draft blocks, small batches) W @ x^T, which MKL computes up to ~2x
-    faster than x @ W^T (SmolLM2 shapes, fp32, cache-cold weights: gate_up at 8 rows 0.62 against
-    0.88 ms, the 49k-row lm_head 10.8 against 21.3 ms); one row and long prefills gain nothing there.
-    parts: the result may come as a split-K GEMM's float32 parts [rows, P, out] (skinny_linear), for
-    a caller whose result goes straight into fused.add_rmsnorm (which adds them)."""
-    if skinny_enabled(x, weight):
-        from flashdraft.models.skinny import skinny_linear
-
-        return skinny_linear(x, weight, bias, parts=parts)
-    if x.device.type == "cpu" and x.dim() == 2 and 1 < x.shape[0] <= 64:
-        y = (weight @ x.T).T.contiguous()
-        return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
-
-
-class Linear(nn.Linear):
-    def forward(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor:
-        """parts: the result may be split-K parts, for an add_rmsnorm (see linear)."""
-        return linear(x, self.weight, self.bias, parts)
-
 
 class Attention(nn.Module):
     def __init__(self, cfg, qk_norm: bool, bias: bool, o_bias: bool = False, sinks: bool = False):
@@ -194,53 +51,14 @@ class Attention(nn.Module):
                       parts: bool = False):
         """One kernel for q/k norm, RoPE and the K/V store (the backend's store_kv is not called).
         parts: the o_proj's result may be split-K parts (see linear), for an add_rmsnorm."""
-        from flashdraft.models import fused
+        from flashdraft.kernels import layer_ops
 
         norm = self.q_norm is not None
-        q = fused.qk_norm_rope_store(self.qkv_proj(x), positions, rope.cos, rope.sin,
-                                     self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                                     self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch))
+        q = layer_ops.qk_norm_rope_store(self.qkv_proj(x), positions, rope.cos, rope.sin,
+                                         self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                                         self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch))
         o = attn.forward(q, k_cache, v_cache, batch, self.scale, self.sinks)
         return self.o_proj(o.reshape(-1, self.q_size), parts=parts)
-
-
-def activation(name: str):
-    """The gate activation `hidden_act` names, as transformers defines it (silu: F.silu)."""
-    if name == "silu":
-        return F.silu
-    from transformers.activations import ACT2FN
-
-    if name not in ACT2FN:
-        raise ValueError(f"unsupported hidden_act {name!r}")
-    return ACT2FN[name]
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False):
-        super().__init__()
-        self.inter = inter
-        self.act_name = act
-        self.act = activation(act)
-        self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias)
-        self.down_proj = Linear(inter, hidden, bias=bias)
-
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(self.act(gate) * up)
-
-    def forward_fused(self, x, parts: bool = False):
-        """parts: the down projection's result may be split-K parts (see linear), for an add_rmsnorm."""
-        from flashdraft.models import fused
-
-        if self.act_name != "silu":  # the fused kernels compute silu
-            return self.forward(x)
-        if skinny_enabled(x, self.gate_up_proj.weight, glu=True) and self.gate_up_proj.bias is None:  # silu * up
-            from flashdraft.models.skinny import skinny_linear
-
-            h = skinny_linear(x, self.gate_up_proj.weight, glu=True)
-        else:
-            h = fused.silu_mul(self.gate_up_proj(x))
-        return self.down_proj(h, parts=parts)
 
 
 class DecoderLayer(nn.Module):
@@ -267,13 +85,13 @@ class DecoderLayer(nn.Module):
         """x: this layer's input_layernorm output; residual: the stream it was taken from. Returns
         (mlp output, residual): the layer's output is their sum, which the next add_rmsnorm forms (the
         mlp output may be parts it adds first: a split-K GEMM's, a MoE's experts')."""
-        from flashdraft.models import fused
+        from flashdraft.kernels import layer_ops
 
         a = self.self_attn.forward_fused(x, positions, rope, k_cache, v_cache, attn, batch, parts=True)
         norm = self.post_attention_layernorm
         if isinstance(self.mlp, MoE):  # its k expert outputs, summed by the next add_rmsnorm
             return self.mlp.norm_forward_fused(a, residual, norm)
-        x, residual = fused.add_rmsnorm(a, residual, norm.weight, norm.eps)
+        x, residual = layer_ops.add_rmsnorm(a, residual, norm.weight, norm.eps)
         return self.mlp.forward_fused(x, parts=True), residual
 
 
@@ -288,17 +106,17 @@ def forward_layers_fused(layers, h, positions, rope: RotaryTable, kv_cache, attn
     """The fused path of a layer stack: every residual add is folded into the next RMSNorm, the
     last into `final_norm`. Returns final_norm(output) and {i: output of layer i} for tap_layers,
     the last layer's final-normed (HF's last hidden_states entry, as DFlash drafters read it)."""
-    from flashdraft.models import fused
+    from flashdraft.kernels import layer_ops
 
     x, residual, taps = h, None, {}
     for i, layer in enumerate(layers):
         ln = layer.input_layernorm
-        x, residual = fused.add_rmsnorm(x, residual, ln.weight, ln.eps)
+        x, residual = layer_ops.add_rmsnorm(x, residual, ln.weight, ln.eps)
         if i > 0 and i - 1 in tap_layers:
             taps[i - 1] = residual
         x, residual = layer.forward_fused(x, residual, positions, rope, kv_cache[i][0], kv_cache[i][1],
                                           layer_backend(attn, i), batch)
-    out, residual = fused.add_rmsnorm(x, residual, final_norm.weight, final_norm.eps)
+    out, residual = layer_ops.add_rmsnorm(x, residual, final_norm.weight, final_norm.eps)
     if len(layers) - 1 in tap_layers:
         taps[len(layers) - 1] = out
     return out, taps

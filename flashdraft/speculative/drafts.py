@@ -142,5 +142,5 @@ class DraftTokens:
         cand = cols if token_ids is None else token_ids[cols]
         build = build_trees
         if use_kernels(logp):  # one kernel instead of ~70 small ones (GPU only: Triton)
-            from flashdraft.speculative.tree_triton import build_trees as build
+            from flashdraft.kernels.tree_ops import build_trees as build
         return build(logp.view(n, k, -1), cand.view(n, k, -1), size)

@@ -28,7 +28,7 @@ from flashdraft.engine.model_runner import WARM_ROWS, ModelRunner
 from flashdraft.engine.pipeline import InFlight
 from flashdraft.engine.sampler import greedy_tokens
 from flashdraft.engine.sequence import Sequence
-from flashdraft.models.transformer import fused_enabled
+from flashdraft.kernels.dispatch import fused_enabled
 from flashdraft.speculative.drafts import DraftTokens
 from flashdraft.speculative.plan import Plan, Verified
 from flashdraft.speculative.verify import accepted_lengths
@@ -76,11 +76,11 @@ def derive_slots(g: StepGraph, kernel: bool = False) -> None:
     """Every block row's cache slot from its position and its sequence's block table (rows of
     sequences without rows: -1, not stored): what the host fills, derived in the graph, so that
     a step launched ahead needs only its positions and tables. kernel: in one kernel
-    (fused_tokens.block_slots) on the fused path, instead of ~10 torch ops (H200, the shipped pair's
+    (token_ops.block_slots) on the fused path, instead of ~10 torch ops (H200, the shipped pair's
     chain step graph 0.851 -> 0.839 ms at c=1, 1.000 -> 0.979 ms at c=8)."""
     m, bs, seq = g.meta, g.meta.block_size, g.buffers.row_seq
     if kernel and fused_enabled(g.positions):  # (GPU only: Triton)
-        from flashdraft.models.fused_tokens import block_slots
+        from flashdraft.kernels.token_ops import block_slots
 
         block_slots(g.positions, m.seq_lens, m.block_tables, bs, m.slot_mapping)
         return
@@ -107,7 +107,7 @@ class StepGraphs:
         """Compile every kernel variant eager steps use, then capture the step's graphs (capture)."""
         runner, drafter, dev = self.runner, self.drafts.drafter, self.runner.device
         if runner.backend_name == "triton" and dev.type == "cuda":  # ragged steps draft eagerly (GPU only)
-            from flashdraft.attention.triton_paged import compile_variants
+            from flashdraft.kernels.attention import compile_variants
 
             c = drafter.config
             for causal, window in dict.fromkeys(drafter.spec.layer_masks or [(False, None)]):
@@ -280,7 +280,7 @@ class StepGraphs:
         drafts, the target's tokens toks [n, k+1]: each block starts one past the accepted drafts, its
         first token the target's token there; sequences without rows (length 0) keep theirs."""
         if fused_enabled(toks):  # (GPU only: Triton)
-            from flashdraft.models.fused_tokens import advance_blocks
+            from flashdraft.kernels.token_ops import advance_blocks
 
             advance_blocks(g.positions, g.input_ids, g.meta.seq_lens, toks, acc=acc)
             return
@@ -364,7 +364,7 @@ class StepGraphs:
         toks = greedy_tokens(self.runner.model.compute_logits(hidden, float32=False)).view(S, b.rows)
         drafts, out = b.ids.view(S, b.rows)[:, 1:], b.outcome
         if fused_enabled(toks):  # count, outcome and next blocks in one kernel (GPU only: Triton)
-            from flashdraft.models.fused_tokens import advance_blocks
+            from flashdraft.kernels.token_ops import advance_blocks
 
             advance_blocks(g.positions, g.input_ids, g.meta.seq_lens, toks, drafts=drafts, outcome=out)
             return

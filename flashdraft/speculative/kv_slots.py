@@ -30,9 +30,9 @@ def copy_slots(caches, src: torch.Tensor, dst: torch.Tensor) -> None:
 def move_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                kernel: bool = False) -> None:
     """Every layer's K/V from slots src to slots dst: src, dst [S, D] per request (-1: none) through
-    tree_triton.move_slots when kernel, else flat slot lists through copy_slots."""
+    tree_ops.move_slots when kernel, else flat slot lists through copy_slots."""
     if kernel:
-        from flashdraft.speculative.tree_triton import move_slots
+        from flashdraft.kernels.tree_ops import move_slots
 
         move_slots(k_cache, v_cache, src, dst)
     else:

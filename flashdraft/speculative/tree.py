@@ -21,17 +21,14 @@ one accepted path exists; the request commits the target's tokens along it, bonu
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from flashdraft.models.transformer import fused_enabled
+from flashdraft import settings
+from flashdraft.kernels.dispatch import fused_enabled
 
 MAX_TREE_SIZE = 63  # rows 0..63 of a verify block fit one int64 ancestor mask
-# FLASHDRAFT_TREE_KERNELS=auto (default): on the fused GPU path, trees are built, accepted and their K/V
-# moved by the Triton kernels of speculative/tree_triton.py; off: by the torch ops below everywhere.
-KERNELS = os.environ.get("FLASHDRAFT_TREE_KERNELS", "auto")
 
 
 @dataclass
@@ -58,10 +55,12 @@ class Trees:
 
 
 def use_kernels(x: torch.Tensor) -> bool:
-    """Whether tree work over tensors like `x` runs in speculative/tree_triton.py's kernels (see KERNELS)."""
-    if KERNELS not in ("auto", "off"):
-        raise ValueError(f"FLASHDRAFT_TREE_KERNELS must be auto or off, got {KERNELS!r}")
-    return KERNELS == "auto" and fused_enabled(x)
+    """Whether tree work over tensors like `x` runs in kernels/tree_ops.py's kernels (see
+    settings.TREE_KERNELS; off: the torch ops of this module)."""
+    mode = settings.TREE_KERNELS
+    if mode not in ("auto", "off"):
+        raise ValueError(f"FLASHDRAFT_TREE_KERNELS must be auto or off, got {mode!r}")
+    return mode == "auto" and fused_enabled(x)
 
 
 def build_trees(logp: torch.Tensor, tokens: torch.Tensor, size: int) -> Trees:
@@ -145,7 +144,7 @@ def accept(trees: Trees, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def path_moves(path: torch.Tensor, a: torch.Tensor, start: torch.Tensor, block_tables: torch.Tensor,
                page: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The K/V moves of the accepted rows, as tree_triton.accept_paths computes them: the row at depth
+    """The K/V moves of the accepted rows, as tree_ops.accept_paths computes them: the row at depth
     d (1 <= d <= a) lies at the slot of position start + path[d] and belongs at start + d. Returns
     (from slot, to slot) [S, D], -1 where nothing moves (past a, a row already in place, or start < 0:
     a padding request)."""

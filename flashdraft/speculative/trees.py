@@ -5,7 +5,7 @@ highest summed log-probability over the block's slot distributions, in one targe
 sits at position start + depth and sees the context and its ancestors' rows. The target's own token
 picks, row by row, the child that continues the accepted path (the chain's rule), so the output is
 plain decoding's; the accepted rows' K/V then move to their positions' slots. On the fused GPU path a
-greedy tree step's construction, acceptance and K/V moves run inside its graph (speculative/tree_triton.py).
+greedy tree step's construction, acceptance and K/V moves run inside its graph (kernels/tree_ops.py).
 A whole step launched from its graph stays on the device: its outcome reads as a chain's, the tokens
 along each accepted path.
 """
@@ -127,7 +127,7 @@ class TreeVerifier:
                                               b.meta.tree_mask)
             target = toks.view(n, N1)
             if use_kernels(target):  # (GPU only: Triton)
-                from flashdraft.speculative.tree_triton import accept_paths
+                from flashdraft.kernels.tree_ops import accept_paths
 
                 a, path, committed, src, dst = accept_paths(trees, target, start, m.block_tables[:n], m.block_size)
                 self.move_rows(src, dst, kernel=True)
@@ -181,7 +181,7 @@ class TreeVerifier:
     # ---- K/V moves of the accepted rows ---------------------------------------------------------
     def move_rows(self, src: torch.Tensor, dst: torch.Tensor, kernel: bool = False) -> None:
         """Every target and draft layer's K/V from slots src to slots dst (kv_slots.move_rows: [S, D] per
-        request, -1 none, in speculative/tree_triton.py's kernel when kernel; else flat slot lists)."""
+        request, -1 none, in kernels/tree_ops.py's kernel when kernel; else flat slot lists)."""
         self.ctx.runner.move_kv(src, dst, kernel)
         move_rows(self.context.k_cache, self.context.v_cache, src, dst, kernel)
 
@@ -236,9 +236,9 @@ class TreeVerifier:
         kernels = use_kernels(g.positions)
         derive_slots(g, kernels)  # the draft block's slots (a step launched ahead fills only its tables)
         if kernels:  # one kernel for the verify's metadata, one for its rows (below), instead of ~30 ops
-            from flashdraft.speculative import tree_triton  # (GPU only: Triton)
+            from flashdraft.kernels import tree_ops  # (GPU only: Triton)
 
-            first = tree_triton.verify_meta(m.seq_lens, m.block_tables, m.block_size, B, N1, vm.slot_mapping,
+            first = tree_ops.verify_meta(m.seq_lens, m.block_tables, m.block_size, B, N1, vm.slot_mapping,
                                             vm.seq_lens, vm.query_start_loc)  # -1: a padding request
         else:
             real = m.seq_lens > 0
@@ -254,7 +254,7 @@ class TreeVerifier:
         trees = self.drafts.trees(hidden, S, self.size, draw)
         ids, pos = b.ids.view(S, N1), b.positions.view(S, N1)
         if kernels:
-            tree_triton.verify_rows(g.input_ids, B, first, trees, ids, pos, vm.tree_mask)
+            tree_ops.verify_rows(g.input_ids, B, first, trees, ids, pos, vm.tree_mask)
         else:
             ids[:, 0] = g.input_ids.view(S, B)[:, 0]
             ids[:, 1:] = trees.tokens
@@ -272,7 +272,7 @@ class TreeVerifier:
             a, path = accept(trees, target)
             return result + (a, path, target.gather(1, path))
         # the acceptance and the accepted rows' K/V moves in the graph too (padding requests move nothing)
-        from flashdraft.speculative.tree_triton import accept_paths  # (GPU only: Triton)
+        from flashdraft.kernels.tree_ops import accept_paths  # (GPU only: Triton)
 
         a, path, committed, src, dst = accept_paths(trees, target, first, m.block_tables, m.block_size)
         self.move_rows(src, dst, kernel=True)

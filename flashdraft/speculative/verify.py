@@ -12,17 +12,17 @@ import torch
 from flashdraft.engine.graphs import to_device
 from flashdraft.engine.logits import Seen, StepLogprobs, choose, prompt_logprobs
 from flashdraft.engine.pipeline import StepContext
-from flashdraft.models.transformer import fused_enabled
+from flashdraft.kernels.dispatch import fused_enabled
 from flashdraft.speculative.plan import Plan
 
 
 def accepted_lengths(drafts: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """drafts [S, k], target [S, k+1] -> a [S]: number of leading drafts that match. On the
-    fused GPU path one Triton kernel (fused_tokens.accepted_lengths), else four torch ops."""
+    fused GPU path one Triton kernel (token_ops.accepted_lengths), else four torch ops."""
     if drafts.numel() and fused_enabled(drafts):
-        from flashdraft.models import fused_tokens
+        from flashdraft.kernels import token_ops
 
-        return fused_tokens.accepted_lengths(drafts, target)
+        return token_ops.accepted_lengths(drafts, target)
     match = (drafts == target[:, :-1]).to(torch.int64)
     return match.cumprod(dim=1).sum(dim=1)
 

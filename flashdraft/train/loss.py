@@ -14,15 +14,15 @@ What slot k is scored against (`labels`):
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flashdraft import settings
 from flashdraft.models.dflash_draft import DFlashDraftModel
+from flashdraft.models.layers import rms_norm
 from flashdraft.models.rope import apply_rope
-from flashdraft.models.transformer import rms_norm
 
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 LABELS = ("data", "argmax", "kl")
@@ -81,14 +81,7 @@ def key_groups(anchors: torch.Tensor, groups: int) -> list[tuple[int, int, int]]
     return [(g, min(g + size, n), max(1, max(ends[g: g + size]))) for g in range(0, n, size)]
 
 
-# The drafter's norms and RoPE run in float32 (as at inference) between bf16 matmuls: eagerly that is
-# a dozen float32 passes over every q/k row and their backward, most of a training step's GPU time
-# after the matmuls (a profile of the step, docs/performance.md section 7). Compiled, each norm
-# (+ RoPE) is one kernel forward and one backward with the same float32 arithmetic. "auto": compiled
-# for CUDA tensors.
-COMPILE = os.environ.get("FLASHDRAFT_TRAIN_COMPILE", "auto")
-
-
+# the norms and RoPE, compiled where settings.TRAIN_COMPILE asks (the why is written there)
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as the model computes it, returned in x's dtype: the dtype autocast would cast it to
     for the next matmul."""
@@ -104,10 +97,11 @@ _compiled: dict = {}
 
 
 def _compiling(like: torch.Tensor) -> bool:
-    """Whether COMPILE asks for the compiled functions for tensors like `like`."""
-    if COMPILE not in ("auto", "1", "0"):
-        raise ValueError(f"FLASHDRAFT_TRAIN_COMPILE must be auto, 1 or 0, got {COMPILE!r}")
-    return COMPILE == "1" or (COMPILE == "auto" and like.device.type == "cuda")
+    """Whether settings.TRAIN_COMPILE asks for the compiled functions for tensors like `like`."""
+    mode = settings.TRAIN_COMPILE
+    if mode not in ("auto", "1", "0"):
+        raise ValueError(f"FLASHDRAFT_TRAIN_COMPILE must be auto, 1 or 0, got {mode!r}")
+    return mode == "1" or (mode == "auto" and like.device.type == "cuda")
 
 
 def _fn(name: str, eager, like: torch.Tensor):

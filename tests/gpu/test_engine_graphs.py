@@ -224,11 +224,10 @@ def test_serving_compiles_no_kernel_after_start(tiny_llama, tmp_path):
     from fixtures import build_random_drafter
 
     from flashdraft import LLM, SamplingParams
-    from flashdraft.attention import triton_paged
-    from flashdraft.models import fused, skinny
+    from flashdraft.kernels import attention, attention_splits, layer_ops, skinny_gemm
 
-    kernels = {name: fn for mod in (triton_paged, fused, skinny) for name, fn in vars(mod).items()
-               if isinstance(fn, triton.runtime.jit.JITFunction)}
+    kernels = {name: fn for mod in (attention, attention_splits, layer_ops, skinny_gemm)
+               for name, fn in vars(mod).items() if isinstance(fn, triton.runtime.jit.JITFunction)}
 
     def variants() -> dict[str, int]:
         return {name: sum(len(c[0]) for c in fn.device_caches.values()) for name, fn in kernels.items()}
@@ -332,15 +331,16 @@ def test_fused_moe_layers_through_graphs(tmp_path, kind, monkeypatch):
     eager torch engine's tokens and acceptance (float32)."""
     from fixtures import build_tiny_model
 
-    from flashdraft.models import moe_triton, transformer
+    from flashdraft import settings
+    from flashdraft.kernels import moe_routing
 
-    routed, real = [], moe_triton.norm_router
-    monkeypatch.setattr(moe_triton, "norm_router", lambda *a, **k: routed.append(1) or real(*a, **k))
+    routed, real = [], moe_routing.norm_router
+    monkeypatch.setattr(moe_routing, "norm_router", lambda *a, **k: routed.append(1) or real(*a, **k))
     experts = {"num_experts": 64} if kind == "moe" else {"num_local_experts": 64}  # decode and verify rows direct
     target = build_tiny_model(tmp_path / "t", "qwen3_moe" if kind == "moe" else "gpt_oss", **experts)
 
     def prepare(llm):  # the fused layers switched on after the eager reference ran (CUDA-only by default)
-        monkeypatch.setattr(transformer, "FUSED", "on")
+        monkeypatch.setattr(settings, "FUSED", "on")
         _graphs_on(llm)
 
     _triton_engine_matches_eager_torch(tmp_path, target, True, prepare)
@@ -375,14 +375,14 @@ def test_hybrid_prefill_by_the_chunked_kernel(tmp_path, monkeypatch):
     beside decode and verify rows: the eager torch engine's tokens and acceptance counts (float32)."""
     from fixtures import build_tiny_model
 
-    from flashdraft.models import gdn_triton
+    from flashdraft.kernels import gdn_ops
 
-    if not gdn_triton.chunked_available(torch.device(DEVICE)):
+    if not gdn_ops.chunked_available(torch.device(DEVICE)):
         pytest.skip("fla-core is not installed")
-    monkeypatch.setattr(gdn_triton, "CHUNKED_MIN_ROWS", 8)
+    monkeypatch.setattr(gdn_ops, "CHUNKED_MIN_ROWS", 8)
     calls = []
-    real = gdn_triton.chunked
-    monkeypatch.setattr(gdn_triton, "chunked", lambda *a, **k: calls.append(a[6]) or real(*a, **k))
+    real = gdn_ops.chunked
+    monkeypatch.setattr(gdn_ops, "chunked", lambda *a, **k: calls.append(a[6]) or real(*a, **k))
     _triton_engine_matches_eager_torch(tmp_path, build_tiny_model(tmp_path / "t", "qwen3_5_text"), True, _graphs_on)
     assert any(31 in spans.cu_cpu.diff().tolist() for spans in calls)
 

@@ -1,4 +1,4 @@
-"""The fused Triton kernels of flashdraft/models/fused.py against the torch path they replace:
+"""The fused Triton kernels of kernels/layer_ops.py against the torch path they replace:
 add + RMSNorm, q/k norm + RoPE + paged K/V store (Llama without q/k norm, Qwen3 with; head_dim 64
 and 128; GQA; scaled rope tables; slot -1 rows), silu * mul, the DFlash context write (stacked and
 separate caches); whole model forwards (hidden, taps, caches); the engine end to end (greedy
@@ -25,10 +25,12 @@ from fixtures import tiny_config  # noqa: E402
 
 from flashdraft.attention.base import AttentionBatch  # noqa: E402
 from flashdraft.attention.torch_ref import TorchAttention  # noqa: E402
-from flashdraft.models import fused, fused_tokens, transformer  # noqa: E402
+from flashdraft.kernels import layer_ops, token_ops  # noqa: E402
+from flashdraft.kernels.dispatch import fused_enabled, fused_mode  # noqa: E402
 from flashdraft.models.dflash_draft import DFlashDraftModel  # noqa: E402
+from flashdraft.models.layers import MLP, Embedding, RMSNorm  # noqa: E402
 from flashdraft.models.rope import RotaryTable, apply_rope  # noqa: E402
-from flashdraft.models.transformer import MLP, DecoderLM, RMSNorm, fused_mode  # noqa: E402
+from flashdraft.models.transformer import DecoderLM  # noqa: E402
 from flashdraft.speculative.formats import DraftSpec  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -57,7 +59,7 @@ def test_add_rmsnorm(rows, n, with_residual, dtype):
     with torch.no_grad():
         want_res = x + res if with_residual else x
         want = norm(want_res)
-    out, new_res = fused.add_rmsnorm(x, res if with_residual else None, norm.weight, norm.eps)
+    out, new_res = layer_ops.add_rmsnorm(x, res if with_residual else None, norm.weight, norm.eps)
     assert out.dtype == want.dtype and out.shape == want.shape and new_res.shape == x.shape
     close(new_res, want_res, dtype, "residual")
     close(out, want, dtype, "normed")
@@ -79,7 +81,7 @@ def test_add_offset_rmsnorm(rows, n, with_residual, dtype):
     with torch.no_grad():
         want_res = x + res if with_residual else x
         want = norm(want_res)
-    out, new_res = fused.add_rmsnorm(x, res if with_residual else None, norm.weight, norm.eps, offset=True)
+    out, new_res = layer_ops.add_rmsnorm(x, res if with_residual else None, norm.weight, norm.eps, offset=True)
     assert out.dtype == want.dtype and out.shape == want.shape
     close(new_res, want_res, dtype, "residual")
     close(out, want, dtype, "normed")
@@ -88,22 +90,22 @@ def test_add_offset_rmsnorm(rows, n, with_residual, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape,dim", [((1,), 64), ((16,), 4096), ((3, 5), 100), ((0,), 64), ((2,), 2500)])
 def test_embedding(shape, dim, dtype):
-    """fused_tokens.embedding against nn.Embedding: exact copies of the rows, ids of any shape (int32 or
+    """token_ops.embedding against nn.Embedding: exact copies of the rows, ids of any shape (int32 or
     int64), the module switch routing through it."""
     g = torch.Generator().manual_seed(dim)
-    emb = transformer.Embedding(777, dim).to(DEVICE, dtype)
+    emb = Embedding(777, dim).to(DEVICE, dtype)
     with torch.no_grad():
         emb.weight.copy_(randn(777, dim, dtype=dtype, gen=g))
     ids = torch.randint(0, 777, shape, generator=g).to(DEVICE)
     ids[..., :1] = 776  # the last row too
     want = torch.nn.functional.embedding(ids, emb.weight)
     for t in (ids, ids.to(torch.int32)):
-        got = fused_tokens.embedding(t, emb.weight)
+        got = token_ops.embedding(t, emb.weight)
         assert got.shape == (*shape, dim) and got.dtype == dtype and torch.equal(got, want)
     with fused_mode("on"), torch.no_grad():
         assert torch.equal(emb(ids), want)
     with pytest.raises(ValueError, match="embedding table"):
-        fused_tokens.embedding(ids, emb.weight.t())
+        token_ops.embedding(ids, emb.weight.t())
 
 
 QK_CASES = {  # (model kind -> rope table and q/k norm, head_dim, heads, kv heads)
@@ -149,7 +151,7 @@ def test_qk_norm_rope_store(case, T, dtype):
         TorchAttention().store_kv(want_kc, want_vc, k[keep], v[keep], AttentionBatch(slot_mapping[keep], [], [], [],
                                                                                      page))
     got_kc, got_vc = kc.clone(), vc.clone()
-    got_q = fused.qk_norm_rope_store(qkv, positions, rope.cos, rope.sin, q_norm.weight if qk_norm else None,
+    got_q = layer_ops.qk_norm_rope_store(qkv, positions, rope.cos, rope.sin, q_norm.weight if qk_norm else None,
                                      k_norm.weight if qk_norm else None, 1e-6, got_kc, got_vc, slot_mapping)
     assert got_q.shape == (T, H, hd)
     close(got_q, want_q, dtype, "q")
@@ -204,7 +206,7 @@ def test_silu_mul(T, inter, dtype):
     x = randn(T, 2 * inter, dtype=dtype, gen=g, scale=3.0)
     gate, up = x.split(inter, dim=-1)
     want = torch.nn.functional.silu(gate) * up
-    got = fused.silu_mul(x)
+    got = layer_ops.silu_mul(x)
     assert got.shape == (T, inter) and mlp.inter == inter
     close(got, want, dtype, "silu_mul")
 
@@ -255,18 +257,18 @@ def test_context_write(hd, dtype, stacked):
 
     want_k, want_v = run("off")
     launches = []
-    kernel = fused._context_kv_kernel
+    kernel = layer_ops._context_kv_kernel
 
     class Counted:
         def __getitem__(self, grid):
             launches.append(grid)
             return kernel[grid]
 
-    fused._context_kv_kernel = Counted()
+    layer_ops._context_kv_kernel = Counted()
     try:
         got_k, got_v = run("on")
     finally:
-        fused._context_kv_kernel = kernel
+        layer_ops._context_kv_kernel = kernel
     assert len(launches) == (1 if stacked else L)
     close(got_k, want_k, dtype, "k caches")
     close(got_v, want_v, dtype, "v caches")
@@ -324,7 +326,7 @@ def test_drafter_blocks_match_torch_path(kind):
     from dataclasses import replace
 
     from flashdraft.attention.base import LayerMasks
-    from flashdraft.attention.triton_paged import TritonAttention
+    from flashdraft.attention.triton_backend import TritonAttention
 
     base = random_drafter().spec
     spec = replace(base, conv=(2, 16), selector=(8, 5)) if kind == "dflash2" else \
@@ -361,13 +363,13 @@ def test_switch():
     x = torch.zeros(2, device=DEVICE)
     with torch.inference_mode():
         with fused_mode("auto"):
-            assert transformer.fused_enabled(x) == (DEVICE.type == "cuda")
+            assert fused_enabled(x) == (DEVICE.type == "cuda")
         with fused_mode("off"):
-            assert not transformer.fused_enabled(x)
+            assert not fused_enabled(x)
         with fused_mode("on"):
-            assert transformer.fused_enabled(x)
+            assert fused_enabled(x)
     with fused_mode("on"):
-        assert not transformer.fused_enabled(x)  # grad enabled
+        assert not fused_enabled(x)  # grad enabled
 
 
 @pytest.mark.parametrize("with_drafter,graphs,backend", [(False, False, "triton"), (True, False, "torch"),
@@ -414,7 +416,7 @@ def test_engine_tokens_match_torch_path(tiny_qwen3, tmp_path, monkeypatch, with_
         return counted
 
     for name in ("add_rmsnorm", "qk_norm_rope_store", "silu_mul", "context_kv_store"):
-        monkeypatch.setattr(fused, name, counting(name, getattr(fused, name)))
+        monkeypatch.setattr(layer_ops, name, counting(name, getattr(layer_ops, name)))
     with fused_mode("on"):
         llm = LLM(str(tiny_qwen3), attention_backend=backend, **kw)
         llm.engine.runner.use_graphs = graphs  # on CPU the graph runner replays eagerly over its buffers
@@ -432,7 +434,7 @@ def test_engine_tokens_match_torch_path(tiny_qwen3, tmp_path, monkeypatch, with_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,n", [(1, 100), (16, 5000), (3, 2048), (2, 4097)])
 def test_argmax(rows, n, dtype):
-    """fused_tokens.argmax against torch.argmax: ties (bf16 has many) to the lowest index, rows whose
+    """token_ops.argmax against torch.argmax: ties (bf16 has many) to the lowest index, rows whose
     maximum sits in the first, a middle or the last entry; the sampler's greedy path through it."""
     from flashdraft.engine.sampler import greedy_tokens
 
@@ -443,17 +445,17 @@ def test_argmax(rows, n, dtype):
     if rows > 1:
         x[1, 0] = 100.0
     want = x.argmax(-1)
-    assert torch.equal(fused_tokens.argmax(x), want)
-    assert torch.equal(fused_tokens.argmax(x.t().contiguous().t()), want)  # strided rows
+    assert torch.equal(token_ops.argmax(x), want)
+    assert torch.equal(token_ops.argmax(x.t().contiguous().t()), want)  # strided rows
     with fused_mode("on"):
         assert torch.equal(greedy_tokens(x.view(rows, 1, n)), want.view(rows, 1))
     with pytest.raises(ValueError, match="argmax takes"):
-        fused_tokens.argmax(x.view(-1))
+        token_ops.argmax(x.view(-1))
 
 
 @pytest.mark.parametrize("rows,n,k", [(7, 49152, 15), (3, 2049, 7), (2, 300, 15), (1, 5, 5), (4, 151936, 3)])
 def test_topk_log_softmax(rows, n, k):
-    """fused_tokens.topk_log_softmax against torch's log_softmax + topk in float64: the same
+    """token_ops.topk_log_softmax against torch's log_softmax + topk in float64: the same
     log-probabilities, the same columns where values differ, ties to the lower column (the largest
     value twice in row 0, once at a part's edge), values spanning a part boundary; the tree
     sampler's candidates through it."""
@@ -466,7 +468,7 @@ def test_topk_log_softmax(rows, n, k):
     x[0, min(n - 1, 2047) - 1] = top  # a tie: the lower column first
     x32 = x.float().to(DEVICE)
     want_lp, want_ix = x.float().double().log_softmax(-1).topk(k)
-    lp, ix = fused_tokens.topk_log_softmax(x32, k)
+    lp, ix = token_ops.topk_log_softmax(x32, k)
     assert lp.dtype == torch.float32 and ix.dtype == torch.int64 and lp.shape == ix.shape == (rows, k)
     torch.testing.assert_close(lp.double().cpu(), want_lp, atol=2e-5, rtol=0)
     assert torch.equal(x32.cpu().gather(1, ix.cpu()), x.float().gather(1, want_ix))  # the same values, in order
@@ -476,12 +478,12 @@ def test_topk_log_softmax(rows, n, k):
         c_lp, c_ix = draw_candidates(x32, k)
     assert torch.equal(c_ix, ix) and torch.equal(c_lp, lp)
     with pytest.raises(ValueError, match="topk_log_softmax takes"):
-        fused_tokens.topk_log_softmax(x32, n + 1)
+        token_ops.topk_log_softmax(x32, n + 1)
 
 
 @pytest.mark.parametrize("lens", [[13, 40, 9], [21, 0, 0, 0], [8]])
 def test_block_slots(lens):
-    """fused_tokens.block_slots against graphed.py's torch ops: each draft-block row's slot from its
+    """token_ops.block_slots against graphed.py's torch ops: each draft-block row's slot from its
     position and its request's block table, -1 for the rows of requests without rows."""
     B, page, S = 8, 4, len(lens)
     g = torch.Generator().manual_seed(sum(lens))
@@ -492,14 +494,14 @@ def test_block_slots(lens):
     page_of = tables[seq, positions // page].long()
     want = torch.where(seq_lens[seq] > 0, page_of * page + positions % page, -1)
     out = torch.full((S * B,), 99, dtype=torch.long, device=DEVICE)
-    fused_tokens.block_slots(positions, seq_lens, tables, page, out)
+    token_ops.block_slots(positions, seq_lens, tables, page, out)
     assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("k1", [8, 4])
 @pytest.mark.parametrize("count", [True, False])
 def test_advance_blocks(k1, count):
-    """fused_tokens.advance_blocks against the rule written out per request: a live request's block
+    """token_ops.advance_blocks against the rule written out per request: a live request's block
     starts one past its accepted drafts (its positions, its length = start + B), its first id the
     target's token at that row, the other ids untouched; a request without rows (length 0) keeps
     everything; counting from the drafts, the outcome holds the counts, then every target token."""
@@ -525,12 +527,12 @@ def test_advance_blocks(k1, count):
     if count:
         rows = torch.cat([ids.view(S, B)[:, :1], drafts], 1).to(DEVICE)  # a verify's input: the drafts a view
         outcome = torch.full((S + S * k1,), -7, dtype=torch.long, device=DEVICE)
-        fused_tokens.advance_blocks(pos_d, ids_d, lens_d, toks.to(DEVICE), drafts=rows[:, 1:], outcome=outcome)
+        token_ops.advance_blocks(pos_d, ids_d, lens_d, toks.to(DEVICE), drafts=rows[:, 1:], outcome=outcome)
         assert outcome[:S].tolist() == want_acc
         assert torch.equal(outcome[S:].cpu(), toks.flatten())
     else:
         acc = torch.tensor(want_acc, device=DEVICE)
-        fused_tokens.advance_blocks(pos_d, ids_d, lens_d, toks.to(DEVICE), acc=acc)
+        token_ops.advance_blocks(pos_d, ids_d, lens_d, toks.to(DEVICE), acc=acc)
     assert torch.equal(pos_d.cpu(), want_pos) and torch.equal(ids_d.cpu(), want_ids)
     assert torch.equal(lens_d.cpu(), want_lens)
 
@@ -552,8 +554,8 @@ def test_graphed_chain_steps_advance_blocks_in_the_kernel(tiny_llama, tmp_path, 
     kw = dict(device="cpu", dtype="float32", attention_backend="torch", max_num_seqs=8, kv_block_size=8)
     ref = [o.token_ids for o in LLM(str(tiny_llama), draft=None, **kw).generate(prompts, params)]
     kw.update(draft=str(build_random_drafter(tmp_path / "d", tiny_llama, block_size=4)), async_scheduling=overlap)
-    counted, real = [], fused_tokens.advance_blocks
-    monkeypatch.setattr(fused_tokens, "advance_blocks",
+    counted, real = [], token_ops.advance_blocks
+    monkeypatch.setattr(token_ops, "advance_blocks",
                         lambda *a, **k: counted.append(k.get("drafts") is not None) or real(*a, **k))
     monkeypatch.setattr(graphs_mod, "fused_enabled", lambda x: True)  # the models stay on the torch path
     graphed, replays = _graphed_llm(str(tiny_llama), kw)
@@ -579,7 +581,7 @@ def test_accepted_lengths(S, k):
         rows[s, 2 + j:] = torch.randint(0, 50, (max(0, k - 1 - j),), generator=g)
     want = (rows[:, 1:] == target[:, :-1]).long().cumprod(1).sum(1)
     assert want.tolist() == [s % (k + 1) for s in range(S)]
-    got = fused_tokens.accepted_lengths(rows.to(DEVICE)[:, 1:], target.to(DEVICE))
+    got = token_ops.accepted_lengths(rows.to(DEVICE)[:, 1:], target.to(DEVICE))
     assert got.dtype == torch.int64 and got.tolist() == want.tolist()
     with fused_mode("on"), torch.inference_mode():
         assert accepted_lengths(rows.to(DEVICE)[:, 1:], target.to(DEVICE)).tolist() == want.tolist()

@@ -1,5 +1,5 @@
-"""The Triton Gated DeltaNet kernels (flashdraft/models/gdn_triton.py) against the layer's torch path
-(models/hybrid.py, itself checked against transformers in tests/test_families.py): one step of fresh
+"""The Triton Gated DeltaNet kernels (kernels/gdn_ops.py) against the layer's torch path
+(models/gdn.py, itself checked against transformers in tests/test_families.py): one step of fresh
 prefills, decode rows from a slot's state and kept verify rows beside each other, then the commit of
 some of the kept rows; states and conv windows as well as outputs. Runs on CUDA, or on CPU tensors
 under TRITON_INTERPRET=1."""
@@ -19,7 +19,7 @@ if not INTERPRET and not torch.cuda.is_available():
 from fixtures import tiny_config  # noqa: E402
 
 from flashdraft.attention.base import AttentionBatch  # noqa: E402
-from flashdraft.models.hybrid import GatedDeltaNet, RecurrentRows  # noqa: E402
+from flashdraft.models.gdn import GatedDeltaNet, RecurrentRows  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 
@@ -94,9 +94,9 @@ def test_long_chunks_take_the_chunked_kernel(dtype):
     """Committed chunks of CHUNKED_MIN_ROWS rows or more (prefill) run fla-core's chunked kernel beside
     the recurrent kernel's decode and kept rows in one step: outputs, states and windows as the torch
     layer's (transformers' chunked form for the chunks), and the commit afterwards as well."""
-    from flashdraft.models import gdn_triton
+    from flashdraft.kernels import gdn_ops
 
-    if not gdn_triton.chunked_available(DEVICE):
+    if not gdn_ops.chunked_available(DEVICE):
         pytest.skip("fla-core is not installed")
     cfg, layer, (ref, got) = layer_and_states(dtype, linear_key_head_dim=32, linear_value_head_dim=64)
     # a fresh 150-row prefill, a decode row, a kept 5-row verify, a 70-row chunk from its slot's state,
@@ -144,12 +144,12 @@ def test_decode_rows_move_their_windows_in_the_conv_launch(dtype):
     """A step whose sequences have one row each (decode) moves the conv windows inside the conv launch
     (no window launch): windows, states and outputs as the torch layer's, a kept row's slot untouched,
     and the padding rows' outputs zero (the recurrence kernel writes them)."""
-    from flashdraft.models import gdn_triton
+    from flashdraft.kernels import gdn_ops
 
     cfg, layer, (ref, got) = layer_and_states(dtype, linear_key_head_dim=32, linear_value_head_dim=64)
     calls = []
-    real = gdn_triton.advance_windows
-    gdn_triton.advance_windows = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    real = gdn_ops.advance_windows
+    gdn_ops.advance_windows = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
     try:
         # a decode row from its slot, a fresh one, a kept one (a one-row verify), a padding sequence
         slots = [3, 0, 1, -1]
@@ -165,7 +165,7 @@ def test_decode_rows_move_their_windows_in_the_conv_launch(dtype):
         want = run(layer, ref, x, batch(), False)
         out = run(layer, got, x, batch(), True)
     finally:
-        gdn_triton.advance_windows = real
+        gdn_ops.advance_windows = real
     assert not calls
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=8e-2, rtol=5e-2)
     torch.testing.assert_close(out[:3], want[:3], **tol)

@@ -17,7 +17,7 @@ from flashdraft.attention.torch_ref import StaticTorchAttention  # noqa: E402
 
 def _triton():
     pytest.importorskip("triton")
-    from flashdraft.attention.triton_paged import TritonAttention
+    from flashdraft.attention.triton_backend import TritonAttention
 
     return TritonAttention()
 

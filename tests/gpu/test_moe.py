@@ -1,4 +1,4 @@
-"""The Triton expert kernels (flashdraft/models/moe_triton.py) against the torch MoE path (itself checked
+"""The Triton expert kernels (kernels/moe_experts.py) against the torch MoE path (itself checked
 against transformers in tests/test_families.py): decode-sized and prefill-sized batches, experts hit by
 no row, by one, by many; float32 and bf16; Qwen3-MoE's silu and GPT-OSS's biases and clamped SwiGLU.
 Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1."""
@@ -16,9 +16,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from flashdraft.models import fused, moe_triton  # noqa: E402
+from flashdraft import settings  # noqa: E402
+from flashdraft.kernels import layer_ops, moe_routing  # noqa: E402
+from flashdraft.kernels.moe_experts import fused_moe, sort_by_expert  # noqa: E402
 from flashdraft.models.moe import GptOssMoE, MoE  # noqa: E402
-from flashdraft.models.moe_triton import fused_moe, sort_by_expert  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 
@@ -86,17 +87,17 @@ def test_split_router_parts_route_as_the_merged_logits(T, dtype, E, K, bias, par
     leaves its float32 parts to the top-k kernel, which adds them in slot order and rounds them as the
     GEMM's own last program does: the same experts and weights, bit for bit, as top-k over the GEMM's
     merged logits with the same tiles."""
-    from flashdraft.models import skinny
-    from flashdraft.models.moe_triton import route_topk
+    from flashdraft.kernels import skinny_gemm
+    from flashdraft.kernels.moe_routing import route_topk
 
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, K, generator=g).to(DEVICE, dtype)
     w = (torch.randn(E, K, generator=g) * 0.05).to(DEVICE, dtype)
     b = (torch.randn(E, generator=g) * 0.5).to(DEVICE, dtype) if bias else None
-    got_parts = skinny.skinny_linear(x, w, b, parts=True)
+    got_parts = skinny_gemm.skinny_linear(x, w, b, parts=True)
     assert got_parts.shape == (T, parts, E) and got_parts.dtype == torch.float32  # the split the rule picks
-    tiles = skinny._router_tiles(E, K)
-    merged = skinny.skinny_linear(x, w, b, tiles=tiles[:4], split=tiles[4])
+    tiles = skinny_gemm._router_tiles(E, K)
+    merged = skinny_gemm.skinny_linear(x, w, b, tiles=tiles[:4], split=tiles[4])
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(merged.float(), x.float() @ w.float().T + (0 if b is None else b.float()),
                                rtol=tol, atol=tol)
@@ -109,15 +110,15 @@ def test_split_router_parts_route_as_the_merged_logits(T, dtype, E, K, bias, par
 def test_router_tiles_rule(monkeypatch):
     """Routers whose parts go to the top-k kernel cut K into the most parts of at least ROUTER_PART_K, in
     whole tiles; wide outputs, ragged strips or a K no tile divides keep the general rules."""
-    from flashdraft.models import skinny
+    from flashdraft.kernels import skinny_gemm
 
-    assert skinny._router_tiles(128, 2048) == (16, 128, 4, 3, 8)  # Qwen3-30B-A3B: 8 parts of 256
-    assert skinny._router_tiles(32, 2880) == (16, 64, 4, 3, 9)  # GPT-OSS-20B: 9 parts of 5 x 64
-    assert skinny._router_tiles(512, 2048) is None and skinny._router_tiles(24, 2048) is None
-    assert skinny._router_tiles(32, 96) is None  # no 64-wide tile divides K
-    assert skinny._router_tiles(64, 200 * 64)[4] == 50  # 50 parts of 4 tiles
-    monkeypatch.setattr(skinny, "ROUTER_PART_K", 0)
-    assert skinny._router_tiles(128, 2048) is None
+    assert skinny_gemm._router_tiles(128, 2048) == (16, 128, 4, 3, 8)  # Qwen3-30B-A3B: 8 parts of 256
+    assert skinny_gemm._router_tiles(32, 2880) == (16, 64, 4, 3, 9)  # GPT-OSS-20B: 9 parts of 5 x 64
+    assert skinny_gemm._router_tiles(512, 2048) is None and skinny_gemm._router_tiles(24, 2048) is None
+    assert skinny_gemm._router_tiles(32, 96) is None  # no 64-wide tile divides K
+    assert skinny_gemm._router_tiles(64, 200 * 64)[4] == 50  # 50 parts of 4 tiles
+    monkeypatch.setattr(settings, "ROUTER_PART_K", 0)
+    assert skinny_gemm._router_tiles(128, 2048) is None
 
 
 @pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 8, 2), (16, 6, 3), (70, 8, 2), (5, 4, 4)])
@@ -129,7 +130,7 @@ def test_fused_moe_matches_torch(T, E, k, dtype, family, direct, monkeypatch):
     break a tie apart); in float32 the whole fused forward, routing kernels included. direct: up to
     that many tokens take the unsorted path (0: always the sort; None: the default rule)."""
     if direct is not None:
-        monkeypatch.setattr(moe_triton, "DIRECT_TOKENS", direct)
+        monkeypatch.setattr(settings, "MOE_DIRECT", direct)
     m = moe(E=E, k=k, dtype=dtype, seed=T, family=family)
     x = torch.randn(T, 96, generator=torch.Generator().manual_seed(T)).to(DEVICE, dtype) * 3
     ex = m.experts
@@ -148,7 +149,7 @@ def test_fused_moe_matches_torch(T, E, k, dtype, family, direct, monkeypatch):
 @pytest.mark.parametrize("T", [1, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_slot_outputs_summed_by_the_next_norm(T, dtype):
-    """slots=True: the k weighted expert outputs, unsummed; fused.add_rmsnorm given them beside a
+    """slots=True: the k weighted expert outputs, unsummed; layer_ops.add_rmsnorm given them beside a
     residual sums them in slot order first, as their torch sum (rounded to the dtype) would be added.
     A layer stack through forward_layers_fused hands its MoE outputs over this way."""
     m = moe(E=8, k=3, dtype=dtype, seed=T)
@@ -160,14 +161,14 @@ def test_slot_outputs_summed_by_the_next_norm(T, dtype):
         summed = m.forward_fused(x)
         assert parts.shape == (T, 3, 96)
         torch.testing.assert_close(parts.float().sum(1).to(dtype), summed, rtol=0, atol=0)
-        out, new_res = fused.add_rmsnorm(parts, res, weight, 1e-6)
-        want, want_res = fused.add_rmsnorm(summed, res, weight, 1e-6)
+        out, new_res = layer_ops.add_rmsnorm(parts, res, weight, 1e-6)
+        want, want_res = layer_ops.add_rmsnorm(summed, res, weight, 1e-6)
     if INTERPRET and dtype == torch.bfloat16:  # the interpreter casts float32 to bf16 by truncation
         torch.testing.assert_close(new_res, want_res, rtol=2 ** -6, atol=2 ** -5)  # two truncations
     else:
         assert torch.equal(new_res, want_res) and torch.equal(out, want)
     with pytest.raises(ValueError, match="do not fit the residual"):
-        fused.add_rmsnorm(parts[:, :, :64], res, weight, 1e-6)
+        layer_ops.add_rmsnorm(parts[:, :, :64], res, weight, 1e-6)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
@@ -193,7 +194,7 @@ def test_a_garbage_row_spoils_only_itself(family):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family,H,parts_in", [("qwen3_moe", 128, 1), ("qwen3_moe", 192, 2), ("gpt_oss", 192, 3)])
 def test_norm_router_is_add_rmsnorm_then_the_router(T, dtype, family, H, parts_in):
-    """norm_router: the residual add and RMSNorm as fused.add_rmsnorm gives them (bit for bit: the same
+    """norm_router: the residual add and RMSNorm as layer_ops.add_rmsnorm gives them (bit for bit: the same
     elementwise steps), and router logit parts whose sum is the router GEMM over that output (the bias
     in the first part); the top-k over them picks the torch routing's experts (float32: no ties)."""
     m = moe(E=8, k=2, H=H, dtype=dtype, seed=T, family=family)
@@ -204,19 +205,19 @@ def test_norm_router_is_add_rmsnorm_then_the_router(T, dtype, family, H, parts_i
     nw = (1 + 0.2 * torch.randn(H, generator=g)).to(DEVICE, dtype)
     weight, bias, softmax_all, norm = m.routing()
     with torch.inference_mode():
-        out, new_res, logits = moe_triton.norm_router(a, res, nw, 1e-6, weight, bias)
-        want, want_res = fused.add_rmsnorm(a, res, nw, 1e-6)
+        out, new_res, logits = moe_routing.norm_router(a, res, nw, 1e-6, weight, bias)
+        want, want_res = layer_ops.add_rmsnorm(a, res, nw, 1e-6)
         assert torch.equal(new_res, want_res) and torch.equal(out, want)
-        assert logits.shape == (T, moe_triton.router_parts(H)[0], 8) and logits.dtype == torch.float32
+        assert logits.shape == (T, moe_routing.router_parts(H)[0], 8) and logits.dtype == torch.float32
         ref = torch.nn.functional.linear(out.double(), weight.double(), None if bias is None else bias.double())
         torch.testing.assert_close(logits.double().sum(1), ref, rtol=1e-4, atol=1e-4)
         if dtype == torch.float32:
-            w, ids = moe_triton.route_topk(logits, 2, softmax_all, norm, dtype)
+            w, ids = moe_routing.route_topk(logits, 2, softmax_all, norm, dtype)
             want_w, want_ids = m.route(out)
             assert torch.equal(ids, want_ids)
             torch.testing.assert_close(w, want_w, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="norm_router takes"):
-        moe_triton.norm_router(torch.randn(T, 100).to(DEVICE, dtype), torch.randn(T, 100).to(DEVICE, dtype),
+        moe_routing.norm_router(torch.randn(T, 100).to(DEVICE, dtype), torch.randn(T, 100).to(DEVICE, dtype),
                                nw[:100], 1e-6, weight[:, :100], bias)
 
 
@@ -229,7 +230,7 @@ def test_routing_in_the_gate_up_kernel(T, E, k, dtype, family, direct, monkeypat
     logit parts itself; the expert outputs equal, bit for bit, those of the same kernels given the top-k
     kernel's routing (and the sorted path routes with the top-k kernel)."""
     if direct is not None:
-        monkeypatch.setattr(moe_triton, "DIRECT_TOKENS", direct)
+        monkeypatch.setattr(settings, "MOE_DIRECT", direct)
     m = moe(E=E, k=k, H=128, dtype=dtype, seed=T + E, family=family)
     g = torch.Generator().manual_seed(T)
     a = torch.randn(T, 2, 128, generator=g).to(DEVICE)
@@ -238,8 +239,8 @@ def test_routing_in_the_gate_up_kernel(T, E, k, dtype, family, direct, monkeypat
     weight, bias, softmax_all, norm = m.routing()
     ex = m.experts
     with torch.inference_mode():
-        x, _, logits = moe_triton.norm_router(a, res, nw, 1e-6, weight, bias)
-        w, ids = moe_triton.route_topk(logits, k, softmax_all, norm, dtype)
+        x, _, logits = moe_routing.norm_router(a, res, nw, 1e-6, weight, bias)
+        w, ids = moe_routing.route_topk(logits, k, softmax_all, norm, dtype)
         args = (x, ex.gate_up_proj, ex.down_proj)
         want = fused_moe(*args, w, ids, m.kernel_act(), ex.gate_up_proj_bias, ex.down_proj_bias, slots=True)
         got = fused_moe(*args, None, None, m.kernel_act(), ex.gate_up_proj_bias, ex.down_proj_bias, slots=True,
@@ -253,8 +254,7 @@ def test_layer_after_attention_in_three_kernels(family, T, monkeypatch):
     """MoE.norm_forward_fused (the post-attention norm, router, top-k and experts as the layer runs them
     on the fused path; up to NORM_ROUTER_ROWS rows in three kernels, more as before) against the norm and
     the torch MoE, float32; FLASHDRAFT_ROUTE_IN_NORM=0 gives the same."""
-    from flashdraft.models import moe as moe_mod
-    from flashdraft.models.transformer import RMSNorm
+    from flashdraft.models.layers import RMSNorm
 
     m = moe(E=8, k=2, H=128, seed=T, family=family)
     norm = RMSNorm(128, 1e-6).to(DEVICE)
@@ -268,7 +268,7 @@ def test_layer_after_attention_in_three_kernels(family, T, monkeypatch):
         want = m.forward(norm(want_res))
         outs = []
         for on in (True, False):
-            monkeypatch.setattr(moe_mod, "ROUTE_IN_NORM", on)
+            monkeypatch.setattr(settings, "ROUTE_IN_NORM", on)
             slots, new_res = m.norm_forward_fused(a, res, norm)
             assert slots.shape == (T, 2, 128)
             torch.testing.assert_close(new_res, want_res, rtol=0, atol=0)

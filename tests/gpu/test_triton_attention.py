@@ -18,15 +18,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from flashdraft.attention import triton_paged  # noqa: E402
+from flashdraft import settings  # noqa: E402
 from flashdraft.attention.base import AttentionBatch, DeviceMeta  # noqa: E402
 from flashdraft.attention.torch_ref import TorchAttention  # noqa: E402
-from flashdraft.attention.triton_paged import (  # noqa: E402
-    TritonAttention,
-    paged_attention,
-    store_kv,
-)
-from flashdraft.models.launch import arrival_counts  # noqa: E402
+from flashdraft.attention.triton_backend import TritonAttention  # noqa: E402
+from flashdraft.kernels import attention, attention_splits  # noqa: E402
+from flashdraft.kernels.attention import paged_attention, store_kv  # noqa: E402
+from flashdraft.kernels.launch import arrival_counts, sm_count  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -175,7 +173,7 @@ def test_split_k_long_context(q_len, causal):
     """Batch 1 with 4k keys: the heuristic splits the key range; same result as one partition."""
     c = make_case([q_len], [4096 - q_len], n_kv=2, group=4, hd=64, causal=causal, seed=1)
     meta = DeviceMeta.from_batch(c["batch"], DEVICE)
-    assert triton_paged._num_splits(2, 4096, DEVICE) > 1  # one 64-row query tile x 2 kv heads
+    assert attention_splits._num_splits(2, 4096, DEVICE) > 1  # one 64-row query tile x 2 kv heads
     check(c)
     assert torch.allclose(run_triton(c, meta=meta)[2], run_triton(c, num_splits=1, meta=meta)[2], atol=2e-5)
 
@@ -199,9 +197,9 @@ def test_zero_padding_rows(num_splits):
     fill before a single partition, over an output that held garbage; the other rows as before."""
     c = make_case([1, 16, 1, 0, 5], [900, 10, 0, 0, 300], n_kv=1, group=4, hd=64, page=32, pad_rows=2, seed=2)
     meta = DeviceMeta.from_batch(c["batch"], DEVICE)
-    want = triton_paged.paged_attention(c["q"], c["k_cache"], c["v_cache"], meta, c["scale"], num_splits=num_splits)
+    want = attention.paged_attention(c["q"], c["k_cache"], c["v_cache"], meta, c["scale"], num_splits=num_splits)
     out = torch.full_like(c["q"], float("nan"))
-    got = triton_paged.paged_attention(c["q"], c["k_cache"], c["v_cache"], meta, c["scale"], out=out,
+    got = attention.paged_attention(c["q"], c["k_cache"], c["v_cache"], meta, c["scale"], out=out,
                                        num_splits=num_splits, zero_padding=True)
     rows = c["rows"]
     assert got.shape[0] == rows + 2
@@ -219,7 +217,7 @@ def test_zero_padding_rows_outnumbering_the_programs(num_splits):
     kc, vc = c["k_cache"].clone(), c["v_cache"].clone()
     store_kv(kc, vc, c["k"], c["v"], meta.slot_mapping)
     out = torch.full_like(c["q"], float("nan"))
-    got = triton_paged.paged_attention(c["q"], kc, vc, meta, c["scale"], out=out, num_splits=num_splits,
+    got = attention.paged_attention(c["q"], kc, vc, meta, c["scale"], out=out, num_splits=num_splits,
                                        zero_padding=True)
     rows = c["rows"]
     assert got.shape[0] == rows + 37 and torch.equal(got[rows:], torch.zeros_like(got[rows:]))
@@ -375,16 +373,16 @@ def test_split_heuristic_fills_the_gpu_at_batch_one():
     """A 16-row verify at batch 1 (8 kv heads, 1k keys) is cut into partitions of >= 64 keys
     instead of 8 programs walking every key; a few partitions are a power of two merged in the
     kernel; very big grids are not split."""
-    sms = triton_paged._sm_count(DEVICE)  # 132 on an H200: 49 partitions asked for, 1040 keys allow 16
-    waves, merged = triton_paged.SPLIT_WAVES, triton_paged.MERGE_SPLITS
-    n, want = triton_paged._num_splits(8, 1040, DEVICE), waves * sms // 8
+    sms = sm_count(DEVICE)  # 132 on an H200: 49 partitions asked for, 1040 keys allow 16
+    waves, merged = settings.SPLIT_WAVES, settings.MERGE_SPLITS
+    n, want = attention_splits._num_splits(8, 1040, DEVICE), waves * sms // 8
     assert n > 1 and (n == min(want, 1040 // 64) if want >= 2 * merged else n <= merged)
-    assert triton_paged._num_splits(10_000, 1040, DEVICE) == 1
-    assert triton_paged._num_splits(8, 60, DEVICE) == 1  # too few keys to split
+    assert attention_splits._num_splits(10_000, 1040, DEVICE) == 1
+    assert attention_splits._num_splits(8, 60, DEVICE) == 1  # too few keys to split
     for programs in range(max(1, waves * sms // (2 * merged) + 1), waves * sms + 1):  # fewer than 2 x merged
-        n = triton_paged._num_splits(programs, 8192, DEVICE)
+        n = attention_splits._num_splits(programs, 8192, DEVICE)
         assert n & (n - 1) == 0 and n <= merged and 2 * n * programs > waves * sms // 2, (programs, n)
-    assert triton_paged._num_splits(waves * sms // (2 * merged), 8192, DEVICE) >= 2 * merged
+    assert attention_splits._num_splits(waves * sms // (2 * merged), 8192, DEVICE) >= 2 * merged
 
 
 def _compiled_variants(fn) -> int:
@@ -404,12 +402,12 @@ def test_new_lengths_and_token_counts_do_not_compile_new_variants(q_len):
     check(make_case([q_len], [lengths[0]], n_kv=2, group=4, hd=64, dtype=torch.bfloat16, seed=7))
     check(make_case([q_len, q_len], [lengths[0]] * 2, n_kv=2, group=4, hd=64, dtype=torch.bfloat16, seed=7))
     # as the engine does at start: the variants of the split-K merges for many tokens too
-    triton_paged.compile_variants(8, 2, 64, 16, torch.bfloat16, DEVICE)
-    before = _compiled_variants(triton_paged._attn_kernel), _compiled_variants(triton_paged._reduce_kernel)
+    attention.compile_variants(8, 2, 64, 16, torch.bfloat16, DEVICE)
+    before = _compiled_variants(attention._attn_kernel), _compiled_variants(attention_splits._reduce_kernel)
     for n, ctx in enumerate(lengths[1:]):
         check(make_case([q_len], [ctx], n_kv=2, group=4, hd=64, dtype=torch.bfloat16, seed=n))
     for n, batch in enumerate([3, 8, 15, 16, 17, 32]):  # token counts across the divisibility classes
         check(make_case([q_len] * batch, lengths[:1] * batch, n_kv=2, group=4, hd=64, dtype=torch.bfloat16,
                         seed=n))
-    after = _compiled_variants(triton_paged._attn_kernel), _compiled_variants(triton_paged._reduce_kernel)
+    after = _compiled_variants(attention._attn_kernel), _compiled_variants(attention_splits._reduce_kernel)
     assert after == before

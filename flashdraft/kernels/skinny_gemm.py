@@ -1,4 +1,4 @@
-"""Triton GEMMs for few rows: y = x @ W^T (+ bias) with x [M, K], M <= MAX_ROWS (32; a decode batch,
+"""Triton GEMMs for few rows: y = x @ W^T (+ bias) with x [M, K], M <= SKINNY_ROWS (32; a decode batch,
 a verify or draft block), W [N, K] row-major as nn.Linear stores it. At these M a GEMM only streams W: a
 Qwen3-8B decode step reads 15 GB of weights for 0.03 TFLOP, so its time is set by how close the
 weight reads come to the memory bandwidth. Both kernels keep many programs in flight, each streaming
@@ -7,15 +7,15 @@ rows (2,560 columns are 40 strips of 64 on 132 SMs) splits K over two programs a
 (`_dot_split`): each writes its float32 partial, and the strip's last program to finish (an atomic
 count) adds them in a fixed order: one kernel, and still the same sums whatever the timing. Where
 the result goes straight into the next residual add and norm (the o, out and down projections of
-the fused layers), the partials themselves are the result (`parts=True`) and fused.add_rmsnorm adds
+the fused layers), the partials themselves are the result (`parts=True`) and layer_ops.add_rmsnorm adds
 them in the same order: the count, reload and store that end every strip cost a narrow GEMM 1.2-2.3
 us at one row (H200), more than the add costs the norm.
 
-    dot     M <= MAX_ROWS: "swap AB", acc[BLOCK_N, MPAD] += W_strip @ x^T on the tensor cores, MPAD
-            16 / 32 (64 / 128 with transformer.SKINNY_ROWS raised)
+    dot     M <= SKINNY_ROWS: "swap AB", acc[BLOCK_N, MPAD] += W_strip @ x^T on the tensor cores, MPAD
+            16 / 32 (64 / 128 with settings.SKINNY_ROWS raised)
     gemv    M == 1: acc[BLOCK_N, BLOCK_K] += w * x in float32, one reduction at the end
 
-Blocks of MAX_ROWS + 1 to MID_ROWS rows (64: a small target's verify and draft blocks at concurrency
+Blocks of SKINNY_ROWS + 1 to MID_ROWS rows (64: a small target's verify and draft blocks at concurrency
 5-8) take `dot` with x^T tiles of 64 where `mid_tiles` has tiles for the weight's shape (widths up to
 1,024), cuBLAS elsewhere: on SmolLM2 the glu then saves the silu * up kernel, and every GEMM launched here
 keeps the step's PDL chain (launch.py), which a cuBLAS kernel breaks. The shipped pair's DFlash step graph
@@ -40,32 +40,24 @@ dtype. Grids depend on shapes only: CUDA-graph safe."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from flashdraft.models.launch import arrival_counts, launch_kwargs, pdl_enter, pdl_trigger
-from flashdraft.models.transformer import MID_ROWS, SKINNY_ROWS
+from flashdraft import settings
+from flashdraft.kernels.launch import arrival_counts, launch_kwargs, pdl_enter, pdl_trigger
 
-MAX_ROWS = SKINNY_ROWS  # 32 unless raised for an A/B run (transformer.SKINNY_ROWS)
-# mid_tiles: the widest input (FLASHDRAFT_MID_MAX_K=2048 also takes inputs of 1,025-2,048 in halves of K, for
-# A/B runs) and the most weight rows they take
-MID_MAX_K = int(os.environ.get("FLASHDRAFT_MID_MAX_K", "1024"))
+# the rows these tiles take (settings.SKINNY_ROWS, settings.MID_ROWS) and the widest input of mid_tiles
+# (settings.MID_MAX_K) are read at each call; the most weight rows mid_tiles takes:
 MID_MAX_N = 4096
 SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles per program (H100/H200 allow 227 KB)
-# split-K (_dot_split): GEMMs of fewer output rows than this split K over 2 programs a strip, each
-# streaming at least SPLIT_MIN_K of it
-# (FLASHDRAFT_SPLIT_BELOW=0: never; for A/B runs)
-SPLIT_BELOW = int(os.environ.get("FLASHDRAFT_SPLIT_BELOW", "3200"))
+# split-K (_dot_split): GEMMs of fewer output rows than settings.SPLIT_BELOW split K over 2 programs a strip,
+# each streaming at least SPLIT_MIN_K of it
 NARROW_BELOW = 3200  # outputs of 2,048 rows up to this many stream as 64-row strips (_dot_tiles)
 SPLIT_MIN_K = 1024
 # routers (at most ROUTER_MAX_N outputs) whose parts go to the top-k kernel (parts=True): K cut into parts
-# of about ROUTER_PART_K, each a program a 16-row strip (_router_tiles); FLASHDRAFT_ROUTER_PART_K=0: the
-# general rules instead (A/B runs)
+# of about settings.ROUTER_PART_K, each a program a 16-row strip (_router_tiles)
 ROUTER_MAX_N = 256
-ROUTER_PART_K = int(os.environ.get("FLASHDRAFT_ROUTER_PART_K", "256"))
 
 
 @triton.jit
@@ -151,7 +143,7 @@ def _dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride
         if tl.program_id(1) == 0:
             acc = acc + tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
     if SPLIT > 1 and PARTS:
-        # the float32 parts [M, SPLIT, N] are the result: the consumer (fused.add_rmsnorm) adds them
+        # the float32 parts [M, SPLIT, N] are the result: the consumer (layer_ops.add_rmsnorm) adds them
         # in slot order, as the branch below does, without this kernel's arrival count and reload
         out = part_ptr + m[None, :] * (SPLIT * N) + tl.program_id(1) * N + n[:, None]
         pdl_trigger(USE_PDL)
@@ -189,7 +181,7 @@ def _dot_store(acc, acc_up, b_ptr, y_ptr, n, m, M, N, stride_ym, dt: tl.constexp
 
 def _ieee(w: torch.Tensor) -> bool:
     # the interpreter's bf16 dot gives garbage; float32 there is exact
-    return w.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    return w.dtype == torch.float32 or settings.interpreted()
 
 
 def _largest_dividing(K: int, options: tuple[int, ...]) -> int | None:
@@ -248,14 +240,14 @@ def _dot_tiles(M: int, N: int, K: int, elem: int = 2, glu: bool = False) -> tupl
 
 
 def mid_tiles(N: int, K: int, glu: bool = False) -> tuple[int, int, int, int, int] | None:
-    """(BLOCK_N, BLOCK_K, warps, stages, split) for MAX_ROWS + 1 to MID_ROWS rows (x^T tiles of 64, 128) of a
+    """(BLOCK_N, BLOCK_K, warps, stages, split) for SKINNY_ROWS + 1 to MID_ROWS rows (x^T tiles of 64, 128) of a
     weight [N, K] ([gate; up] for glu), or None where cuBLAS is as fast: the glu as strips of 16 x 64,
-    the rest 64 x 64, for inputs up to MID_MAX_K wide and weights of up to MID_MAX_N rows. Swept on an
+    the rest 64 x 64, for inputs up to settings.MID_MAX_K wide and weights of up to MID_MAX_N rows. Swept on an
     H200 at 64 rows against cuBLAS (benchmarks/device/gemm_sweep.py --model smollm2-135m --mid): SmolLM2's
     gate_up with its silu * up 4.8 against 6.1 us (cuBLAS and the silu * up kernel), qkv 2.9 against
     3.2, o 2.9 against 3.1; its down (K = 1,536) 4.9 against 4.6 and the drafter's fc (K = 2,880) 11.1
     against 7.5 stay on cuBLAS, as does every GEMM of wider models (not swept)."""
-    if K > MID_MAX_K or N > MID_MAX_N:
+    if K > settings.MID_MAX_K or N > MID_MAX_N:
         return None
     if glu:
         return 16, 64, 4, 4, 1
@@ -267,12 +259,12 @@ def mid_tiles(N: int, K: int, glu: bool = False) -> tuple[int, int, int, int, in
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
                   tiles: tuple[int, int, int, int] | None = None, kernel: str = "dot",
                   split: int | None = None, parts: bool = False) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T (+ bias) -> [M, N] for 1 <= M <= MAX_ROWS; glu: w is [gate; up]
+    """x [M, K] @ w[N, K]^T (+ bias) -> [M, N] for 1 <= M <= SKINNY_ROWS; glu: w is [gate; up]
     [2N, K] and the result silu(gate) * up [M, N]. tiles (BLOCK_N, BLOCK_K, warps, stages)
     overrides the rules; split: programs per output strip (split-K; None: _dot_split's rule, 1 with
     explicit tiles); kernel="gemv" takes the one-row kernel (M == 1 only).
     parts: a split-K GEMM returns its float32 parts [M, split, N] (the bias in the first) instead of
-    their sum, for a consumer that adds them in slot order (fused.add_rmsnorm; fused.join_parts):
+    their sum, for a consumer that adds them in slot order (layer_ops.add_rmsnorm; layer_ops.join_parts):
     the same values, without the arrival count, reload and store at the end of every strip (H200,
     one row: the 4B's 2,560 x 4,096 8.9 -> 7.1 us, 2,560 x 9,216 14.4 -> 13.1 us). Without a split
     the [M, N] result as usual."""
@@ -284,8 +276,9 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
             raise ValueError(f"glu needs an even number of weight rows and no bias, got {tuple(w.shape)}")
         N //= 2
     M = x.shape[0]
-    mid = mid_tiles(*w.shape, glu) if tiles is None and M > MAX_ROWS and MID_ROWS > MAX_ROWS else None
-    most = MID_ROWS if mid is not None else MAX_ROWS
+    rows, mid_rows = settings.SKINNY_ROWS, settings.MID_ROWS
+    mid = mid_tiles(*w.shape, glu) if tiles is None and M > rows and mid_rows > rows else None
+    most = mid_rows if mid is not None else rows
     if x.dim() != 2 or x.shape[1] != K or not 1 <= M <= most:
         raise ValueError(f"x {tuple(x.shape)} does not fit w {tuple(w.shape)} (at most {most} rows)")
     if x.stride(-1) != 1:
@@ -332,9 +325,10 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
 
 
 def _dot_split(N: int, K: int, bn: int, bk: int) -> int:
-    """Programs per output strip (split-K): 2 when a GEMM has fewer than SPLIT_BELOW output rows, so
-    that its strips alone would leave SMs idle, and each half of K still streams at least SPLIT_MIN_K;
-    else 1. A function of the shapes only, never of M, like the tiles: rows round alike in any batch.
+    """Programs per output strip (split-K): 2 when a GEMM has fewer than settings.SPLIT_BELOW output
+    rows, so that its strips alone would leave SMs idle, and each half of K still streams at least
+    SPLIT_MIN_K; else 1. A function of the shapes only, never of M, like the tiles: rows round alike
+    in any batch.
     Swept on an H200 at one row (benchmarks/device/gemm_sweep.py --split-tiles): 2,048-2,880 outputs
     read fastest as strips of 64 x 256 in two halves of K (Qwen3.5-4B's 2,560 x 4,096 in 8.2 us and
     2,560 x 9,216 in 14.6 us, against 10.0 and 17.3 us as 32-row strips in halves, 9.0 and 16.8 us
@@ -343,26 +337,27 @@ def _dot_split(N: int, K: int, bn: int, bk: int) -> int:
     27B's 5,120 outputs (80 strips of 64 rows)."""
     if _quarters(N, K) and N % bn == 0 and K % (4 * bk) == 0:
         return 4
-    if N >= SPLIT_BELOW or N % bn or K % (2 * bk) or K // 2 < SPLIT_MIN_K:
+    if N >= settings.SPLIT_BELOW or N % bn or K % (2 * bk) or K // 2 < SPLIT_MIN_K:
         return 1
     return 2
 
 
 def _router_tiles(N: int, K: int) -> tuple[int, int, int, int, int] | None:
     """(BLOCK_N, BLOCK_K, warps, stages, split) of a router whose split-K parts a top-k kernel adds
-    (moe_triton.route_topk): 16-row strips with K cut into the most parts of at least ROUTER_PART_K,
-    each a whole number of 128- (else 64-) wide tiles. A router reads almost nothing (GPT-OSS-20B's
-    32 x 2,880: 184 KB) and its few long strips are pure latency: 2 programs of 23 tiles took 6.2 us
-    (H200). Qwen3-30B-A3B's 128 x 2,048: 8 strips x 8 parts of 256; GPT-OSS-20B's 32 x 2,880: 2
-    strips x 9 parts of 320. None (the general rules) past ROUTER_MAX_N outputs or when no tile
-    divides K."""
-    if not ROUTER_PART_K or N > ROUTER_MAX_N or N % 16:
+    (moe_routing.route_topk): 16-row strips with K cut into the most parts of at least
+    settings.ROUTER_PART_K, each a whole number of 128- (else 64-) wide tiles. A router reads almost
+    nothing (GPT-OSS-20B's 32 x 2,880: 184 KB) and its few long strips are pure latency: 2 programs
+    of 23 tiles took 6.2 us (H200). Qwen3-30B-A3B's 128 x 2,048: 8 strips x 8 parts of 256;
+    GPT-OSS-20B's 32 x 2,880: 2 strips x 9 parts of 320. None (the general rules) past ROUTER_MAX_N
+    outputs or when no tile divides K."""
+    if not settings.ROUTER_PART_K or N > ROUTER_MAX_N or N % 16:
         return None
     bk = _largest_dividing(K, (128, 64))
     if bk is None:
         return None
     tiles = K // bk
-    split = max((s for s in range(1, tiles + 1) if tiles % s == 0 and K // s >= ROUTER_PART_K), default=1)
+    split = max((s for s in range(1, tiles + 1) if tiles % s == 0 and K // s >= settings.ROUTER_PART_K),
+                default=1)
     return 16, bk, 4, 3, split
 
 
@@ -383,5 +378,5 @@ def gemv(x: torch.Tensor, w: torch.Tensor, block_n: int = 4, block_k: int = 1024
 
 def dot(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: int = 256, num_warps: int = 4,
         num_stages: int = 5, split: int = 1) -> torch.Tensor:
-    """The tensor-core kernel with explicit tiles and split-K, any M <= MAX_ROWS (sweeps)."""
+    """The tensor-core kernel with explicit tiles and split-K, any M <= SKINNY_ROWS (sweeps)."""
     return skinny_linear(x, w, tiles=(block_n, block_k, num_warps, num_stages), split=split)

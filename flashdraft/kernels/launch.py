@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (PDL) for flashdraft's Triton kernels, on Hopper and later.
+"""Launch helpers of flashdraft's Triton kernels: programmatic dependent launch (PDL) on Hopper and later,
+the arrival counts of kernels whose last program finishes the work, and the device's SM count.
 
 A decode step is ~330 kernels in a row, each waiting for the one before. Launched with PDL, a kernel
 may be scheduled while its predecessor is still running: every kernel here waits
@@ -15,11 +16,11 @@ signals only after its own wait, so every kernel two back has finished by then. 
 unchanged. Kernels of other libraries launched in between (cuBLAS, torch) neither signal nor
 carry the launch attribute, and order as usual.
 
-FLASHDRAFT_PDL=auto (default: on for CUDA devices of compute capability >= 9 when this Triton has
+FLASHDRAFT_PDL=auto (settings.PDL; default: on for CUDA devices of compute capability >= 9 when this Triton has
 grid dependency control) or off. CUDA graphs record the launches with the attribute. Measured on
 an H100 (benchmarks/device/gpu_roofline.py, Qwen3-8B shape): it made a one-row
 decode 2% faster (6.07 -> 5.95 ms) and the batch-1 DFlash step 1% (7.89 -> 7.80 ms). add_rmsnorm
-alone signals at its start (fused.NORM_TRIGGER): the GEMM after it is scheduled while it runs
+alone signals at its start (settings.NORM_TRIGGER): the GEMM after it is scheduled while it runs
 (H200, Qwen3.5-4B decode in graph 1.3% faster at batch 1 and 8). Variants measured worse and gone:
 signalling at the start of every kernel (one-row decode 3% faster than without PDL, but the 16-row
 verify 7% slower: waiting kernels chain up and hold the SMs; at the start of add_rmsnorm and the
@@ -36,13 +37,14 @@ step, the issuing kernels lost 2.7 us a call (H200, Qwen3.5-4B in graph 2.504 ->
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-PDL = os.environ.get("FLASHDRAFT_PDL", "auto")
+from flashdraft import settings
+
+INTERPRETER_SMS = 16  # stand-in SM count when kernels run on CPU tensors (TRITON_INTERPRET=1)
 _MODES = {"off": 0, "auto": 1}
 _capable: dict[torch.device, bool] = {}
 
@@ -55,14 +57,15 @@ except ImportError:  # older Triton
 
 
 def pdl_level(t: torch.Tensor) -> int:
-    """0 (no PDL) or 1 for kernels over `t` (see PDL)."""
-    if PDL not in _MODES:
-        raise ValueError(f"FLASHDRAFT_PDL must be one of {', '.join(_MODES)}, got {PDL!r}")
-    if PDL == "off" or not _HAVE_GDC or t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    """0 (no PDL) or 1 for kernels over `t` (see settings.PDL)."""
+    mode = settings.PDL
+    if mode not in _MODES:
+        raise ValueError(f"FLASHDRAFT_PDL must be one of {', '.join(_MODES)}, got {mode!r}")
+    if mode == "off" or not _HAVE_GDC or t.device.type != "cuda" or settings.interpreted():
         return 0
     if t.device not in _capable:
         _capable[t.device] = torch.cuda.get_device_capability(t.device)[0] >= 9
-    return _MODES[PDL] if _capable[t.device] else 0
+    return _MODES[mode] if _capable[t.device] else 0
 
 
 def launch_kwargs(t: torch.Tensor) -> dict:
@@ -73,13 +76,12 @@ def launch_kwargs(t: torch.Tensor) -> dict:
 
 @contextlib.contextmanager
 def pdl_mode(mode: str):
-    """Temporarily set PDL (benchmarks). CUDA graphs keep the launches they were captured with."""
-    global PDL
-    old, PDL = PDL, mode
+    """Temporarily set settings.PDL (benchmarks). CUDA graphs keep the launches they were captured with."""
+    old, settings.PDL = settings.PDL, mode
     try:
         yield
     finally:
-        PDL = old
+        settings.PDL = old
 
 
 @triton.jit
@@ -97,11 +99,12 @@ def pdl_trigger(USE_PDL: tl.constexpr):
 
 
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_SM_COUNTS: dict[torch.device, int] = {}
 
 
 def arrival_counts(device: torch.device, n: int) -> torch.Tensor:
     """At least n int32 arrival counts for kernels whose last program to finish a piece of work
-    completes it (skinny.py's split-K GEMMs, the attention's in-kernel split-K merge): zeros, and
+    completes it (skinny_gemm.py's split-K GEMMs, the attention's in-kernel split-K merge): zeros, and
     left at zero by every launch's last programs. One buffer a device, shared: the kernels of a
     stream count only after their PDL wait, when the kernel before has finished."""
     c = _ARRIVALS.get(device)
@@ -110,3 +113,12 @@ def arrival_counts(device: torch.device, n: int) -> torch.Tensor:
             raise RuntimeError("arrival counts must be allocated before graph capture")
         c = _ARRIVALS[device] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
     return c
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's SM count (grids sized to fill it); INTERPRETER_SMS for CPU tensors."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]

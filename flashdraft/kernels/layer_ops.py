@@ -14,29 +14,24 @@ silu_mul, down GEMM. The DFlash context write of all drafter layers drops from ~
 
 Head kernels work on [heads, head_dim] tiles of up to HEAD_TILE elements; a lane's rotate-half
 partner is loaded from memory (the row is in L1) instead of shuffled in registers. Rounding follows
-the torch modules of transformer.py / rope.py op by op: float32 math, rounded to the activation
+the torch modules of models/layers.py / rope.py op by op: float32 math, rounded to the activation
 dtype wherever a torch op's result is (the normalised row before and after the weight multiply,
 RoPE's two products and their sum, silu before the multiply). In float32 the results equal the
 torch path's up to reduction order; in bf16 an occasional last bit differs.
 
 Only masked loads/stores, reductions and scalar branches; grids depend on shapes only, never on
 values, so every launch is CUDA-graph safe. Slots < 0 are not stored. Importing this module needs
-triton; the switch that decides whether the models use it is transformer.py's `fused_enabled`."""
+triton; the switch that decides whether the models use it is kernels/dispatch.py's `fused_enabled`."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
+from flashdraft import settings
+from flashdraft.kernels.launch import launch_kwargs, pdl_enter, pdl_trigger
 
-# add_rmsnorm lets the next kernel launch at its start ("early") or before its stores ("late"; A/B runs).
-# Early measured faster (H200, in graph, Qwen3.5-4B batch 1 / 8: 2.532 / 2.996 -> 2.498 / 2.966 ms;
-# -0.8B 0.918 / 1.086 -> 0.897 / 1.076 ms): the GEMM after it is scheduled while it runs.
-NORM_TRIGGER = os.environ.get("FLASHDRAFT_NORM_TRIGGER", "early")
 SILU_BLOCK = 1024  # columns per silu_mul program
 HEAD_TILE = 2048  # elements (heads x padded head_dim) per q/k/context program
 
@@ -273,8 +268,8 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     block = triton.next_power_of_2(n)
     _add_rmsnorm_kernel[(rows,)](x2, r2, weight, o2, nr2, eps, x2.stride(0), r2.stride(0), o2.stride(0),
                                  nr2.stride(0), N=n, BLOCK=block, HAS_RES=residual is not None, OFFSET=offset,
-                                 PARTS=parts, EARLY=NORM_TRIGGER == "early", num_warps=8 if block >= 4096 else 4,
-                                 **launch_kwargs(x2))
+                                 PARTS=parts, EARLY=settings.NORM_TRIGGER == "early",
+                                 num_warps=8 if block >= 4096 else 4, **launch_kwargs(x2))
     return out, new_res
 
 

@@ -19,7 +19,7 @@ tree step ~0.8 ms slower than a chain's (H100, docs/performance.md section 4, ke
                     6 ops, copy-engine copies among them)
 
 Nodes equal build_trees' up to exact ties of scores. Grids depend on shapes only: CUDA-graph safe. Each
-kernel launches with PDL like the step's other kernels (models/launch.py): it waits first, and lets its
+kernel launches with PDL like the step's other kernels (kernels/launch.py): it waits first, and lets its
 successor be scheduled before its stores.
 On an H100 they took a tree-of-15 step from 2.2-2.3 ms to 1.6-1.7 ms (docs/performance.md section 4);
 FLASHDRAFT_TREE_KERNELS=off runs the torch ops instead."""
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
+from flashdraft.kernels.launch import launch_kwargs, pdl_enter, pdl_trigger
 from flashdraft.speculative.tree import Trees
 
 NEG = tl.constexpr(-3.0e38)  # below any log-probability sum; a frontier entry at NEG is empty

@@ -1,4 +1,4 @@
-"""The token-tree kernels (flashdraft/speculative/tree_triton.py) against the torch reference (speculative/tree.py,
+"""The token-tree kernels (kernels/tree_ops.py) against the torch reference (speculative/tree.py,
 itself tested against brute force in tests/test_tree.py) and against the host's K/V moves.
 
 Runs on CUDA, or on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1)."""
@@ -15,7 +15,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from flashdraft.speculative import tree, tree_triton  # noqa: E402
+from flashdraft.kernels import tree_ops  # noqa: E402
+from flashdraft.speculative import tree  # noqa: E402
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 
@@ -32,7 +33,7 @@ def candidates(S: int, D: int, K: int, vocab: int, seed: int, peaked: bool = Fal
 def test_build_trees_equals_the_torch_reference(S, D, N, peaked):
     logp, cand = candidates(S, D, N, 200, S * 1000 + D * 10 + N, peaked)
     want = tree.build_trees(logp, cand, N)
-    got = tree_triton.build_trees(logp, cand, N)
+    got = tree_ops.build_trees(logp, cand, N)
     for field in ("tokens", "parents", "depths", "valid"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field
     assert torch.equal(got.masks(), tree.ancestor_masks(want.parents, D))
@@ -43,7 +44,7 @@ def test_build_trees_with_fewer_candidates_than_nodes():
     """K < N: only the 2 + 4 paths that exist are valid, in the reference's order; the kernel puts the
     padding nodes last (where the reference puts them depends on how its top-k breaks ties)."""
     logp, cand = candidates(2, 2, 2, 50, 3)
-    want, got = tree.build_trees(logp, cand, 9), tree_triton.build_trees(logp, cand, 9)
+    want, got = tree.build_trees(logp, cand, 9), tree_ops.build_trees(logp, cand, 9)
     assert want.valid.sum(1).tolist() == [6, 6]
     assert got.valid.tolist() == [[True] * 6 + [False] * 3] * 2
     for field in ("tokens", "parents", "depths"):
@@ -55,7 +56,7 @@ def test_accept_paths_equals_the_torch_walk(follow):
     """Targets that follow each branch with probability `follow`, or the path to a deepest node."""
     S, D, N = 6, 7, 15
     logp, cand = candidates(S, D, N, 300, 11)
-    trees = tree_triton.build_trees(logp, cand, N)
+    trees = tree_ops.build_trees(logp, cand, N)
     g = torch.Generator().manual_seed(7)
     target = torch.randint(0, 300, (S, N + 1), generator=g)
     tok, par, dep = trees.tokens.cpu(), trees.parents.cpu(), trees.depths.cpu()
@@ -71,7 +72,7 @@ def test_accept_paths_equals_the_torch_walk(follow):
                 target[s, par[s, i]] = tok[s, i]
     target = target.to(DEVICE)
     a, path = tree.accept(trees, target)
-    got_a, got_path, got_commit = tree_triton.accept_paths(trees, target)
+    got_a, got_path, got_commit = tree_ops.accept_paths(trees, target)
     assert torch.equal(got_a, a) and torch.equal(got_path, path)
     assert torch.equal(got_commit, target.gather(1, path))
     if follow == "deepest":
@@ -101,16 +102,16 @@ def test_verify_meta_and_rows_equal_the_torch_ops(lens, N):
     slots = torch.full((S * N1,), 99, dtype=torch.long, device=DEVICE)
     vlens = torch.full((S,), 99, dtype=torch.int32, device=DEVICE)
     qsl = torch.full((S + 1,), 99, dtype=torch.int32, device=DEVICE)
-    first = tree_triton.verify_meta(seq_lens, tables, page, B, N1, slots, vlens, qsl)
+    first = tree_ops.verify_meta(seq_lens, tables, page, B, N1, slots, vlens, qsl)
     assert torch.equal(slots, want_slots) and torch.equal(vlens, want_lens) and torch.equal(qsl, want_qsl)
     assert torch.equal(first, torch.where(real, start, -1))
     # the rows
     logp, cand = draw_candidates(torch.randn(S * (B - 1), 50, generator=g).to(DEVICE), N)
-    trees = tree_triton.build_trees(logp.view(S, B - 1, -1), cand.view(S, B - 1, -1), N)
+    trees = tree_ops.build_trees(logp.view(S, B - 1, -1), cand.view(S, B - 1, -1), N)
     blocks = torch.randint(0, 50, (S * B,), generator=g).to(DEVICE)
     ids = torch.zeros(S * N1, dtype=torch.long, device=DEVICE)
     pos, mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    tree_triton.verify_rows(blocks, B, first, trees, ids, pos, mask)
+    tree_ops.verify_rows(blocks, B, first, trees, ids, pos, mask)
     want_ids = torch.cat([blocks.view(S, B)[:, :1], trees.tokens], 1).flatten()
     want_pos = torch.cat([start[:, None], start[:, None] + trees.depths], 1).flatten()
     assert torch.equal(ids, want_ids) and torch.equal(pos, want_pos) and torch.equal(mask, trees.masks().flatten())
@@ -122,7 +123,7 @@ def test_moves_equal_the_host_moves():
     can be another's destination); padding requests (start < 0) and unaccepted depths move nothing."""
     S, D, N, page = 4, 7, 15, 4
     logp, cand = candidates(S, D, N, 300, 5, peaked=True)
-    trees = tree_triton.build_trees(logp, cand, N)
+    trees = tree_ops.build_trees(logp, cand, N)
     target = torch.randint(0, 300, (S, N + 1))
     t_host, p_host = trees.tokens.cpu(), trees.parents.cpu()
     for s in range(S):
@@ -132,7 +133,7 @@ def test_moves_equal_the_host_moves():
     tables = torch.tensor([[3, 0, 7, 1, 9, 2], [4, 5, 6, 8, 10, 11], [0, 0, 0, 0, 0, 0], [12, 13, 14, 15, 16, 17]],
                           dtype=torch.int32)
     start = torch.tensor([2, 5, -1, 0])  # request 2: padding
-    a, path, _, src, dst = tree_triton.accept_paths(trees, target, start.to(DEVICE), tables.to(DEVICE), page)
+    a, path, _, src, dst = tree_ops.accept_paths(trees, target, start.to(DEVICE), tables.to(DEVICE), page)
     slot = lambda s, q: int(tables[s, q // page]) * page + q % page  # noqa: E731
     moves = []
     for s in range(S):
@@ -153,7 +154,7 @@ def test_moves_equal_the_host_moves():
     for c in (want_k, want_v):
         flat = c.view(L, -1, H, Dh)
         flat[:, idx[:, 1]] = flat[:, idx[:, 0]]
-    tree_triton.move_slots(k, v, src, dst)
+    tree_ops.move_slots(k, v, src, dst)
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
 
 
@@ -186,8 +187,8 @@ def test_graphed_tree_steps_through_the_kernels(tiny_llama, tmp_path, monkeypatc
     assert want == [o.token_ids[:24] for o in ref]
     graphed, replays = _graphed_llm(str(tiny_llama), {**kw, "async_scheduling": overlap})
     moved = []
-    real_move = tree_triton.move_slots
-    monkeypatch.setattr(tree_triton, "move_slots", lambda k, v, src, dst: moved.append(int((src >= 0).sum()))
+    real_move = tree_ops.move_slots
+    monkeypatch.setattr(tree_ops, "move_slots", lambda k, v, src, dst: moved.append(int((src >= 0).sum()))
                         or real_move(k, v, src, dst))
     monkeypatch.setattr(graphs_mod, "fused_enabled", lambda x: True)  # the models stay on the torch path
     for module in (trees_mod, drafts_mod):

@@ -1,4 +1,4 @@
-"""Triton kernels for the token-level work of a step (see fused.py for the layer kernels): the
+"""Triton kernels for the token-level work of a step (see layer_ops.py for the layer kernels): the
 embedding lookup, the greedy argmax over the vocabulary and the DFlash acceptance count.
 
     embedding           weight[ids] (few rows: torch's index_select     (token, 1024 columns)
@@ -25,8 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashdraft.attention.triton_paged import _sm_count
-from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
+from flashdraft.kernels.launch import launch_kwargs, pdl_enter, pdl_trigger, sm_count
 
 EMBED_BLOCK = 1024  # columns per embedding program
 ARGMAX_BLOCK = 1024  # entries per argmax step (lanes x values per lane)
@@ -235,7 +234,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     if rows and not n:
         raise ValueError("argmax of an empty row")
     if rows:
-        parts = max(1, min(ARGMAX_MAX_PARTS, -(-2 * _sm_count(x.device) // rows), -(-n // ARGMAX_BLOCK)))
+        parts = max(1, min(ARGMAX_MAX_PARTS, -(-2 * sm_count(x.device) // rows), -(-n // ARGMAX_BLOCK)))
         chunk = -(-n // parts)
         parts = -(-n // chunk)
         val = torch.empty(rows, parts, device=x.device, dtype=torch.float32)

@@ -1,5 +1,5 @@
 """Gated DeltaNet layers on the GPU: the causal conv and the recurrence of every sequence of a step in
-three Triton launches, reading and writing the state slots in place (models/hybrid.py has the math
+three Triton launches, reading and writing the state slots in place (models/gdn.py has the math
 and the torch reference; this file follows it operation for operation, in float32 inside the kernels).
 
 A step's sequences are described by two device tensors, so the launches need no host values and
@@ -28,18 +28,16 @@ The layer's gated RMSNorm (w * rmsnorm(o) * silu(z)) is one more kernel (gated_n
 
 from __future__ import annotations
 
-import os
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from flashdraft.models.launch import launch_kwargs, pdl_enter, pdl_trigger
+from flashdraft import settings
+from flashdraft.kernels.launch import launch_kwargs, pdl_enter, pdl_trigger
 
-BLOCK_C = 128  # conv channels per program
-# value columns of the state per program (the state block is [d_k, BLOCK_V] in registers);
-# FLASHDRAFT_GDN_BLOCK_V sets it (sweeps)
-BLOCK_V = int(os.environ.get("FLASHDRAFT_GDN_BLOCK_V", 32))
+BLOCK_C = 128  # conv channels per program (the recurrence's value columns a program: settings.GDN_BLOCK_V)
 COMMIT, KEEP, CHUNKED = 0, 1, 2  # a sequence's mode (seq[:, 2])
 CHUNKED_MIN_ROWS = 64  # a committed chunk of at least this many rows takes the chunked kernel (one fla chunk)
 
@@ -222,10 +220,11 @@ def recur(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Te
     if S:
         if a.stride(-1) != 1 or b.stride(-1) != 1 or a.stride(0) != b.stride(0):  # else slices of one projection
             a, b = a.contiguous(), b.contiguous()
-        _recur_kernel[(S, HV, triton.cdiv(DV, BLOCK_V))](
+        block_v = settings.GDN_BLOCK_V
+        _recur_kernel[(S, HV, triton.cdiv(DV, block_v))](
             mixed, a, b, A_log, dt_bias, state, out if out is not None else mixed, qsl, seq,
             take if take is not None else qsl, mixed.stride(0), a.stride(0), HV * DV, key_dim, HV, HV // heads_k,
-            DK**-0.5, T, DK=DK, DV=DV, BLOCK_V=min(BLOCK_V, DV), COMMIT=take is not None, **launch_kwargs(mixed))
+            DK**-0.5, T, DK=DK, DV=DV, BLOCK_V=min(block_v, DV), COMMIT=take is not None, **launch_kwargs(mixed))
     elif out is not None:
         out.zero_()
     return out
@@ -253,49 +252,11 @@ def chunked_available(device: torch.device) -> bool:
     return bool(_fla)
 
 
-class ChunkedSpans:
-    """The CHUNKED sequences of a step as the chunked kernel reads them, made once per step and shared
-    by every layer: (first row, end row, slot, fresh) each."""
-
-    def __init__(self, spans: list[tuple[int, int, int, bool]], device: torch.device):
-        from flashdraft.engine.graphs import to_device
-
-        cu = [0]
-        for r0, r1, _, _ in spans:
-            cu.append(cu[-1] + r1 - r0)
-        self.n = cu[-1]
-        # back to back (a prefill step): one slice of the step's rows; else their row indices
-        if all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1)):
-            self.rows, self.first = None, spans[0][0]
-            rows = []
-        else:
-            self.first = None
-            rows = [r for r0, r1, _, _ in spans for r in range(r0, r1)]
-        S = len(spans)
-        self.placeholder = spans[0][2] < 0  # (all of them) from zeros, nothing stored
-        packed = to_device([slot for _, _, slot, _ in spans] + [int(f) for *_, f in spans] + cu + rows, torch.long,
-                           device)
-        self.slots, self.fresh, self.cu = packed[:S], packed[S:2 * S].bool(), packed[2 * S:3 * S + 1]
-        if self.first is None:
-            self.rows = packed[3 * S + 1:]
-        self.cu_cpu = torch.tensor(cu)
-
-    def take(self, x: torch.Tensor) -> torch.Tensor:
-        """The chunks' rows of x [T, ...]."""
-        return x[self.first:self.first + self.n] if self.first is not None else x.index_select(0, self.rows)
-
-    def put(self, out: torch.Tensor, rows: torch.Tensor) -> None:
-        if self.first is not None:
-            out[self.first:self.first + self.n] = rows
-        else:
-            out.index_copy_(0, self.rows, rows)
-
-
 def chunked(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-            state: torch.Tensor, spans: ChunkedSpans, key_dim: int, heads_k: int, out: torch.Tensor) -> None:
+            state: torch.Tensor, spans: Any, key_dim: int, heads_k: int, out: torch.Tensor) -> None:
     """The recurrence of the CHUNKED sequences by fla-core's chunked kernel, in one varlen call: their
     outputs into out [T, heads_v * d_v], and each slot gets the state after its rows (the chunk
-    starts from zeros when fresh)."""
+    starts from zeros when fresh). spans: the step's CHUNKED sequences (models/gdn.py ChunkedSpans)."""
     _, HV, DK, DV = state.shape
     N = spans.n
     m = spans.take(mixed)

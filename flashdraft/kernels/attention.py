@@ -1,4 +1,4 @@
-"""Triton paged attention and KV-cache store: the GPU backend behind `AttentionBackend`.
+"""Triton paged attention and KV-cache store: the kernels behind `attention.triton_backend.TritonAttention`.
 
 One kernel family serves every step kind: decode (q_len 1), verify (q_len B, causal), the DFlash
 draft block (q_len B, non-causal) and prefill chunks (long q_len, causal, after earlier context).
@@ -29,33 +29,7 @@ Tiling (tl.dot needs >= 16 along every dim on real hardware, so BLOCK_M >= 16 ev
   BLOCK_N = 64 keys (32 for D > 64 with BLOCK_M > 32): K and V tiles of 8-16 KB each in flight.
   num_warps = 8 once (BLOCK_M + BLOCK_N) x BLOCK_D reaches 8192 elements, else 4: compiled for
     sm_90, no bf16 variant spills registers (4 warps for a 16 x 64 x 128 decode tile did).
-Split-K (flash-decoding): a program walks its keys BLOCK_N at a time, each tile's loads waiting
-on the block table's, so a grid of few programs is bound by that walk, not by bandwidth: one
-program (query tile x sequence x kv head) per SM leaves most of an H200 idle even at 192 programs
-(SmolLM2 at 64 requests). The key range is cut into partitions (_num_splits: about SPLIT_WAVES
-programs an SM; a tile larger than 32 rows x 64 keys counts as that many of them) that write
-unnormalised partials (acc, running max, running sum) to a float32 workspace, merged in partition
-order. Counts below 2 x MERGE_SPLITS are rounded down to a power of two of at most MERGE_SPLITS
-(even partitions) and merge in the kernel: the tile's last partition to finish (an arrival count,
-as skinny.py's split-K GEMMs keep) reads the others' partials (one partition holding keys writes
-`out` itself). Larger counts leave the merge to `_reduce_kernel`, a program per (token, head
-group): one program reading 17 partials one after another took 9.6 us a layer where the merge
-kernel's launch and run took 6.3 (H200, Qwen3-8B decode at 1k keys), while at 3 partitions the
-in-kernel merge saved SmolLM2's c = 32 decode and verify graphs 9-10% (no launch a layer). The
-split count is fixed by the grid (a CUDA graph's, sized for its longest sequence), but each
-program cuts its own tile's key range (the window on sliding layers) into at most that many
-partitions of at least MIN_SPLIT_KEYS: a 1k-key decode in a graph sized for 40k keys spreads over
-16 partitions, not over the first two. Partitions past the tile's keys end at once and write
-nothing; the first writes how many hold keys for _reduce_kernel, which reads only those (H200,
-SmolLM2 shapes, 64 sequences of 8 verify rows and 256 keys at 64 partitions: 116 us with every
-partition's partial written and read, 36 with these; benchmarks/device/attn_splits.py).
-
-Measured in CUDA graphs on an H200 (attn_splits.py, 2026-11-28), this rule against the one before
-it (one partition from one program an SM on, else 2 x SMs / programs of them): SmolLM2 heads
-(9 / 3, D 64) at 64 sequences and 256-4,096 keys, decode 10.2-109.9 -> 9.2-71.3 us a layer and an
-8-row verify 11.9-126.4 -> 10.3-80.5; at 32 sequences both 10-19% faster; Qwen3-8B heads
-(32 / 8, D 128) at 8 sequences, a 16-row verify 25.6-122.8 -> 15.8-78.3 us (5 partitions through
-`_reduce_kernel` before, 4 merged in the kernel now) and a decode 10.5-64.1 -> 7.8-45.0.
+Split-K (flash-decoding) partitions and their merge: attention_splits.py.
 
 Compiles: the split count is a runtime argument, not a constant, so eager steps
 with new sequence lengths (prefill chunks) reuse the compiled kernels; as constants, every new
@@ -70,33 +44,26 @@ padding rows must hold no stale NaN for the layers after), else never written.""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from flashdraft.attention.base import AttentionBackend, AttentionBatch, DeviceMeta
-from flashdraft.models.launch import arrival_counts, launch_kwargs, pdl_enter, pdl_trigger
+from flashdraft import settings
+from flashdraft.attention.base import AttentionBatch, DeviceMeta
+from flashdraft.kernels.attention_splits import (
+    MAX_SPLITS,
+    MIN_SPLIT_KEYS,
+    NEG,
+    REDUCE_SPLITS,
+    _merge_partials,
+    _num_splits,
+    _reduce_kernel,
+    _workspace,
+)
+from flashdraft.kernels.launch import arrival_counts, launch_kwargs, pdl_enter, pdl_trigger, sm_count
 
-MAX_SPLITS = 64
-MIN_SPLIT_KEYS = 64  # a KV partition holds at least this many keys
-# grids of at most this many partitions merge in the kernel, more through _reduce_kernel: the merging
-# program reads the partials one partition after another (H200, Qwen3-8B decode at 1k keys, 17
-# partitions: 9.6 us a layer against 6.3 us with the merge kernel; SmolLM2's verify at c = 32, 3: faster;
-# FLASHDRAFT_MERGE_SPLITS=1: never, for A/B runs)
-MERGE_SPLITS = int(os.environ.get("FLASHDRAFT_MERGE_SPLITS", "4"))
-REDUCE_SPLITS = 64  # (partition, head) rows per load of _reduce_kernel
-# programs an SM the split count aims for (_num_splits): a program's key walk is a chain of dependent
-# loads, so an SM runs several at once before the walk's latency stops bounding the kernel
-SPLIT_WAVES = int(os.environ.get("FLASHDRAFT_SPLIT_WAVES", "3"))
-INTERPRETER_SMS = 16  # stand-in SM count when kernels run on CPU tensors (TRITON_INTERPRET=1)
-NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: no inf - inf = nan on empty rows
 # the Triton interpreter multiplies bf16 bit patterns as integers in tl.dot: give it float32 operands
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-_sm_counts: dict[torch.device, int] = {}
+INTERPRET = settings.interpreted()
 
 
 @triton.jit
@@ -330,80 +297,6 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, cou
     tl.store(out, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _merge_partials(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, used, num_tokens, num_heads, q_start, q_len, tile, kv_head,
-                    stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, MERGE_M: tl.constexpr):
-    """The `used` partials of a query tile's first MERGE_M rows merged into normalised output, in
-    partition order. Read past L1 (.cg): other programs wrote them."""
-    ROWS: tl.constexpr = BLOCK_M // GROUP
-    m = tl.arange(0, MERGE_M)
-    row = tile * ROWS + m // GROUP
-    head = kv_head * GROUP + m % GROUP
-    valid = (m < ROWS * GROUP) & (row < q_len)
-    d = tl.arange(0, BLOCK_D)
-    mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-    m_i = tl.full([MERGE_M], NEG, tl.float32)
-    l_i = tl.zeros([MERGE_M], tl.float32)
-    acc = tl.zeros([MERGE_M, BLOCK_D], tl.float32)
-    for s in range(0, used):
-        idx = (s * num_tokens + q_start + row) * num_heads + head
-        m_p = tl.load(ws_m_ptr + idx, mask=valid, other=NEG, cache_modifier=".cg")
-        l_p = tl.load(ws_l_ptr + idx, mask=valid, other=0.0, cache_modifier=".cg")
-        o = tl.load(ws_o_ptr + idx[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_i, m_p)
-        alpha = tl.exp2(m_i - m_new)
-        w = tl.exp2(m_p - m_new)
-        l_i = l_i * alpha + l_p * w
-        acc = acc * alpha[:, None] + o * w[:, None]
-        m_i = m_new
-    out = out_ptr + (q_start + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(out, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens"])
-def _reduce_kernel(out_ptr, ws_o_ptr, ws_m_ptr, ws_l_ptr, used_ptr, qsl_ptr, num_seqs, num_tokens, num_heads,
-                   stride_ot, stride_oh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ZERO_PADDING: tl.constexpr, USE_PDL: tl.constexpr):
-    """Grid (token, head group): merges the split-K partials of that token's GROUP query heads into
-    normalised output, BLOCK_S partitions per load (one load for <= BLOCK_S splits), where a query
-    tile's own last partition would merge too many (_attn_kernel's MERGE). Small programs over
-    tokens rather than a loop over the partitions per query tile: a 16-row verify at batch 1 has 128
-    of them instead of 8 (H100: 14.7 us per layer before)."""
-    pdl_enter(USE_PDL)
-    t = tl.program_id(0)
-    head = tl.program_id(1) * GROUP + tl.arange(0, BLOCK_G)  # [G]
-    h_ok = tl.arange(0, BLOCK_G) < GROUP
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    out = out_ptr + t * stride_ot + head[:, None] * stride_oh + d[None, :]
-    out_mask = h_ok[:, None] & d_ok[None, :]
-    if t >= tl.load(qsl_ptr + num_seqs):  # a graph bucket's padding rows: zeros when asked
-        if ZERO_PADDING:
-            tl.store(out, tl.zeros([BLOCK_G, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty), mask=out_mask)
-        return
-    m_i = tl.full([BLOCK_G], NEG, tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    used = tl.load(used_ptr + t)  # the token's partitions holding keys (the first ones)
-    for s0 in range(0, used, BLOCK_S):
-        sp = s0 + tl.arange(0, BLOCK_S)
-        ok = (sp < used)[:, None] & h_ok[None, :]  # [S, G]
-        idx = (sp[:, None] * num_tokens + t) * num_heads + head[None, :]
-        m = tl.load(ws_m_ptr + idx, mask=ok, other=NEG)
-        l_p = tl.load(ws_l_ptr + idx, mask=ok, other=0.0)
-        o = tl.load(ws_o_ptr + idx[:, :, None] * HEAD_DIM + d[None, None, :], mask=ok[:, :, None] & d_ok[None, None, :],
-                    other=0.0)  # [S, G, D]
-        m_new = tl.maximum(m_i, tl.max(m, 0))
-        w = tl.where(ok, tl.exp2(m - m_new[None, :]), 0.0)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(l_p * w, 0)
-        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
-        m_i = m_new
-    pdl_trigger(USE_PDL)
-    tl.store(out, (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k, v: [T, n_kv, D] (any strides) into caches [num_blocks, page, n_kv, D] at slot_mapping;
@@ -427,23 +320,6 @@ def _tiles(head_dim: int, group: int, max_query_len: int) -> tuple[int, int, int
     return block_d, block_m, block_n, 8 if (block_m + block_n) * block_d >= 8192 else 4
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    if device not in _sm_counts:
-        _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _sm_counts[device]
-
-
-def _num_splits(programs: int, max_seq_len: int, device: torch.device) -> int:
-    """About SPLIT_WAVES programs an SM (module docstring): a power of two up to MERGE_SPLITS where
-    that asks for fewer than 2 x MERGE_SPLITS partitions, else as many as it asks for."""
-    want = SPLIT_WAVES * _sm_count(device) // programs
-    if want < 2 * MERGE_SPLITS:
-        want = min(1 << (max(want, 1).bit_length() - 1), MERGE_SPLITS)
-    return max(1, min(want, max_seq_len // MIN_SPLIT_KEYS, MAX_SPLITS))
-
-
 def auto_splits(head_dim: int, group: int, max_query_len: int, num_seqs: int, n_kv: int, keys: int,
                 device: torch.device) -> int:
     """The split-K count paged_attention picks for a grid of num_seqs x n_kv x its query tiles over at
@@ -452,16 +328,6 @@ def auto_splits(head_dim: int, group: int, max_query_len: int, num_seqs: int, n_
     _, block_m, block_n, _ = _tiles(head_dim, group, max_query_len)
     tiles = triton.cdiv(max_query_len, block_m // group)
     return _num_splits(tiles * num_seqs * n_kv * max(1, block_m * block_n // 2048), keys, device)
-
-
-def _workspace(device: torch.device, splits: int, T: int, H: int, D: int):
-    key = (device, splits, T, H, D)
-    if key not in _workspaces:
-        _workspaces[key] = (torch.empty(splits, T, H, D, device=device, dtype=torch.float32),
-                            torch.empty(splits, T, H, device=device, dtype=torch.float32),
-                            torch.empty(splits, T, H, device=device, dtype=torch.float32),
-                            torch.empty(T, device=device, dtype=torch.int32))  # partitions holding keys, a row
-    return _workspaces[key]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: DeviceMeta, scale: float,
@@ -488,9 +354,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             keys = min(keys, meta.window + meta.max_query_len)
         num_splits = auto_splits(hd, group, meta.max_query_len, S, n_kv, keys, q.device)
     # the rows a query tile can hold (a decode tile: its GROUP heads of one row); a few partitions are
-    # merged by the tile's last one to finish, more by _reduce_kernel (see MERGE_SPLITS)
+    # merged by the tile's last one to finish, more by _reduce_kernel (see settings.MERGE_SPLITS)
     merge_m = triton.next_power_of_2(min(block_m // group, meta.max_query_len) * group)
-    merge = 1 < num_splits <= MERGE_SPLITS
+    merge = 1 < num_splits <= settings.MERGE_SPLITS
     ws = _workspace(q.device, num_splits, T, H, hd) if num_splits > 1 else (out, out, out, meta.seq_lens)
     count = arrival_counts(q.device, tiles * S * n_kv) if merge else meta.seq_lens
     consts = dict(N_KV=n_kv, GROUP=group, HEAD_DIM=hd, BLOCK_D=block_d, BLOCK_M=block_m)
@@ -510,7 +376,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_splits > 1 and not merge:
         # a program per (token, kv head) merges the group's heads; too few of those to fill the GPU
         # (a decode at batch 1: 4-8) read the partials at a few SMs' bandwidth, so then one per query head
-        g = group if T * n_kv >= _sm_count(q.device) else 1
+        g = group if T * n_kv >= sm_count(q.device) else 1
         _reduce_kernel[(T, H // g)](out, *ws, meta.query_start_loc, S, T, H, out.stride(0), out.stride(1),
                                     GROUP=g, BLOCK_G=triton.next_power_of_2(g), HEAD_DIM=hd, BLOCK_D=block_d,
                                     BLOCK_S=max(1, REDUCE_SPLITS // triton.next_power_of_2(g)),
@@ -531,7 +397,7 @@ def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: t
     heights = {}
     for q_len in (1 << i for i in range(12)):
         heights.setdefault(_tiles(head_dim, group, q_len)[1], q_len)
-    merge_rows = triton.cdiv(_sm_count(device), n_kv)  # the fewest tokens whose merge takes a kv head a program
+    merge_rows = triton.cdiv(sm_count(device), n_kv)  # the fewest tokens whose merge takes a kv head a program
     pages = triton.cdiv(max(*heights.values(), merge_rows), page) + 1
     k = torch.zeros(pages, page, n_kv, head_dim, device=device, dtype=dtype)
     v = torch.zeros_like(k)
@@ -548,36 +414,3 @@ def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: t
                             sinks=torch.zeros(n_heads, device=device) if sinks else None)
             launched += 1
     return launched
-
-
-class TritonAttention(AttentionBackend):
-    """Triton kernels over a DeviceMeta, built by `prepare` or installed by a graph runner with
-    `set_meta`. With an installed meta, output rows past its last sequence (a graph bucket's
-    padding rows) are zero; `batch` arguments are then ignored except as store_kv describes."""
-
-    def __init__(self) -> None:
-        self.meta: DeviceMeta | None = None
-        self.zero_padding_rows = False
-
-    def prepare(self, batch: AttentionBatch, device: torch.device) -> None:
-        self.meta = DeviceMeta.from_batch(batch, device)
-        self.zero_padding_rows = False  # every row of a built batch belongs to a sequence
-
-    def set_meta(self, meta: DeviceMeta) -> None:
-        self.meta = meta
-        self.zero_padding_rows = True
-
-    def store_kv(self, k_cache, v_cache, k, v, batch):
-        """Slots: a DeviceMeta's or a store-only AttentionBatch's own (no sequences: the DFlash
-        context write), else the installed meta's (None included)."""
-        if isinstance(batch, DeviceMeta) or (batch is not None and (batch.num_seqs == 0 or self.meta is None)):
-            slots = batch.slot_mapping
-        else:
-            slots = self.meta.slot_mapping
-        store_kv(k_cache, v_cache, k, v, slots)
-
-    def forward(self, q, k_cache, v_cache, batch, scale, sinks=None):
-        if self.meta is None:
-            self.prepare(batch, q.device)
-        return paged_attention(q, k_cache, v_cache, self.meta, scale, zero_padding=self.zero_padding_rows,
-                               sinks=sinks)

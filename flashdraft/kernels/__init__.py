@@ -1,0 +1,14 @@
+"""flashdraft's Triton kernels and their thin launchers; models/ calls them for what differs per family.
+Every module but dispatch.py needs triton to import (this package itself imports without it):
+
+    dispatch          whether a forward takes the kernels (settings.FUSED, settings.GEMM), with no triton
+    launch            programmatic dependent launch (PDL), arrival counts, the device's SM count
+    attention         paged attention over the KV cache, and the K/V store
+    attention_splits  attention's split-K partitions: how many, their workspace, the merge of their partials
+    skinny_gemm       few-row GEMMs (decode, verify and draft blocks), split-K and the silu * up epilogue
+    layer_ops         a decoder layer's elementwise work: add + RMSNorm, q/k norm + RoPE + K/V store, silu * up
+    token_ops         a step's token work: embedding, argmax, top-k, DFlash acceptance, graphed block slots
+    gdn_ops           Gated DeltaNet layers: the causal conv, the recurrence, the gated norm
+    moe_experts       mixture-of-experts MLPs: the routed rows sorted by expert, two grouped GEMMs
+    moe_routing       mixture-of-experts routing: top-k, and the router fused with the norm before it
+    tree_ops          token trees: build, accept, move their K/V, the graphed tree verify's inputs"""

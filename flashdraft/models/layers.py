@@ -1,0 +1,103 @@
+"""The building blocks every family's layers share: the RMSNorm, the embedding, the linear layer with its
+few-row GEMM dispatch, the gated MLP, and each one's fused path (the kernels of flashdraft/kernels/ where
+kernels/dispatch.py says they run)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flashdraft.kernels.dispatch import fused_enabled, skinny_enabled
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding; on the fused path the lookup is token_ops.embedding (one Triton kernel)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if fused_enabled(self.weight):
+            from flashdraft.kernels import token_ops
+
+            return token_ops.embedding(ids, self.weight)
+        return super().forward(ids)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / RMS(x), the statistics in float32 at least, normalised x cast back to x's dtype
+    before the weight multiply (the result takes the promoted dtype of the two)."""
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           parts: bool = False) -> torch.Tensor:
+    """F.linear, except for few rows: on CUDA the Triton kernels of kernels/skinny_gemm.py (see settings.GEMM), and for
+    2-64 rows on CPU (verify and draft blocks, small batches) W @ x^T, which MKL computes up to ~2x
+    faster than x @ W^T (SmolLM2 shapes, fp32, cache-cold weights: gate_up at 8 rows 0.62 against
+    0.88 ms, the 49k-row lm_head 10.8 against 21.3 ms); one row and long prefills gain nothing there.
+    parts: the result may come as a split-K GEMM's float32 parts [rows, P, out] (skinny_linear), for
+    a caller whose result goes straight into layer_ops.add_rmsnorm (which adds them)."""
+    if skinny_enabled(x, weight):
+        from flashdraft.kernels.skinny_gemm import skinny_linear
+
+        return skinny_linear(x, weight, bias, parts=parts)
+    if x.device.type == "cpu" and x.dim() == 2 and 1 < x.shape[0] <= 64:
+        y = (weight @ x.T).T.contiguous()
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor:
+        """parts: the result may be split-K parts, for an add_rmsnorm (see linear)."""
+        return linear(x, self.weight, self.bias, parts)
+
+
+def activation(name: str):
+    """The gate activation `hidden_act` names, as transformers defines it (silu: F.silu)."""
+    if name == "silu":
+        return F.silu
+    from transformers.activations import ACT2FN
+
+    if name not in ACT2FN:
+        raise ValueError(f"unsupported hidden_act {name!r}")
+    return ACT2FN[name]
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int, act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.inter = inter
+        self.act_name = act
+        self.act = activation(act)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+    def forward_fused(self, x, parts: bool = False):
+        """parts: the down projection's result may be split-K parts (see linear), for an add_rmsnorm."""
+        from flashdraft.kernels import layer_ops
+
+        if self.act_name != "silu":  # the fused kernels compute silu
+            return self.forward(x)
+        if skinny_enabled(x, self.gate_up_proj.weight, glu=True) and self.gate_up_proj.bias is None:  # silu * up
+            from flashdraft.kernels.skinny_gemm import skinny_linear
+
+            h = skinny_linear(x, self.gate_up_proj.weight, glu=True)
+        else:
+            h = layer_ops.silu_mul(self.gate_up_proj(x))
+        return self.down_proj(h, parts=parts)
