@@ -155,7 +155,7 @@ class ModelRunner:
     def commit_states_from(self, take: torch.Tensor) -> None:
         """Hybrid targets: commit the last graphed verify with the rows each of its sequences keeps in
         `take` (a device tensor, the step's sequences in order), without reading it on the host: its
-        commit graph's replay (speculative/overlap.py launches the next verify right after it). The
+        commit graph's replay (speculative/ahead.py launches the next verify right after it). The
         kept inputs stay for the verify that rewrites them. Off CUDA, the host commit (a CPU's
         tensors are the host's)."""
         first = next(iter(self.states.values())).pending
@@ -290,7 +290,7 @@ class ModelRunner:
     def verify_rows(self, g: StepGraph, seqs: list[Sequence], bm: BlockManager) -> None:
         """Hybrid targets: graph g's next replay verifies `seqs` (each continuing from its state slot,
         its rows kept for the commit), the sequences past them padding; for a verify launched before
-        the last one is read, whose requests changed (speculative/overlap.py)."""
+        the last one is read, whose requests changed (speculative/ahead.py)."""
         rows = RecurrentRows([bm.slot(s.seq_id) for s in seqs], [False] * len(seqs), [True] * len(seqs))
         g.fill(recurrent=[(slot, 0, 1) for slot in rows.slots] + [(-1, 0, 0)] * (g.num_seqs - len(seqs)))
         self._name_rows(g, rows)

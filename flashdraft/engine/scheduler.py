@@ -70,7 +70,7 @@ class Scheduler:
         """Admit the waiting requests whose whole remaining prompt fits now (pages, with `reserve` more
         slots each, the token budget, max_num_seqs), in order, stopping at the first that does not,
         without scheduling the running ones: their prefill is a step of its own, launched beside the
-        running requests' (speculative/overlap.py)."""
+        running requests' (speculative/ahead.py)."""
         out = ScheduledBatch()
         self._admit(out, self.max_num_batched_tokens, whole=True, reserve=reserve)
         return out

@@ -256,7 +256,7 @@ def verify_meta(seq_lens: torch.Tensor, block_tables: torch.Tensor, page: int, b
     """A graphed tree step's verify metadata from its draft blocks' (seq_lens [S]: the block's end, 0 for
     a padding request): each request's verify starts at its block's start (seq_len - block), `rows`
     rows long; writes their slots [S * rows] (-1 for padding), lengths [S] and row offsets [S + 1].
-    Returns the starts [S] int64, -1 for padding requests (tree_step.py's torch ops compute the same)."""
+    Returns the starts [S] int64, -1 for padding requests (speculative/trees.py's torch ops compute the same)."""
     S = seq_lens.shape[0]
     start = torch.empty(S, dtype=torch.long, device=seq_lens.device)
     if S:
