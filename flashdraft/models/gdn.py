@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashdraft.attention.base import AttentionBatch
+from flashdraft.engine.graphs import to_device
 from flashdraft.kernels.dispatch import fused_enabled
 from flashdraft.models.layers import Linear, activation
 
@@ -43,7 +44,6 @@ class RecurrentRows:
         with `chunked`, CHUNKED for committed chunks of at least CHUNKED_MIN_ROWS rows (self.spans);
         else COMMIT."""
         if self._dev is None:
-            from flashdraft.engine.graphs import to_device
             from flashdraft.kernels.gdn_ops import CHUNKED, CHUNKED_MIN_ROWS, COMMIT, KEEP
 
             S = len(self.slots)
@@ -123,8 +123,6 @@ class ChunkedSpans:
     by every layer: (first row, end row, slot, fresh) each."""
 
     def __init__(self, spans: list[tuple[int, int, int, bool]], device: torch.device):
-        from flashdraft.engine.graphs import to_device
-
         cu = [0]
         for r0, r1, _, _ in spans:
             cu.append(cu[-1] + r1 - r0)
@@ -272,8 +270,6 @@ class GatedDeltaNet(nn.Module):
             return
         rec, qsl = p.rows, p.query_start_loc
         if p.mixed is not None:
-            from flashdraft.engine.graphs import to_device
-
             seq = p.device_rows[1]
             takes = {} if takes is None else takes
             key = (id(seq), seq.shape[0])
