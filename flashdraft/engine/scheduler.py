@@ -121,13 +121,3 @@ class Scheduler:
         self.bm.register(seq.seq_id, seq.token_ids, seq.num_computed_tokens)  # a next turn starts with them
         self.bm.free(seq.seq_id)
 
-
-def kept_rows(prev: list[Sequence], running: list[Sequence]) -> list[int] | None:
-    """Where each running request sits in the in-flight step's `prev`, when the running requests are
-    prev's in order less some that finished or were aborted since its launch (a step after it can
-    then be launched before it is read, on its outputs); None when any other request runs."""
-    index = {id(s): i for i, s in enumerate(prev)}
-    rows = [index.get(id(s), -1) for s in running]
-    if not rows or -1 in rows or any(a >= b for a, b in zip(rows, rows[1:])):
-        return None
-    return rows
