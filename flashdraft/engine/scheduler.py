@@ -120,4 +120,3 @@ class Scheduler:
             self.waiting.remove(seq)
         self.bm.register(seq.seq_id, seq.token_ids, seq.num_computed_tokens)  # a next turn starts with them
         self.bm.free(seq.seq_id)
-
