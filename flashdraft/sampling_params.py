@@ -18,6 +18,38 @@ MAX_LOGPROBS = 20  # the most log-probabilities a position may return (vLLM's de
 
 
 @dataclass
+class StructuredOutputsParams:
+    """vLLM's constraint on a request's output (exactly one field set): a JSON schema (`json`, a dict or its
+    text), any JSON object (`json_object`), a regular expression, one of a list of strings (`choice`), or an
+    EBNF grammar (`grammar`, xgrammar's GBNF dialect). Compiled against the tokenizer when the request is
+    added (flashdraft/structured/grammar.py); at every row that chooses a target token, verify rows
+    included, the tokens it forbids are masked."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                             f"got {self.choice!r}")
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{k} must be a non-empty string, got {v!r}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its text), got {self.json!r}")
+
+
+@dataclass
 class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
@@ -43,6 +75,8 @@ class SamplingParams:
     # token past the first with prompt_logprobs (such a prompt is computed whole, not read from the cache)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # the output's grammar (JSON schema, regex, choice, EBNF): a mask at every row that chooses a token
+    structured_outputs: StructuredOutputsParams | None = None
     stops: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -83,6 +117,8 @@ class SamplingParams:
                     not _is_int(t) or t < 0 or not _is_number(b) for t, b in self.logit_bias.items()):
                 raise ValueError(f"logit_bias must map token ids (integers >= 0) to finite numbers, "
                                  f"got {self.logit_bias!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
@@ -100,7 +136,12 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether the target's logits change before the choice (beyond temperature, top-k and top-p)."""
-        return self.penalizes or bool(self.min_p or self.min_tokens or self.logit_bias)
+        return self.penalizes or bool(self.min_p or self.min_tokens or self.logit_bias) or self.constrained
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar masks the tokens this request may take (structured_outputs)."""
+        return self.structured_outputs is not None
 
     @property
     def needs_logits(self) -> bool:

@@ -20,6 +20,7 @@ from flashdraft.engine.startup import check_drafter, log_ready, shipped_drafter
 from flashdraft.models.loader import load_config, load_model, resolve_model_dir
 from flashdraft.sampling_params import SamplingParams
 from flashdraft.speculative.loader import load_speculator
+from flashdraft.structured.grammar import Grammars
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = self.model_config.vocab_size
+        self._grammars: Grammars | None = None
         model_max = int(getattr(self.model_config, "max_position_embeddings", 0) or 4096)
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context window {model_max}")
@@ -134,6 +136,12 @@ class LLMEngine:
             raise ValueError("prompt must be a string or a list of token ids")
         return list(prompt)
 
+    def grammars(self) -> Grammars:
+        """The grammar compiler of structured_outputs over this tokenizer, made when a request first asks."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size)
+        return self._grammars
+
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
         bad = sorted(t for t in params.logit_bias or {} if t >= self.vocab_size)
@@ -161,9 +169,11 @@ class LLMEngine:
         self.check_params(params)
         ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         self.check_prompt(ids)
+        grammar = self.grammars().request(params.structured_outputs) if params.constrained else None
         self._seed += 1
         seq = Sequence(ids, params, prompt if isinstance(prompt, str) else None, request_id,
                        seed=hash((self.config.seed, self._seed)) & 0x7FFFFFFFFFFFFFFF)
+        seq.grammar = grammar
         self.scheduler.add(seq)
         return seq
 
@@ -211,6 +221,8 @@ class LLMEngine:
         p = seq.params
         for n, tok in enumerate(tokens, 1):
             seq.token_ids.append(tok)
+            if seq.grammar is not None:
+                seq.grammar.commit(tok)
             seq.token_times.append(now)
             if seq.logprobs is not None:
                 seq.logprobs.append(logprobs[n - 1])

@@ -21,6 +21,7 @@ import torch
 from flashdraft.engine.graphs import to_device
 from flashdraft.engine.sampler import SamplingBatch, sample
 from flashdraft.engine.sequence import Sequence, TokenLogprob
+from flashdraft.structured.masks import apply_grammars
 
 
 @dataclass
@@ -103,6 +104,9 @@ def process(logits: torch.Tensor, seqs: list[Sequence], positions: torch.Tensor,
     penalized = [r for r, s in enumerate(seqs) if s.params.penalizes]
     if penalized:
         _penalties(logits, seqs, penalized, seen)
+    constrained = [r for r, s in enumerate(seqs) if s.grammar is not None]
+    if constrained:  # the grammar's mask after the processors (vLLM applies it to the processed logits)
+        apply_grammars(logits, seqs, constrained, seen)
     return logits
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from flashdraft.sampling_params import SamplingParams
 from flashdraft.speculative.gate import AcceptanceGate
 from flashdraft.speculative.metrics import SpecStats
+from flashdraft.structured.grammar import RequestGrammar
 
 
 class SeqStatus(enum.Enum):
@@ -81,6 +82,8 @@ class Sequence:
         # speculative decoding: this request's counters, and its own gate (a per-request threshold configured)
         self.spec_stats: SpecStats | None = None
         self.spec_gate: AcceptanceGate | None = None
+        # structured_outputs: the request's grammar matcher, at the state after its committed output
+        self.grammar: RequestGrammar | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -77,9 +77,9 @@ def target_tokens(ctx: StepContext, plans: list[Plan], hidden: torch.Tensor, row
             prompt_logprobs(model, hidden[p.row: p.row + p.n], s, start)
         if p.verify:
             width = p.n
-            if s.params.penalizes:
+            if s.params.penalizes or s.params.constrained:
                 if ids is None:  # (every path that verifies a penalized request passes them)
-                    raise RuntimeError("a penalized request's verify rows need the step's input ids")
+                    raise RuntimeError("a penalized or constrained request's verify rows need the step's input ids")
                 for j in range(p.n):  # row j counts the drafts of rows 1..j (a tree: of its ancestors)
                     for d in range(1, p.n if tree_masks is not None else j + 1):
                         seen.rows.append(len(rows) + j)

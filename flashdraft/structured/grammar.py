@@ -1,0 +1,72 @@
+"""Grammars of requests, on xgrammar: compiled once per distinct constraint against the target's
+tokenizer (cached), and one matcher per request that follows its committed output.
+
+xgrammar rather than llguidance: both take JSON schema, regex and EBNF and roll a matcher back by a count
+of tokens, which the verify rows need; xgrammar fills a mask into a torch bitmask and applies it to logits
+in place on the CPU and on CUDA, and vLLM and SGLang default to it for the same families."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+
+from flashdraft.sampling_params import StructuredOutputsParams
+
+try:
+    import xgrammar as xgr
+except ImportError:  # (a declared dependency; refused by name where it is missing)
+    xgr = None
+
+
+class RequestGrammar:
+    """One request's matcher: its state is the grammar after the request's committed output."""
+
+    def __init__(self, compiled):
+        self.matcher = xgr.GrammarMatcher(compiled)  # (its rollback reaches any number of tokens)
+
+    def commit(self, token: int) -> None:
+        """Advance past a committed token; a token the mask allowed is always accepted."""
+        if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+            raise RuntimeError(f"token {token} was committed against its request's grammar")
+
+
+class Grammars:
+    """The engine's grammar compiler over its tokenizer, with a cache of compiled constraints."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        if xgr is None:
+            raise ValueError("structured_outputs needs the xgrammar package (pip install xgrammar)")
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        except Exception as e:  # a tokenizer xgrammar cannot map to bytes
+            raise ValueError(f"structured_outputs: this tokenizer cannot be used by xgrammar: {e}") from None
+        self.vocab_size = vocab_size
+        self.compiler = xgr.GrammarCompiler(info)
+        self._compiled = lru_cache(maxsize=256)(self._compile)
+
+    def request(self, spec: StructuredOutputsParams) -> RequestGrammar:
+        """A matcher for a request; ValueError naming the constraint when it does not compile."""
+        if spec.json is not None:
+            key = ("json", spec.json if isinstance(spec.json, str) else json.dumps(spec.json, sort_keys=True), "json")
+        elif spec.json_object:
+            key = ("json_object", "", "json_object")
+        elif spec.regex is not None:
+            key = ("regex", spec.regex, "regex")
+        elif spec.choice is not None:  # the alternatives as an EBNF grammar of JSON-escaped literals
+            key = ("grammar", "root ::= " + " | ".join(json.dumps(c) for c in spec.choice), "choice")
+        else:
+            key = ("grammar", spec.grammar, "grammar")
+        return RequestGrammar(self._compiled(*key))
+
+    def _compile(self, kind: str, text: str, name: str):
+        try:
+            if kind == "json":
+                json.loads(text)  # (xgrammar's own message for bad JSON names no field)
+                return self.compiler.compile_json_schema(text)
+            if kind == "json_object":
+                return self.compiler.compile_builtin_json_grammar()
+            if kind == "regex":
+                return self.compiler.compile_regex(text)
+            return self.compiler.compile_grammar(text)
+        except Exception as e:
+            raise ValueError(f"structured_outputs.{name} does not compile: {e}") from None

@@ -1,0 +1,50 @@
+"""Grammar masks at the rows that choose a target token (engine/logits.py `process` calls them).
+
+A row's mask is the one plain decoding would apply at its position: the request's matcher holds the state
+after its committed output, and a verify row's drafts before it (a chain's earlier rows, from `Seen`) are
+walked through the matcher first, then rolled back. A draft the grammar forbids cannot be the target's
+token at the row before it, so acceptance ends there; the rows past it are never committed, and take the
+mask after the last allowed draft."""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import xgrammar as xgr
+except ImportError:
+    xgr = None
+
+
+def apply_grammars(logits: torch.Tensor, seqs: list, rows: list[int], seen) -> None:
+    """Mask logits [R, V] in place at `rows` (each a row of a request with a grammar), row r of seqs[r]."""
+    paths: dict[int, list[int]] = {}  # logits row -> indices into the step's input ids, in path order
+    if seen is not None:
+        for r, src in zip(seen.rows, seen.src):
+            paths.setdefault(r, []).append(src)
+    wanted = sorted({i for r in rows for i in paths.get(r, ())})
+    tokens = dict(zip(wanted, seen.ids[torch.tensor(wanted, dtype=torch.long, device=seen.ids.device)].tolist())) \
+        if wanted else {}
+    mask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
+    walked: dict[int, int] = {}  # request -> drafts its matcher advanced over, rolled back at the end
+    for k, r in enumerate(rows):  # a request's rows come in path order (each path extends the last)
+        s = seqs[r]
+        m = s.grammar.matcher
+        done = walked.get(id(s), 0)
+        path = paths.get(r, [])
+        while done < len(path) and done >= 0:
+            if not m.accept_token(tokens[path[done]]):
+                done = -done - 1  # (a forbidden draft: later rows keep this state)
+                break
+            done += 1
+        walked[id(s)] = done
+        m.fill_next_token_bitmask(mask, k)
+    for s in {id(seqs[r]): seqs[r] for r in rows}.values():
+        d = walked.get(id(s), 0)
+        d = -d - 1 if d < 0 else d
+        if d:
+            s.grammar.matcher.rollback(d)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    sub = logits.index_select(0, index)
+    xgr.apply_token_bitmask_inplace(sub, mask.to(logits.device), vocab_size=sub.shape[1])
+    logits.index_copy_(0, index, sub)

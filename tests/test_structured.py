@@ -1,0 +1,118 @@
+"""Structured outputs (flashdraft/structured/): grammar masks at every row that chooses a token, exact
+under speculation. The reference is plain decoding of the same constrained request: the masks of a
+verify row must be the ones plain decoding applies at that position, so speculation on and off give the
+same tokens (float32 CPU, the shipped drafter's chains)."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from flashdraft import LLM, SamplingParams, StructuredOutputsParams
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+QUESTIONS = ["Describe a person called Ada as JSON.", "Give me a JSON object for a user named Bob, aged 31.",
+             "Write a JSON record of a 7 year old child.", "Output a JSON person."]
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return LLM(device="cpu", dtype="float32")  # the shipped drafter (chains in the suite)
+
+
+def _prompts(llm, qs=QUESTIONS):
+    return [llm.engine.apply_chat_template([{"role": "user", "content": q}]) for q in qs]
+
+
+def test_json_schema_is_lossless_under_speculation(smollm2, spec):
+    so = StructuredOutputsParams(json=SCHEMA)
+    params = SamplingParams(max_tokens=48, structured_outputs=so)
+    prompts = _prompts(spec)
+    want = smollm2.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert spec.engine.spec_totals()["num_drafts"] > 0
+    for o in got:
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert any(o.finish_reason == "stop" for o in got)
+
+
+def test_batched_beside_unconstrained_and_seeded(smollm2, spec):
+    """Constrained greedy and seeded sampled requests beside unconstrained ones: each equals plain decoding."""
+    prompts = _prompts(spec) * 2
+    params = [SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(json_object=True)),
+              SamplingParams(max_tokens=40),
+              SamplingParams(max_tokens=40, temperature=1.0, seed=7,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+              SamplingParams(max_tokens=40, temperature=1.0, seed=8)] * 2
+    want = [o.token_ids for o in smollm2.generate(prompts, params)]
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+
+
+def test_regex_and_choice(smollm2, spec):
+    prompts = _prompts(spec, ["What is 6 times 7?", "Is the sky blue? Answer yes or no."])
+    params = [SamplingParams(max_tokens=12, structured_outputs=StructuredOutputsParams(regex=r"[0-9]{1,3}")),
+              SamplingParams(max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))]
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in smollm2.generate(prompts, params)]
+    assert re.fullmatch(r"[0-9]{1,3}", got[0].text) and got[1].text in ("yes", "no")
+
+
+def test_the_mask_of_a_verify_row_follows_its_drafts(smollm2, spec, monkeypatch):
+    """A mask taken at the committed state for every verify row (the drafts before the row not walked)
+    gives other tokens than plain decoding: the test above would catch a mask at the wrong position."""
+    import flashdraft.structured.masks as masks
+
+    real = masks.apply_grammars
+    monkeypatch.setattr(masks, "apply_grammars", lambda logits, seqs, rows, seen: real(logits, seqs, rows, None))
+    monkeypatch.setattr("flashdraft.engine.logits.apply_grammars", masks.apply_grammars)
+    params = SamplingParams(max_tokens=48, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    prompts = _prompts(spec)
+    want = [o.token_ids for o in smollm2.generate(prompts, params)]
+    try:
+        got = [o.token_ids for o in spec.generate(prompts, params)]
+    except RuntimeError as e:  # a token the grammar forbids reached a commit
+        assert "against its request's grammar" in str(e)
+    else:
+        assert got != want
+
+
+@pytest.mark.parametrize("so, match", [
+    (dict(json="{not json"), "structured_outputs.json does not compile"),
+    (dict(regex="(unclosed"), "structured_outputs.regex does not compile"),
+    (dict(grammar="root ::= undefined_rule"), "structured_outputs.grammar does not compile"),
+])
+def test_bad_constraints_are_refused_before_queueing(spec, so, match):
+    running = spec.engine.scheduler.has_unfinished()
+    with pytest.raises(ValueError, match=match):
+        spec.engine.add_request([1, 2, 3], SamplingParams(structured_outputs=StructuredOutputsParams(**so)))
+    assert spec.engine.scheduler.has_unfinished() == running
+
+
+def test_structured_outputs_params_takes_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="choice must be a non-empty list"):
+        StructuredOutputsParams(choice=[])
+
+
+def test_token_trees_decode_constrained_requests_without_drafts(smollm2, monkeypatch):
+    """Masks walk chains of drafts: on an engine that verifies token trees, a constrained request decodes
+    without drafts (plain decoding's tokens) while an unconstrained one beside it keeps its trees."""
+    from flashdraft import settings
+
+    monkeypatch.setattr(settings, "CPU_TREE", True)
+    llm = LLM(device="cpu", dtype="float32")
+    assert llm.engine.spec.trees is not None
+    prompts = _prompts(llm)[:2]
+    params = [SamplingParams(max_tokens=32, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+              SamplingParams(max_tokens=32)]
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in smollm2.generate(prompts, params)]
+    assert "num_drafts" not in outs[0].metrics and outs[1].metrics["num_drafts"] > 0
