@@ -211,7 +211,11 @@ BAD = [
     (CHATS, {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     (CHATS, {"messages": CHAT, "logprobs": 1}, "logprobs"),
     (CHATS, {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHATS, {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    (CHATS, {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    (CHATS, {"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": "x"}}},
+     "response_format"),
+    (COMPLETIONS, {"prompt": "hi", "guided_regex": "(unclosed"}, "guided_regex"),
+    (COMPLETIONS, {"prompt": "hi", "guided_choice": ["a"], "regex": "a"}, "regex"),
     (CHATS, {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
 ]
 

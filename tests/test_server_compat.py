@@ -77,10 +77,10 @@ OUTPUT_CHANGING = [
     (COMPLETIONS, "include_stop_str_in_output", True, False),
     (COMPLETIONS, "use_beam_search", True, False),
     (COMPLETIONS, "bad_words", ["blue"], []),
-    (COMPLETIONS, "guided_json", {"type": "object"}, None),
+    (COMPLETIONS, "structural_tag", {"type": "structural_tag"}, None),
     (CHATS, "chat_template", "{{ messages }}", None),
     (CHATS, "continue_final_message", True, False),
-    (CHATS, "regex", "[a-z]+", None),
+    (CHATS, "logits_processors", ["my.module:Processor"], None),
 ]
 
 

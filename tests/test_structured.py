@@ -116,3 +116,39 @@ def test_token_trees_decode_constrained_requests_without_drafts(smollm2, monkeyp
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in smollm2.generate(prompts, params)]
     assert "num_drafts" not in outs[0].metrics and outs[1].metrics["num_drafts"] > 0
+
+
+def test_the_server_takes_every_spelling(spec, smollm2):
+    """Through a real server and the official openai client, on the shipped pair: response_format
+    json_schema (answers that validate), vLLM's guided_choice and structured_outputs, SGLang's regex; each
+    the tokens of plain decoding of the same constraint offline; a bad schema is a 400 naming the field."""
+    import openai
+    from fixtures import Served
+
+    from flashdraft.server.app import build_app
+
+    served = Served(build_app(spec.engine))
+    try:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        msgs = [{"role": "user", "content": QUESTIONS[1]}]
+        r = client.chat.completions.create(model=client.models.list().data[0].id, messages=msgs, max_tokens=48,
+                                           temperature=0, response_format={"type": "json_schema", "json_schema": {
+                                               "name": "person", "schema": SCHEMA, "strict": True}})
+        want = smollm2.chat([msgs], SamplingParams(max_tokens=48, structured_outputs=StructuredOutputsParams(
+            json=SCHEMA)))[0]
+        assert r.choices[0].message.content == want.text
+        if r.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+        model = r.model
+        for extra, check in ((dict(guided_choice=["yes", "no"]), lambda t: t in ("yes", "no")),
+                             (dict(structured_outputs={"regex": "[0-9]+"}), lambda t: re.fullmatch("[0-9]+", t)),
+                             (dict(regex="(red|green|blue)"), lambda t: t in ("red", "green", "blue"))):
+            r = client.completions.create(model=model, prompt="The answer:", max_tokens=8, temperature=0,
+                                          extra_body=extra)
+            assert check(r.choices[0].text), (extra, r.choices[0].text)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=msgs, max_tokens=4, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+        assert e.value.body["param"] == "response_format"
+    finally:
+        served.close()

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flashdraft.engine.prompts import TEMPLATE_ARGUMENTS
 from flashdraft.sampling_params import MAX_LOGPROBS, SamplingParams
+from flashdraft.server.constraints import FIELDS as CONSTRAINT_FIELDS
+from flashdraft.server.constraints import ConstraintError, constraint
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # seeds and top_k end up in int64 tensors
 
@@ -96,8 +98,7 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     **{name: lambda v: v in (None, True) for name in ("spaces_between_special_tokens",)},
     **{name: lambda v: v is None or v == [] or v == {} for name in (
         "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors",
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag", "structured_outputs",
-        "json_schema", "regex", "ebnf", "stop_regex", "chat_template", "documents", "lora_path", "lora_request")},
+        "structural_tag", "stop_regex", "chat_template", "documents", "lora_path", "lora_request")},
 }
 
 
@@ -139,10 +140,11 @@ class _Request(BaseModel):
     speculative: bool | None = None
     add_special_tokens: bool | None = None
     return_meta_info: bool | None = None  # SGLang's: a meta_info object with the speculative counts
+    response_format: dict[str, Any] | None = None  # (and the other spellings of a constraint: constraints.py)
 
     def ignored_fields(self) -> list[str]:
         """Fields this server does not know: accepted, and logged by the caller."""
-        return sorted(set(self.model_extra or {}) - set(NOT_IMPLEMENTED))
+        return sorted(set(self.model_extra or {}) - set(NOT_IMPLEMENTED) - CONSTRAINT_FIELDS)
 
     def check(self) -> None:
         """Refuse features we would otherwise silently ignore."""
@@ -224,6 +226,11 @@ class _Request(BaseModel):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
         try:
+            given = {**(self.model_extra or {}), "response_format": self.response_format}
+            fields["structured_outputs"] = constraint(given)
+        except ConstraintError as e:
+            raise bad_request(str(e), e.param) from None
+        try:
             return SamplingParams(**fields)
         except ValueError as e:
             # SamplingParams' messages start with the field name
@@ -303,7 +310,6 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
     def check(self) -> None:
         super().check()
@@ -321,8 +327,6 @@ class ChatCompletionRequest(_Request):
         for name in ("tool_choice", "function_call"):
             if getattr(self, name) not in (None, "none"):
                 raise bad_request(f"{name} is not supported", name)
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise bad_request("response_format other than {'type': 'text'} is not supported", "response_format")
 
     @property
     def returned_logprobs(self) -> int | None:

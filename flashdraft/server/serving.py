@@ -24,6 +24,7 @@ from flashdraft.engine.prompts import encode_chat, encode_text
 from flashdraft.engine.sequence import Output
 from flashdraft.sampling_params import SamplingParams
 from flashdraft.server.async_engine import AsyncEngine, RequestStream, Update
+from flashdraft.server.constraints import constraint_field
 from flashdraft.server.metrics import ServerMetrics
 from flashdraft.server.protocol import (
     APIError,
@@ -168,6 +169,13 @@ class Serving:
         max_tokens, max_name = req.requested_max_tokens()
         samples = req.samples
         streams: list[RequestStream] = []
+        if params.constrained:  # compiled here, off the engine thread (the engine reads it from the cache)
+            grammars = self.aengine.engine.grammars()
+            try:
+                await self.tokenized(lambda tok: grammars.request(params.structured_outputs))
+            except ValueError as e:
+                raise bad_request(str(e), constraint_field({**(req.model_extra or {}),
+                                                            "response_format": req.response_format})) from None
         try:
             prompts = [await self.tokenized(lambda tok, e=e: self.check_ids(e(tok), max_tokens, max_name))
                        for e in encodes]
