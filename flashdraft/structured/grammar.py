@@ -12,16 +12,13 @@ from functools import lru_cache
 
 from flashdraft.sampling_params import StructuredOutputsParams
 
-try:
-    import xgrammar as xgr
-except ImportError:  # (a declared dependency; refused by name where it is missing)
-    xgr = None
-
 
 class RequestGrammar:
     """One request's matcher: its state is the grammar after the request's committed output."""
 
     def __init__(self, compiled):
+        import xgrammar as xgr
+
         self.matcher = xgr.GrammarMatcher(compiled)  # (its rollback reaches any number of tokens)
 
     def commit(self, token: int) -> None:
@@ -34,8 +31,10 @@ class Grammars:
     """The engine's grammar compiler over its tokenizer, with a cache of compiled constraints."""
 
     def __init__(self, tokenizer, vocab_size: int):
-        if xgr is None:
-            raise ValueError("structured_outputs needs the xgrammar package (pip install xgrammar)")
+        try:  # (imported when a request first asks: it takes seconds to import)
+            import xgrammar as xgr
+        except ImportError:
+            raise ValueError("structured_outputs needs the xgrammar package (pip install xgrammar)") from None
         try:
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         except Exception as e:  # a tokenizer xgrammar cannot map to bytes

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import xgrammar as xgr
-except ImportError:
-    xgr = None
-
 
 def apply_grammars(logits: torch.Tensor, seqs: list, rows: list[int], seen) -> None:
     """Mask logits [R, V] in place at `rows` (each a row of a request with a grammar), row r of seqs[r]."""
+    import xgrammar as xgr  # (only requests with a grammar reach here: grammar.py imported it)
+
     paths: dict[int, list[int]] = {}  # logits row -> indices into the step's input ids, in path order
     if seen is not None:
         for r, src in zip(seen.rows, seen.src):
