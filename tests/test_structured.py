@@ -152,3 +152,12 @@ def test_the_server_takes_every_spelling(spec, smollm2):
         assert e.value.body["param"] == "response_format"
     finally:
         served.close()
+
+
+def test_a_finished_grammar_ends_its_request_even_with_ignore_eos(spec):
+    """Once the grammar has taken its stop token nothing may follow: the request ends there ("stop"),
+    ignore_eos or not, instead of asking the finished grammar for another mask."""
+    prompt = _prompts(spec, ["Is the sky blue? Answer yes or no."])
+    out = spec.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True,
+                                               structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))[0]
+    assert out.finish_reason == "stop" and out.text in ("yes", "no")

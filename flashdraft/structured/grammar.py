@@ -21,6 +21,11 @@ class RequestGrammar:
 
         self.matcher = xgr.GrammarMatcher(compiled)  # (its rollback reaches any number of tokens)
 
+    @property
+    def done(self) -> bool:
+        """Whether the grammar has taken its stop token: nothing may follow."""
+        return self.matcher.is_terminated()
+
     def commit(self, token: int) -> None:
         """Advance past a committed token; a token the mask allowed is always accepted."""
         if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
