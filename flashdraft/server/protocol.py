@@ -142,6 +142,10 @@ class _Request(BaseModel):
     return_meta_info: bool | None = None  # SGLang's: a meta_info object with the speculative counts
     response_format: dict[str, Any] | None = None  # (and the other spellings of a constraint: constraints.py)
 
+    def constraint_fields(self) -> dict[str, Any]:
+        """The fields an output constraint may come in (server/constraints.py), with their values."""
+        return {**(self.model_extra or {}), "response_format": self.response_format}
+
     def ignored_fields(self) -> list[str]:
         """Fields this server does not know: accepted, and logged by the caller."""
         return sorted(set(self.model_extra or {}) - set(NOT_IMPLEMENTED) - CONSTRAINT_FIELDS)
@@ -226,8 +230,7 @@ class _Request(BaseModel):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         )
         try:
-            given = {**(self.model_extra or {}), "response_format": self.response_format}
-            fields["structured_outputs"] = constraint(given)
+            fields["structured_outputs"] = constraint(self.constraint_fields())
         except ConstraintError as e:
             raise bad_request(str(e), e.param) from None
         try:

@@ -174,8 +174,7 @@ class Serving:
             try:
                 await self.tokenized(lambda tok: grammars.request(params.structured_outputs))
             except ValueError as e:
-                raise bad_request(str(e), constraint_field({**(req.model_extra or {}),
-                                                            "response_format": req.response_format})) from None
+                raise bad_request(str(e), constraint_field(req.constraint_fields())) from None
         try:
             prompts = [await self.tokenized(lambda tok, e=e: self.check_ids(e(tok), max_tokens, max_name))
                        for e in encodes]
