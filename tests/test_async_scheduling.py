@@ -305,6 +305,22 @@ def test_head_and_choice_run_in_inference_mode(pair, monkeypatch):
         assert seen and all(seen)
 
 
+def test_steps_launched_ahead_run_in_inference_mode(tiny_llama, drafter, monkeypatch):
+    """A DFlash engine's steps launched ahead (the bench's plain arm: requests that do not speculate, and
+    verifies paused by speculative_disable_batch_size) choose their tokens in inference mode too: one
+    launched outside it ran its eager sampling with autograd on (80 us more a SmolLM2 step on an H200)."""
+    import torch
+
+    (overlap,) = spec_engines(tiny_llama, drafter)[1:]
+    model = overlap.engine.runner.model
+    seen, real = [], model.compute_logits
+    monkeypatch.setattr(model, "compute_logits",
+                        lambda *a, **k: seen.append(torch.is_inference_mode_enabled()) or real(*a, **k))
+    overlap.generate(PROMPTS[:2], SamplingParams(max_tokens=12, ignore_eos=True, speculative=False))
+    assert overlap.engine.stats["num_overlapped_steps"] > 5
+    assert seen and all(seen), f"{seen.count(False)} of {len(seen)} heads ran with autograd on"
+
+
 def test_admit_takes_whole_prompts_only():
     """Scheduler.admit (requests joining behind a step in flight): whole prompts, in order, each with
     `reserve` free slots past it, within the token budget and max_num_seqs; it stops at the first that
