@@ -66,10 +66,13 @@ def serve_engine_kwargs(args: argparse.Namespace) -> dict:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from flashdraft.server.app import run_server
+    from flashdraft.server.chat import ChatOptions, load_chat_template
 
+    chat = ChatOptions(load_chat_template(args.chat_template) if args.chat_template else None,
+                       args.tool_call_parser, args.reasoning_parser)  # (checked before the model loads)
     run_server(serve_engine_kwargs(args), host=args.host, port=args.port, api_key=args.api_key or None,
                served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-               max_prompt_tokens=args.max_prompt_tokens, log_level=args.log_level)
+               max_prompt_tokens=args.max_prompt_tokens, log_level=args.log_level, chat_options=chat)
     return 0
 
 
@@ -168,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the context window")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level")
+    s.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (file or text), or chatml_tools (default: the tokenizer's)")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="the format of the model's tool calls (default: the one its chat template writes)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag: accepted; tool_choice auto is on whenever a tool-call parser is known")
+    s.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="return the model's <think> block apart, as reasoning_content")
     s.set_defaults(func=cmd_serve)
 
     from flashdraft.bench import add_bench_args, cmd_bench

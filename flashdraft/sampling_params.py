@@ -20,23 +20,25 @@ MAX_LOGPROBS = 20  # the most log-probabilities a position may return (vLLM's de
 @dataclass
 class StructuredOutputsParams:
     """vLLM's constraint on a request's output (exactly one field set): a JSON schema (`json`, a dict or its
-    text), any JSON object (`json_object`), a regular expression, one of a list of strings (`choice`), or an
-    EBNF grammar (`grammar`, xgrammar's GBNF dialect). Compiled against the tokenizer when the request is
-    added (flashdraft/structured/grammar.py); at every row that chooses a target token, verify rows
-    included, the tokens it forbids are masked."""
+    text), any JSON object (`json_object`), a regular expression, one of a list of strings (`choice`), an
+    EBNF grammar (`grammar`, xgrammar's GBNF dialect), or an xgrammar structural tag (`structural_tag`, a
+    dict or its JSON text: free text with tagged parts, as tool calls are forced). Compiled against the
+    tokenizer when the request is added (flashdraft/structured/grammar.py); at every row that chooses a
+    target token, verify rows included, the tokens it forbids are masked."""
 
     json: str | dict | None = None
     json_object: bool = False
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | dict | None = None
 
     def __post_init__(self) -> None:
-        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given = [k for k in ("json", "regex", "choice", "grammar", "structural_tag") if getattr(self, k) is not None]
         given += ["json_object"] if self.json_object else []
         if len(given) != 1:
-            raise ValueError(f"structured_outputs takes exactly one of json, json_object, regex, choice, grammar; "
-                             f"got {', '.join(given) or 'none'}")
+            raise ValueError(f"structured_outputs takes exactly one of json, json_object, regex, choice, grammar, "
+                             f"structural_tag; got {', '.join(given) or 'none'}")
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or any(not isinstance(c, str) or not c for c in self.choice)):
             raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
@@ -47,6 +49,12 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{k} must be a non-empty string, got {v!r}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its text), got {self.json!r}")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise ValueError(f"structured_outputs.structural_tag must be a dict or its JSON text, "
+                             f"got {self.structural_tag!r}")
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's earlier name
 
 
 @dataclass
@@ -77,11 +85,16 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # the output's grammar (JSON schema, regex, choice, EBNF): a mask at every row that chooses a token
     structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's earlier name for structured_outputs
     stops: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError("give structured_outputs or guided_decoding (its earlier name), not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         self.validate()
 
     def validate(self) -> None:

@@ -26,6 +26,7 @@ from flashdraft import __version__
 from flashdraft.config import EngineConfig
 from flashdraft.engine.engine import LLMEngine
 from flashdraft.server.async_engine import AsyncEngine
+from flashdraft.server.chat import ChatOptions
 from flashdraft.server.metrics import ServerMetrics
 from flashdraft.server.protocol import APIError, bad_request, parse_json
 from flashdraft.server.serving import Serving
@@ -111,13 +112,15 @@ async def read_json(request: Request, limit: int) -> dict:
 
 
 def build_app(engine: LLMEngine | AsyncEngine, api_key: str | None = None, served_model_name: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_tokens: int | None = None) -> FastAPI:
-    """An app serving `engine`. Several apps may share one engine: they share its loop thread."""
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_tokens: int | None = None,
+              chat_options: ChatOptions | None = None) -> FastAPI:
+    """An app serving `engine`. Several apps may share one engine: they share its loop thread.
+    chat_options: the chat template, tool-call and reasoning parsers (server/chat.py)."""
     aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine.of(engine)
     name = served_model_name or default_model_name(aengine.engine.config.model)
     max_model_len = aengine.engine.max_model_len
     metrics = ServerMetrics(aengine, name)
-    serving = Serving(aengine, name, metrics, max_prompt_tokens)
+    serving = Serving(aengine, name, metrics, max_prompt_tokens, chat_options)
     created = int(time.time())
 
     @asynccontextmanager
@@ -232,7 +235,8 @@ def _server_class():
 
 def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               max_prompt_tokens: int | None = None, log_level: str = "info") -> None:
+               max_prompt_tokens: int | None = None, log_level: str = "info",
+               chat_options: ChatOptions | None = None) -> None:
     """Load the engine (so load errors surface before anything binds), then serve until interrupted."""
     import uvicorn
 
@@ -246,7 +250,7 @@ def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, a
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
     name = served_model_name or default_model_name(engine.config.model)
     app = build_app(engine, api_key=api_key, served_model_name=name, max_body_bytes=max_body_bytes,
-                    max_prompt_tokens=max_prompt_tokens)
+                    max_prompt_tokens=max_prompt_tokens, chat_options=chat_options)
     log.info("serving %s on http://%s:%d (max_model_len %d)", name, host, port, engine.max_model_len)
     # this process serves the engine until it exits: what start-up made (modules, tokenizer, graphs) moves
     # to the permanent generation, so no garbage-collection pass walks it mid-serving (a full pass over

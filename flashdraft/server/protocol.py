@@ -9,30 +9,16 @@ import json
 from collections.abc import Callable
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from flashdraft.engine.prompts import TEMPLATE_ARGUMENTS
 from flashdraft.sampling_params import MAX_LOGPROBS, SamplingParams
 from flashdraft.server.constraints import FIELDS as CONSTRAINT_FIELDS
 from flashdraft.server.constraints import ConstraintError, constraint
+from flashdraft.server.errors import APIError, bad_request
+from flashdraft.server.messages import ChatTools, chat_tools, conversation
 
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # seeds and top_k end up in int64 tensors
-
-
-class APIError(Exception):
-    """An error returned to the client as OpenAI's `{"error": {...}}` object."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -297,7 +283,6 @@ class CompletionRequest(_Request):
         return items
 
 
-ROLES = {"system", "user", "assistant", "developer"}
 
 
 class ChatCompletionRequest(_Request):
@@ -313,6 +298,7 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
+    _tools: ChatTools | None = PrivateAttr(default=None)  # (check: tools and tool_choice, checked)
 
     def check(self) -> None:
         super().check()
@@ -324,16 +310,16 @@ class ChatCompletionRequest(_Request):
             raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise bad_request(f"{name} (function calling) is not supported", name)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise bad_request(f"{name} is not supported", name)
+        self._tools = chat_tools(self.tools, self.tool_choice, self.parallel_tool_calls, self.functions,
+                                     self.function_call)
 
     @property
     def returned_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def chat_tools(self) -> ChatTools | None:
+        return self._tools
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -342,39 +328,6 @@ class ChatCompletionRequest(_Request):
 
     def conversation(self) -> list[dict]:
         return conversation(self.messages)
-
-
-def conversation(messages: list[Any]) -> list[dict]:
-    """`messages` as the chat template wants them: role and plain-text content."""
-    if not messages:
-        raise bad_request("messages must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f"{where} must be an object with role and content", where)
-        extra = sorted(set(m) - {"role", "content", "name"})
-        if extra:
-            raise bad_request(f"{where}.{extra[0]} is not supported", f"{where}.{extra[0]}")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad_request(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", f"{where}.role")
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _text_content(m.get("content"), f"{where}.content")})
-    return out
-
-
-def _text_content(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and content:
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad_request(f"{where}: only text content parts are supported", where)
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise bad_request(f"{where} must be a string or a list of text parts", where)
 
 
 class TokenizeRequest(BaseModel):

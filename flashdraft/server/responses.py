@@ -11,6 +11,7 @@ import time
 
 from flashdraft.engine.sequence import Output, TokenLogprob
 from flashdraft.sampling_params import SamplingParams
+from flashdraft.server.chat import ChoiceParser
 from flashdraft.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -112,12 +113,15 @@ class ResponseFormat:
     are those of the tokens its text carries."""
 
     def __init__(self, request_id: str, model: str, req: CompletionRequest | ChatCompletionRequest,
-                 prompts: list[list[int]], token: TokenText, echoes: list[str] | None = None):
+                 prompts: list[list[int]], token: TokenText, echoes: list[str] | None = None,
+                 parsers: list[ChoiceParser | None] | None = None):
         self.id, self.model, self.chat = request_id, model, isinstance(req, ChatCompletionRequest)
         self.with_meta_info, self.n = bool(req.return_meta_info), req.n or 1
         self.prompts, self.choices = prompts, len(prompts) * self.n
         self.logprobs, self.prompt_logprobs, self.token = req.returned_logprobs, req.prompt_logprobs, token
         self.echoes = echoes
+        self.parsers = parsers or [None] * self.choices  # chat: each choice's reasoning and tool calls
+        self.made_calls = [False] * self.choices
         self.started = [False] * self.choices
         self.offsets = [0] * self.choices  # completions: each choice's next text_offset
         self.created = int(time.time())
@@ -154,8 +158,11 @@ class ResponseFormat:
         for k, out in enumerate(outs):
             text, logprobs = self.content(k, out.text, out.logprobs, out.prompt_logprobs)
             if self.chat:
-                choice = {"index": k, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                          "finish_reason": out.finish_reason}
+                message, parser, reason = {"role": "assistant", "content": text}, self.parsers[k], out.finish_reason
+                if parser is not None:
+                    message |= parser.message(text)
+                    reason = parser.finish_reason(reason, "tool_calls" in message)
+                choice = {"index": k, "message": message, "logprobs": logprobs, "finish_reason": reason}
             else:
                 choice = {"index": k, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
                 if self.prompt_logprobs is not None:  # vLLM's place for them: the choice at /v1/completions
@@ -172,7 +179,16 @@ class ResponseFormat:
         return self._chunk(k, {"role": "assistant", "content": self._echo(k)})
 
     def chunk(self, k: int, text: str, logprobs: dict | None = None, finish_reason: str | None = None) -> dict:
-        return self._chunk(k, ({"content": text} if text else {}) if self.chat else text, logprobs, finish_reason)
+        parser = self.parsers[k]
+        if not self.chat:
+            return self._chunk(k, text, logprobs, finish_reason)
+        if parser is None:
+            return self._chunk(k, {"content": text} if text else {}, logprobs, finish_reason)
+        delta = parser.delta(text, last=finish_reason is not None)
+        self.made_calls[k] |= "tool_calls" in delta
+        if finish_reason is not None:
+            finish_reason = parser.finish_reason(finish_reason, self.made_calls[k])
+        return self._chunk(k, delta, logprobs, finish_reason)
 
     def last_chunk(self, k: int, text: str, logprobs: dict | None, out: Output) -> dict:
         body = self.chunk(k, text, logprobs, out.finish_reason)

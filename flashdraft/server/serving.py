@@ -24,6 +24,7 @@ from flashdraft.engine.prompts import encode_chat, encode_text
 from flashdraft.engine.sequence import Output
 from flashdraft.sampling_params import SamplingParams
 from flashdraft.server.async_engine import AsyncEngine, RequestStream, Update
+from flashdraft.server.chat import ChatOptions, ChoiceParser, plan_chat
 from flashdraft.server.constraints import constraint_field
 from flashdraft.server.metrics import ServerMetrics
 from flashdraft.server.protocol import (
@@ -66,8 +67,9 @@ async def wait_for_disconnect(request: Request) -> None:
 
 class Serving:
     def __init__(self, aengine: AsyncEngine, model_name: str, metrics: ServerMetrics,
-                 max_prompt_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, chat_options: ChatOptions | None = None):
         self.aengine = aengine
+        self.chat_options = chat_options or ChatOptions()
         self.model_name = model_name
         self.metrics = metrics
         self.max_prompt_tokens = max_prompt_tokens
@@ -119,16 +121,26 @@ class Serving:
 
     async def chat(self, request: Request, data: dict) -> Response:
         req, params = self._parsed(ChatCompletionRequest, data)
-        conversation = req.conversation()
+        messages = req.conversation()
+        plan = plan_chat(self.chat_options, self.tokenizer.chat_template, req.chat_tools, messages)
         gen_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
-        encode = lambda tok: encode_chat(tok, conversation, self.model_dir, add_generation_prompt=gen_prompt,
-                                         add_special_tokens=bool(req.add_special_tokens),
-                                         template_kwargs=req.chat_template_kwargs)
+        tools = req.chat_tools.tools if req.chat_tools is not None else None
+        max_tokens, max_name = req.requested_max_tokens()
+        try:
+            ids = await self.tokenized(lambda tok: self.check_ids(encode_chat(
+                tok, messages, self.model_dir, add_generation_prompt=gen_prompt,
+                add_special_tokens=bool(req.add_special_tokens), template_kwargs=req.chat_template_kwargs,
+                tools=tools, chat_template=plan.template), max_tokens, max_name))
+            prompt_end = await self.tokenized(lambda tok: tok.decode(ids[-16:]))
+        except (ValueError, jinja2.TemplateError) as e:
+            raise bad_request(str(e), "messages") from None
+        params = plan.sampling_params(params, prompt_end)
         # vLLM's echo: the last message's content when its role is the reply's (the last message's own
         # without a generation prompt)
-        last = conversation[-1]
+        last = messages[-1]
         echoes = [last["content"] if not gen_prompt or last["role"] == "assistant" else ""] if req.echo else None
-        return await self._generate(request, req, params, [encode], echoes)
+        return await self._generate(request, req, params, [lambda tok: ids], echoes,
+                                    lambda: plan.parser(prompt_end))
 
     async def tokenize(self, data: dict) -> dict:
         """vLLM's /tokenize: the ids a prompt (or a conversation, through the chat template) becomes."""
@@ -160,7 +172,8 @@ class Serving:
 
     async def _generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest,
                         params: SamplingParams, encodes: list[Callable[[Any], list[int]]],
-                        echoes: list[str | None] | None) -> Response:
+                        echoes: list[str | None] | None,
+                        parser: Callable[[], ChoiceParser | None] | None = None) -> Response:
         """Each prompt's samples (n, or best_of) as requests of their own (their prompt's cached pages shared),
         prompt-major; every prompt is tokenized and checked before any request starts. `echoes`: what each
         prompt's choices echo, None for a prompt's decoded token ids (vLLM's echo of a token-id prompt)."""
@@ -194,7 +207,8 @@ class Serving:
             for st in streams:
                 self.aengine.abort(st)
             raise
-        fmt = ResponseFormat(request_id, self.model_name, req, prompts, self.token_text, echoes)
+        parsers = [parser() for _ in streams] if parser is not None else None
+        fmt = ResponseFormat(request_id, self.model_name, req, prompts, self.token_text, echoes, parsers)
         if req.stream:  # never with best_of > n
             return AbortingStreamingResponse(self._events(streams, fmt, req.include_usage),
                                              on_close=lambda: [self.aengine.abort(st) for st in streams],

@@ -56,6 +56,9 @@ class Grammars:
             key = ("json_object", "", "json_object")
         elif spec.regex is not None:
             key = ("regex", spec.regex, "regex")
+        elif spec.structural_tag is not None:
+            tag = spec.structural_tag
+            key = ("structural_tag", tag if isinstance(tag, str) else json.dumps(tag, sort_keys=True), "structural_tag")
         elif spec.choice is not None:  # the alternatives as an EBNF grammar of JSON-escaped literals
             key = ("grammar", "root ::= " + " | ".join(json.dumps(c) for c in spec.choice), "choice")
         else:
@@ -69,6 +72,9 @@ class Grammars:
                 return self.compiler.compile_json_schema(text)
             if kind == "json_object":
                 return self.compiler.compile_builtin_json_grammar()
+            if kind == "structural_tag":
+                json.loads(text)
+                return self.compiler.compile_structural_tag(text)
             if kind == "regex":
                 return self.compiler.compile_regex(text)
             return self.compiler.compile_grammar(text)
