@@ -6,8 +6,10 @@ from typing import Any
 
 from tqdm import tqdm
 
+from flashdraft.chat.template import load_chat_template
 from flashdraft.config import EngineConfig
 from flashdraft.engine.engine import LLMEngine
+from flashdraft.engine.prompts import encode_chat
 from flashdraft.engine.sequence import Output
 from flashdraft.sampling_params import SamplingParams
 
@@ -62,11 +64,18 @@ class LLM:
 
     def chat(self, conversations: list[dict] | list[list[dict]],
              params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[Output]:
-        """chat_template_kwargs: variables for the chat template (vLLM's name), e.g. enable_thinking."""
+             chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict] | None = None,
+             chat_template: str | None = None) -> list[Output]:
+        """vLLM's names: chat_template_kwargs, variables for the chat template (e.g. enable_thinking); tools,
+        OpenAI function tools for the template to write; chat_template, a template (its text, a file, or
+        "chatml_tools", flashdraft's ChatML with tools) in place of the tokenizer's. The text comes back as
+        the model wrote it (the server's --tool-call-parser reads the calls out of it)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        ids = [self.engine.apply_chat_template(c, **(chat_template_kwargs or {})) for c in conversations]
+        template = load_chat_template(chat_template) if chat_template is not None else None
+        eng = self.engine
+        ids = [encode_chat(eng.tokenizer, c, eng.model_dir, template_kwargs=chat_template_kwargs, tools=tools,
+                           chat_template=template) for c in conversations]
         return self._run([None] * len(ids), ids, params, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:

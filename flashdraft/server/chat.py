@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 from flashdraft.chat.grammars import after_reasoning, constraint_format, tool_call_format
 from flashdraft.chat.reasoning import (
@@ -23,25 +22,11 @@ from flashdraft.chat.reasoning import (
     reasoning_format,
     split_reasoning,
 )
+from flashdraft.chat.template import CHATML_TOOLS, load_chat_template
 from flashdraft.chat.tool_calls import ToolCallStream, ToolFormat, infer_format, parse_tool_calls, tool_format
 from flashdraft.sampling_params import SamplingParams
 from flashdraft.server.errors import bad_request
 from flashdraft.server.messages import ChatTools
-
-TEMPLATES = Path(__file__).resolve().parent.parent / "chat" / "templates"
-CHATML_TOOLS = "chatml_tools"
-
-
-def load_chat_template(value: str) -> str:
-    """--chat-template: a shipped template's name, a file, or the template's text."""
-    if value == CHATML_TOOLS:
-        return (TEMPLATES / f"{CHATML_TOOLS}.jinja").read_text()
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text()
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template {value!r} is neither a file, a template nor {CHATML_TOOLS!r}")
 
 
 @dataclass

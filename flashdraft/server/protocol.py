@@ -336,6 +336,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[Any] | None = None
+    tools: list[Any] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -26,6 +26,7 @@ from flashdraft.sampling_params import SamplingParams
 from flashdraft.server.async_engine import AsyncEngine, RequestStream, Update
 from flashdraft.server.chat import ChatOptions, ChoiceParser, plan_chat
 from flashdraft.server.constraints import constraint_field
+from flashdraft.server.messages import chat_tools
 from flashdraft.server.metrics import ServerMetrics
 from flashdraft.server.protocol import (
     APIError,
@@ -135,6 +136,12 @@ class Serving:
         except (ValueError, jinja2.TemplateError) as e:
             raise bad_request(str(e), "messages") from None
         params = plan.sampling_params(params, prompt_end)
+        if plan.tools is not None and plan.tools.forced:  # a schema in the tools that does not compile: theirs
+            grammars = self.aengine.engine.grammars()
+            try:
+                await self.tokenized(lambda tok: grammars.request(params.structured_outputs))
+            except ValueError as e:
+                raise bad_request(f"the tools' parameters do not compile into a grammar: {e}", "tools") from None
         # vLLM's echo: the last message's content when its role is the reply's (the last message's own
         # without a generation prompt)
         last = messages[-1]
@@ -151,10 +158,13 @@ class Serving:
             encode = lambda tok: encode_text(tok, req.prompt, special)
         else:
             messages = conversation(req.messages)
+            tools = chat_tools(req.tools, None, None)
+            plan = plan_chat(self.chat_options, self.tokenizer.chat_template, tools, messages)
             gen_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
             encode = lambda tok: encode_chat(tok, messages, self.model_dir, add_generation_prompt=gen_prompt,
                                              add_special_tokens=bool(req.add_special_tokens),
-                                             template_kwargs=req.chat_template_kwargs)
+                                             template_kwargs=req.chat_template_kwargs,
+                                             tools=tools.tools if tools else None, chat_template=plan.template)
         try:
             ids = await self.tokenized(encode)
             strs = await self.tokenized(lambda tok: tok.convert_ids_to_tokens(ids)) if req.return_token_strs else None
