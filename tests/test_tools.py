@@ -6,6 +6,7 @@ applied after the reasoning; and offline, the same forcing grammars give plain d
 
 import json
 
+import httpx
 import jsonschema
 import pytest
 from fixtures import Served
@@ -143,15 +144,12 @@ def test_two_turn_tool_conversation(clients):
     """A history with the assistant's call (content null) and the tool's result is rendered (the result in
     the prompt) and answered."""
     client = clients[0]
-    msgs = ASK + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-                                                                          "function": {"name": "get_weather",
-                                                                                       "arguments": '{"city": "Paris"}'}}]},
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    msgs = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
                   {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
     r = client.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, tools=[WEATHER],
                                        max_tokens=24, temperature=0)
     assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    import httpx
-
     base = str(client.base_url).removesuffix("/v1/")
     toks = httpx.post(base + "/tokenize", json={"messages": msgs, "tools": [WEATHER]}, timeout=60).json()["tokens"]
     text = httpx.post(base + "/detokenize", json={"tokens": toks}, timeout=60).json()["prompt"]
