@@ -73,12 +73,54 @@ def test_the_mask_of_a_verify_row_follows_its_drafts(smollm2, spec, monkeypatch)
     params = SamplingParams(max_tokens=48, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     prompts = _prompts(spec)
     want = [o.token_ids for o in smollm2.generate(prompts, params)]
-    try:
-        got = [o.token_ids for o in spec.generate(prompts, params)]
-    except RuntimeError as e:  # a token the grammar forbids reached a commit
-        assert "against its request's grammar" in str(e)
-    else:
-        assert got != want
+    got = spec.generate(prompts, params)
+    # a token the grammar forbids reached a commit (that request ends, "error"), or other tokens were chosen
+    assert [o.token_ids for o in got] != want
+    assert all(o.error is None for o in got if o.finish_reason != "error")
+
+
+def test_a_failing_grammar_ends_only_its_request(smollm2, spec, monkeypatch):
+    """A matcher that fails while its mask is filled ends its request ("error", with the reason); the
+    constrained and unconstrained requests beside it give plain decoding's tokens."""
+    from flashdraft.structured.grammar import RequestGrammar
+
+    real = RequestGrammar.__init__
+
+    def init(self, compiled):
+        real(self, compiled)
+        if compiled is failing[0]:  # (the regex request's matcher)
+            self.matcher = _Failing(self.matcher)
+
+    failing = [spec.engine.grammars()._compiled("regex", "[a-z]{1,40}", "regex")]
+    monkeypatch.setattr(RequestGrammar, "__init__", init)
+    prompts = _prompts(spec)[:3]
+    params = [SamplingParams(max_tokens=24, structured_outputs=StructuredOutputsParams(regex="[a-z]{1,40}")),
+              SamplingParams(max_tokens=24, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+              SamplingParams(max_tokens=24)]
+    got = spec.generate(prompts, params)
+    assert got[0].finish_reason == "error" and "the grammar failed: matcher broke" in got[0].error
+    monkeypatch.undo()
+    want = smollm2.generate(prompts[1:], params[1:])
+    assert [o.token_ids for o in got[1:]] == [o.token_ids for o in want]
+
+
+class _Failing:
+    """A matcher whose mask fails after its first three tokens."""
+
+    def __init__(self, m):
+        self.m, self.taken = m, 0
+
+    def __getattr__(self, name):
+        return getattr(self.m, name)
+
+    def accept_token(self, t):
+        self.taken += 1
+        return self.m.accept_token(t)
+
+    def fill_next_token_bitmask(self, mask, k):
+        if self.taken >= 3:
+            raise RuntimeError("matcher broke")
+        return self.m.fill_next_token_bitmask(mask, k)
 
 
 @pytest.mark.parametrize("so, match", [

@@ -231,7 +231,7 @@ class LLMEngine:
             if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
                 reason = "stop"
             elif seq.grammar is not None and seq.grammar.done:  # (its stop token taken, ignore_eos or not)
-                reason = "stop"
+                reason = "stop" if seq.grammar.error is None else "error"
             elif p.stops and (text := self._text_before_stop(seq)) is not None:
                 reason = "stop"
             elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \

@@ -37,11 +37,12 @@ class Output:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
     metrics: dict = field(default_factory=dict)
     # SamplingParams.logprobs set: one per generated token; prompt_logprobs: one per prompt token, the first None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None  # finish_reason "error": what failed (this request only)
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -119,4 +120,5 @@ class Sequence:
         return Output(self.request_id, self.prompt, self.token_ids[: self.num_prompt_tokens], self.text,
                       self.output_token_ids, self.finish_reason, self.metrics(),
                       None if self.logprobs is None else list(self.logprobs),
-                      None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+                      None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+                      self.grammar.error if self.grammar is not None else None)

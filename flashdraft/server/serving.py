@@ -230,6 +230,9 @@ class Serving:
         if failed is not None:
             raise APIError(500, f"generation failed: {failed}", type="server_error")
         outs = [f.output for f in finals]
+        broken = next((out.error for out in outs if out.finish_reason == "error"), None)
+        if broken is not None:  # (this request's grammar failed; the others in the batch went on)
+            raise APIError(500, f"generation failed: {broken}", type="server_error")
         if any(out.finish_reason == "abort" for out in outs):
             raise APIError(503, "the request was aborted: the server is shutting down", type="server_error")
         for out in outs:
@@ -275,6 +278,9 @@ class Serving:
                 if not u.finished:
                     yield sse(fmt.chunk(k, text, logprobs))
                     continue
+                if u.output.finish_reason == "error":
+                    yield sse(APIError(500, f"generation failed: {u.output.error}", type="server_error").body())
+                    break
                 outs[k], ended = u.output, ended + 1
                 self.metrics.observe(u.output.metrics)
                 yield sse(fmt.last_chunk(k, text, logprobs, u.output))

@@ -20,16 +20,29 @@ class RequestGrammar:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)  # (its rollback reaches any number of tokens)
+        self.error: str | None = None  # the matcher failed: the request ends ("error"), no other one
 
     @property
     def done(self) -> bool:
-        """Whether the grammar has taken its stop token: nothing may follow."""
-        return self.matcher.is_terminated()
+        """Whether the grammar has taken its stop token (nothing may follow), or failed."""
+        return self.error is not None or self.matcher.is_terminated()
 
     def commit(self, token: int) -> None:
-        """Advance past a committed token; a token the mask allowed is always accepted."""
-        if not self.matcher.is_terminated() and not self.matcher.accept_token(token):
-            raise RuntimeError(f"token {token} was committed against its request's grammar")
+        """Advance past a committed token; a token the mask allowed is always accepted (one it did not
+        fails this request's grammar)."""
+        if self.done:
+            return
+        try:
+            ok = self.matcher.accept_token(token)
+        except Exception as e:  # (xgrammar's own failure: this request's, not the step's)
+            self.fail(f"the grammar failed: {e}")
+            return
+        if not ok:
+            self.fail(f"token {token} was committed against its request's grammar")
+
+    def fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = message
 
 
 class Grammars:

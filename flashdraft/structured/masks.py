@@ -26,22 +26,32 @@ def apply_grammars(logits: torch.Tensor, seqs: list, rows: list[int], seen) -> N
     walked: dict[int, int] = {}  # request -> drafts its matcher advanced over, rolled back at the end
     for k, r in enumerate(rows):  # a request's rows come in path order (each path extends the last)
         s = seqs[r]
-        m = s.grammar.matcher
-        done = walked.get(id(s), 0)
-        path = paths.get(r, [])
-        while done < len(path) and done >= 0:
-            if not m.accept_token(tokens[path[done]]):
-                done = -done - 1  # (a forbidden draft: later rows keep this state)
-                break
-            done += 1
-        walked[id(s)] = done
-        m.fill_next_token_bitmask(mask, k)
+        if s.grammar.error is None:
+            try:
+                walked[id(s)] = _walk(s.grammar.matcher, [tokens[i] for i in paths.get(r, [])],
+                                      walked.get(id(s), 0), mask, k)
+                continue
+            except Exception as e:  # (this request's grammar failed: it ends, the step goes on)
+                s.grammar.fail(f"the grammar failed: {e}")
+        mask[k] = -1  # (a failed grammar masks nothing; its request ends at its commit)
     for s in {id(seqs[r]): seqs[r] for r in rows}.values():
         d = walked.get(id(s), 0)
         d = -d - 1 if d < 0 else d
-        if d:
+        if d and s.grammar.error is None:
             s.grammar.matcher.rollback(d)
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)  # (its rows only: others pay nothing)
     sub = logits.index_select(0, index)
     xgr.apply_token_bitmask_inplace(sub, mask.to(logits.device), vocab_size=sub.shape[1])
     logits.index_copy_(0, index, sub)
+
+
+def _walk(m, path: list[int], done: int, mask: torch.Tensor, k: int) -> int:
+    """Advance matcher m over the drafts of path not walked yet (done of them were, or -done - 1 when one
+    was forbidden: the state stays there), then fill mask row k; the new count."""
+    while 0 <= done < len(path):
+        if not m.accept_token(path[done]):
+            done = -done - 1  # (a forbidden draft: later rows keep this state)
+            break
+        done += 1
+    m.fill_next_token_bitmask(mask, k)
+    return done
