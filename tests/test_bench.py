@@ -392,3 +392,39 @@ def test_benchmark_report_is_one_table_and_one_json_line(tmp_path, capsys):
     assert {"commit", "device", "date", "torch"} <= record.keys() and record["rows"] == rows
     assert timing.middle_median([9.0, 1.0, 2.0, 3.0, 4.0, 9.0, 9.0, 0.0]) == 3.5  # the middle half: 2, 3, 4, 9
     assert timing.percentile([3.0, 1.0, 2.0], 50) == 2.0 and timing.percentile([], 99) != timing.percentile([], 99)
+
+
+def test_structured_requests_and_their_masks(spec_engine, tmp_path, capsys):
+    """--dataset structured: JSON-schema and forced tool-call requests, each with its grammar, both arms
+    the same tokens (T=0), the masks' host time per step reported; --unconstrained drops the grammars
+    (other tokens, no masks); over --url the grammars are refused, not dropped."""
+    from flashdraft.chat.tool_calls import FORMATS, parse_tool_calls
+
+    prompts = load_prompts("structured")
+    assert len(prompts) == 32 and sum(p.tools is not None for p in prompts) == 16
+    runs = {}
+    for extra in ((), ("--unconstrained",)):
+        out = tmp_path / ("u" if extra else "c")
+        args = bench_args("--dataset", "structured", "--num-prompts", "4", "--max-tokens", "40", "--concurrency",
+                          "2", "--out", str(out), *extra)
+        assert cmd_bench(args, engine=spec_engine) == 0
+        printed = capsys.readouterr().out
+        (row,) = json.loads((out / "bench.json").read_text())["results"]
+        assert row["same_output"]["matched"] == 4
+        runs[bool(extra)] = row
+        assert ("grammar masks (4 constrained prompts)" in printed) != bool(extra)
+    constrained = runs[False]["arms"]
+    assert all(constrained[a]["grammar_mask_ms_per_step"] > 0 for a in ("plain", "dflash"))
+    assert runs[True]["arms"]["plain"]["grammar_mask_ms_per_step"] is None
+    texts = [spec_engine.tokenizer.decode(r["output"]) for r in constrained["plain"]["requests"]]
+    for p, text in zip(load_prompts("structured", 4), texts):
+        if p.tools:  # a forced call of one of the tools, whole when it finished
+            assert text.startswith('<tool_call>\n{"name": "')
+            assert any(text[len('<tool_call>\n{"name": "'):].startswith(t["function"]["name"]) for t in p.tools)
+            if text.endswith("</tool_call>"):
+                assert parse_tool_calls(text, FORMATS["hermes"])[1]
+        else:
+            assert text.lstrip().startswith("{")
+    assert texts != [spec_engine.tokenizer.decode(r["output"]) for r in runs[True]["arms"]["plain"]["requests"]]
+    with pytest.raises(ValueError, match="run in process only"):
+        cmd_bench(bench_args("--dataset", "structured", "--url", "http://127.0.0.1:9"))

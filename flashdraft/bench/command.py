@@ -37,6 +37,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arms", default=None,
                    help="plain,dflash (default: both when a drafter is loaded, else plain)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.add_argument("--unconstrained", action="store_true",
+                   help="drop the prompt file's structured_outputs (the same prompts without their grammars)")
     p.add_argument("--seed", type=int, default=0, help="request i uses seed + i (matters at T > 0)")
     p.add_argument("--out", default=None, help="folder for bench.json and the PNG plots")
     p.add_argument("--url", default=None,
@@ -92,7 +94,8 @@ def tokenize(engine: LLMEngine, prompts: list[Prompt], chat: bool, max_tokens: i
     """Token ids of the prompts that leave room for max_tokens; the others are skipped (and named)."""
     kept, ids, skipped = [], [], []
     for p in prompts:
-        toks = engine.apply_chat_template(p.messages) if chat else engine.tokenize(p.text)
+        toks = (_with_tools(engine, p) if p.tools else engine.apply_chat_template(p.messages)) if chat else \
+            engine.tokenize(p.text)
         if len(toks) + max_tokens > engine.max_model_len:
             skipped.append(p.id)
             continue
@@ -102,6 +105,19 @@ def tokenize(engine: LLMEngine, prompts: list[Prompt], chat: bool, max_tokens: i
         raise ValueError(f"no prompt fits the context window ({engine.max_model_len} tokens) with "
                          f"--max-tokens {max_tokens}")
     return kept, ids, skipped
+
+
+def _with_tools(engine: LLMEngine, p: Prompt) -> list[int]:
+    """A prompt whose request must call one of its tools, as the server renders it (the model's template, or
+    the ChatML one with tools); its constraint becomes the forced call's grammar."""
+    from flashdraft.engine.prompts import encode_chat
+    from flashdraft.sampling_params import SamplingParams
+    from flashdraft.server.chat import ChatOptions, plan_chat
+    from flashdraft.server.messages import ChatTools
+
+    plan = plan_chat(ChatOptions(), engine.tokenizer.chat_template, ChatTools(p.tools, "required", False), p.messages)
+    p.constraint = {"structural_tag": plan.sampling_params(SamplingParams(), "").structured_outputs.structural_tag}
+    return encode_chat(engine.tokenizer, p.messages, engine.model_dir, tools=p.tools, chat_template=plan.template)
 
 
 def git_commit() -> dict:
@@ -147,6 +163,7 @@ def run_config(args: argparse.Namespace, prompts: list[Prompt], concurrencies: l
     return {"mode": "http" if args.url else "in-process", "url": args.url, "dataset": args.dataset,
             "num_prompts": len(prompts), "prompt_ids": [p.id for p in prompts], "max_tokens": args.max_tokens,
             "temperature": args.temperature, "ignore_eos": args.ignore_eos, "seed": args.seed, "chat": args.chat,
+            "constrained": sum(p.constraint is not None for p in prompts) if not args.unconstrained else 0,
             "concurrency": concurrencies, "arms": arms,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "flashdraft_version": flashdraft.__version__, "torch_version": torch.__version__,
@@ -176,6 +193,10 @@ def cmd_bench(args: argparse.Namespace, engine: LLMEngine | None = None) -> int:
         if args.url:
             from flashdraft.bench.remote import RemoteBackend  # needs the openai client
 
+            if not args.unconstrained and any(p.constraint for p in prompts):
+                raise ValueError("structured_outputs in the prompt file are run in process only; drop --url, "
+                                 "or pass --unconstrained")
+
             backend = RemoteBackend(args.url, prompts, args.chat, workload, model=args.model, api_key=args.api_key)
             arms = parse_arms(args.arms, None)
             setup = {"model": backend.model, "draft": None, "device": "remote", "dtype": None}
@@ -191,6 +212,8 @@ def cmd_bench(args: argparse.Namespace, engine: LLMEngine | None = None) -> int:
             if max(concurrencies) > engine.config.max_num_seqs:
                 warn(f"concurrency {max(concurrencies)} exceeds --max-num-seqs {engine.config.max_num_seqs}: "
                      "the extra requests wait in the queue")
+            if not args.unconstrained:
+                workload.constraints = [p.constraint for p in prompts]
             backend = EngineBackend(engine, ids, workload)
             setup = engine_config(engine)
         if max(concurrencies) > len(prompts):

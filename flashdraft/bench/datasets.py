@@ -9,7 +9,9 @@
   conversations of the file (the boundary `flashdraft.train` holds out of training), first non-empty human
   turn as the prompt; the few conversations without one are left out. `sharegpt_split()` gives both
   sides of the boundary.
-- a path to a `.jsonl` file: one object a line with "prompt" (a string) or "messages" (a chat list).
+- `structured`: 32 JSON-schema and tool-call requests with their grammars (load_structured).
+- a path to a `.jsonl` file: one object a line with "prompt" (a string) or "messages" (a chat list), and
+  optionally "structured_outputs" (StructuredOutputsParams' fields: the request's grammar).
 
 Packages are located with `importlib.util.find_spec` and never imported: their `__init__` may pull
 dependencies that are not installed.
@@ -19,12 +21,16 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import itertools
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-DATASETS = ("humaneval", "mt-bench", "sharegpt")
+from flashdraft.bench import agent_requests as a
+from flashdraft.sampling_params import StructuredOutputsParams
+
+DATASETS = ("humaneval", "mt-bench", "sharegpt", "structured")
 SHAREGPT_HELDOUT = 1000
 HUMANEVAL_TEMPLATE = ("Write a solution to the following problem and make sure that it passes the tests:\n"
                       "```python\n{prompt}\n```")
@@ -35,6 +41,8 @@ class Prompt:
     id: str
     text: str | None  # the prompt sent with --raw; None when the source is a conversation
     messages: list[dict]  # the prompt sent with --chat
+    constraint: dict | None = None  # StructuredOutputsParams' fields (a jsonl row's "structured_outputs")
+    tools: list[dict] | None = None  # function tools the request must call one of (tool_choice "required")
 
 
 def package_file(package: str, relative: str, pip_name: str) -> Path:
@@ -119,12 +127,18 @@ def load_jsonl(path: Path) -> list[Prompt]:
         if not isinstance(row, dict):
             raise ValueError(f"{where}: expected an object with 'prompt' or 'messages'")
         pid = str(row.get("id", f"{path.stem}-{n}"))
+        constraint = row.get("structured_outputs")
+        if constraint is not None:
+            try:
+                StructuredOutputsParams(**constraint)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{where}: structured_outputs: {e}") from None
         if isinstance(row.get("prompt"), str) and row["prompt"]:
-            prompts.append(Prompt(pid, row["prompt"], user(row["prompt"])))
+            prompts.append(Prompt(pid, row["prompt"], user(row["prompt"]), constraint))
         elif isinstance(row.get("messages"), list) and row["messages"] and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in row["messages"]):
-            prompts.append(Prompt(pid, None, row["messages"]))
+            prompts.append(Prompt(pid, None, row["messages"], constraint))
         else:
             raise ValueError(f"{where}: needs a non-empty 'prompt' string or a 'messages' list of "
                              "{'role', 'content'} objects")
@@ -133,11 +147,28 @@ def load_jsonl(path: Path) -> list[Prompt]:
     return prompts
 
 
+def load_structured() -> list[Prompt]:
+    """`structured`: 32 requests an agent sends, each with its grammar, interleaved (both kinds in every
+    batch). Half ask for a JSON record under a schema (response_format json_schema), half must call one
+    of three tools (tool_choice "required": the tools written by the chat template, the call forced in
+    the model's format). --unconstrained runs the same prompts without their grammars."""
+    json_rows = [Prompt(f"json-person-{i}", None, [{"role": "user", "content": f"Describe {who} as a JSON record "
+                                                    "with name, age, city and skills."}],
+                        {"json": a.PERSON}) for i, who in enumerate(a.PEOPLE)]
+    json_rows += [Prompt(f"json-product-{i}", None, [{"role": "user", "content": f"Write a JSON product listing "
+                                                      f"for {what}: title, price, in_stock and tags."}],
+                         {"json": a.PRODUCT}) for i, what in enumerate(a.PRODUCTS)]
+    tool_rows = [Prompt(f"tool-{i}", None, [{"role": "user", "content": task}], None, a.TOOLS)
+                 for i, task in enumerate(a.TASKS * 2)]
+    return [p for pair in itertools.zip_longest(json_rows, tool_rows) for p in pair if p is not None]
+
+
 def load_prompts(dataset: str, num_prompts: int | None = None) -> list[Prompt]:
     """The first `num_prompts` prompts (all when None) of a named set or a .jsonl file."""
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num_prompts}")
-    loaders = {"humaneval": load_humaneval, "mt-bench": load_mt_bench, "sharegpt": load_sharegpt}
+    loaders = {"humaneval": load_humaneval, "mt-bench": load_mt_bench, "sharegpt": load_sharegpt,
+               "structured": load_structured}
     if dataset in loaders:
         prompts = loaders[dataset]()
     elif dataset.endswith(".jsonl"):

@@ -78,6 +78,11 @@ def format_report(result: dict) -> str:
                     table(["conc", *(f"a={i}" for i in range(nh))],
                           [[str(c), *(fmt(x / s["num_drafts"], ".3f") for x in s["acceptance_histogram"])]
                            for c, s in hists])]
+    masks = [(r["concurrency"], [r["arms"].get(a, {}).get("grammar_mask_ms_per_step") for a in (PLAIN, DFLASH)])
+             for r in rows]
+    if any(m is not None for _, ms in masks for m in ms):
+        out += ["", f"grammar masks ({cfg.get('constrained', 0)} constrained prompts), host ms per engine step:",
+                table(["conc", "plain", "DFlash"], [[str(c), fmt(p, ".3f"), fmt(d, ".3f")] for c, (p, d) in masks])]
     itl = rows[0]["arms"][lat_arm]["itl_convention"] if rows else "per-token"
     out += ["", f"speedup = DFlash tok/s / plain tok/s at the same concurrency; tau = tokens committed per verify "
                 f"step over the arm; ITL is {itl} ("

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from flashdraft.bench.stats import RequestResult, group_times, same_outputs, spec_delta, summarize
-from flashdraft.sampling_params import SamplingParams
+from flashdraft.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from flashdraft.engine.engine import LLMEngine
@@ -35,6 +35,7 @@ class ArmRun:
     results: list[RequestResult]
     wall_s: float  # first request sent -> last request finished
     spec: dict | None  # drafting counters over the arm (warm-up excluded); None for the plain arm
+    steps: int | None = None  # engine steps the arm ran (in process)
 
 
 class Backend(Protocol):
@@ -49,11 +50,14 @@ class Workload:
     temperature: float
     seed: int
     ignore_eos: bool
+    constraints: list[dict | None] | None = None  # each prompt's grammar (StructuredOutputsParams' fields)
 
     def params(self, index: int, speculative: bool, max_tokens: int | None = None) -> SamplingParams:
         # a fixed seed per prompt: at T > 0 both arms draw the same noise for the same prompt
+        c = self.constraints[index % len(self.constraints)] if self.constraints else None
         return SamplingParams(temperature=self.temperature, max_tokens=max_tokens or self.max_tokens,
-                              ignore_eos=self.ignore_eos, seed=self.seed + index, speculative=speculative)
+                              ignore_eos=self.ignore_eos, seed=self.seed + index, speculative=speculative,
+                              structured_outputs=StructuredOutputsParams(**c) if c else None)
 
 
 class EngineBackend:
@@ -87,7 +91,7 @@ class EngineBackend:
         eng = self.engine
         self._check_idle()
         eng.reset_prefix_cache()  # each arm prefills its prompts (the warm-up cached them)
-        before = eng.spec_totals()
+        before, steps = eng.spec_totals(), eng.stats["num_steps"]
         pending = deque(range(len(self.prompt_ids)))
         inflight: dict[int, tuple[int, Sequence]] = {}
         results: list[RequestResult] = []
@@ -118,7 +122,7 @@ class EngineBackend:
             raise
         wall = time.perf_counter() - t0
         spec = spec_delta(before, eng.spec_totals()) if speculative and eng.spec is not None else None
-        return ArmRun(results, wall, spec)
+        return ArmRun(results, wall, spec, eng.stats["num_steps"] - steps)
 
 
 def request_result(index: int, seq: Sequence, engine: LLMEngine, speculative: bool) -> RequestResult:
@@ -131,7 +135,8 @@ def request_result(index: int, seq: Sequence, engine: LLMEngine, speculative: bo
     return RequestResult(index=index, prompt_tokens=seq.num_prompt_tokens, output_tokens=seq.num_output_tokens,
                          ttft_s=m.get("ttft_s"), e2e_s=m["e2e_s"],
                          chunk_times_s=[t - seq.arrival_time for t in times], chunk_tokens=counts,
-                         output=list(seq.output_token_ids), finish_reason=seq.finish_reason, spec=spec)
+                         output=list(seq.output_token_ids), finish_reason=seq.finish_reason, spec=spec,
+                         grammar_mask_s=m.get("grammar_mask_s"))
 
 
 def run_sweep(backend: Backend, arms: list[str], concurrencies: list[int], bar=None) -> list[dict]:
@@ -144,7 +149,8 @@ def run_sweep(backend: Backend, arms: list[str], concurrencies: list[int], bar=N
                 bar.set_description(f"c={c} {arm}")
             backend.warmup(arm == "dflash", c)
             runs[arm] = backend.run(arm == "dflash", c, (lambda: bar.update(1)) if bar is not None else None)
-        row: dict = {"concurrency": c, "arms": {a: summarize(r.results, r.wall_s, r.spec) for a, r in runs.items()}}
+        row: dict = {"concurrency": c,
+                     "arms": {a: summarize(r.results, r.wall_s, r.spec, r.steps) for a, r in runs.items()}}
         if "plain" in runs and "dflash" in runs:
             plain, dflash = row["arms"]["plain"]["output_tok_s"], row["arms"]["dflash"]["output_tok_s"]
             row["speedup"] = dflash / plain if plain and dflash is not None else None

@@ -33,6 +33,7 @@ class RequestResult:
     output: list[int] | str  # token ids in process, text over HTTP: compared across arms
     finish_reason: str | None
     spec: dict | None = None  # this request's drafting counters, DFlash arm only
+    grammar_mask_s: float | None = None  # host time of its grammar's masks (a constrained request, in process)
 
     @property
     def tpot_s(self) -> float | None:
@@ -116,10 +117,14 @@ def with_rates(d: dict) -> dict:
     return d
 
 
-def summarize(results: list[RequestResult], wall_s: float, spec: dict | None) -> dict:
+def summarize(results: list[RequestResult], wall_s: float, spec: dict | None, steps: int | None = None) -> dict:
+    """An arm's figures; steps: the engine steps it ran (in process), for the masks' host time per step."""
     completion = sum(r.output_tokens for r in results)
     per_token = all(r.chunk_tokens is not None for r in results)
+    masks = [r.grammar_mask_s for r in results if r.grammar_mask_s is not None]
     return {
+        "num_steps": steps,
+        "grammar_mask_ms_per_step": 1e3 * sum(masks) / steps if masks and steps else None,
         "num_requests": len(results),
         "prompt_tokens": sum(r.prompt_tokens for r in results),
         "completion_tokens": completion,

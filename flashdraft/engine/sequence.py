@@ -114,6 +114,8 @@ class Sequence:
             m["e2e_s"] = self.finish_time - self.arrival_time
             if self.num_output_tokens > 1 and self.first_token_time is not None:
                 m["tpot_s"] = (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+        if self.grammar is not None:
+            m["grammar_mask_s"] = self.grammar.mask_s
         return m
 
     def to_output(self) -> Output:

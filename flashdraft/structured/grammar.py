@@ -21,6 +21,7 @@ class RequestGrammar:
 
         self.matcher = xgr.GrammarMatcher(compiled)  # (its rollback reaches any number of tokens)
         self.error: str | None = None  # the matcher failed: the request ends ("error"), no other one
+        self.mask_s = 0.0  # host time of its masks (its share of each step's), a request metric
 
     @property
     def done(self) -> bool:
