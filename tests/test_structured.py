@@ -144,20 +144,26 @@ def test_structured_outputs_params_takes_one_constraint():
         StructuredOutputsParams(choice=[])
 
 
-def test_token_trees_decode_constrained_requests_without_drafts(smollm2, monkeypatch):
-    """Masks walk chains of drafts: on an engine that verifies token trees, a constrained request decodes
-    without drafts (plain decoding's tokens) while an unconstrained one beside it keeps its trees."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_token_trees_are_lossless_for_constrained_requests(smollm2, monkeypatch, temperature):
+    """On an engine that verifies token trees, each tree row's mask follows its own ancestors' drafts:
+    constrained requests (JSON schema, regex) beside an unconstrained one give plain decoding's tokens,
+    greedy and seeded, and the constrained ones verify trees."""
     from flashdraft import settings
 
     monkeypatch.setattr(settings, "CPU_TREE", True)
     llm = LLM(device="cpu", dtype="float32")
     assert llm.engine.spec.trees is not None
-    prompts = _prompts(llm)[:2]
-    params = [SamplingParams(max_tokens=32, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
-              SamplingParams(max_tokens=32)]
+    prompts = _prompts(llm)[:3]
+    seed = dict(seed=11) if temperature else {}
+    params = [SamplingParams(max_tokens=40, temperature=temperature, structured_outputs=StructuredOutputsParams(
+                  json=SCHEMA), **seed),
+              SamplingParams(max_tokens=40, temperature=temperature, **seed),
+              SamplingParams(max_tokens=24, temperature=temperature, structured_outputs=StructuredOutputsParams(
+                  regex=r"[A-Z][a-z]{2,9}( [a-z]{2,9}){0,5}\\."), **seed)]
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in smollm2.generate(prompts, params)]
-    assert "num_drafts" not in outs[0].metrics and outs[1].metrics["num_drafts"] > 0
+    assert outs[0].metrics["num_drafts"] > 0 and outs[2].metrics["num_drafts"] > 0
 
 
 def test_the_server_takes_every_spelling(spec, smollm2):

@@ -78,7 +78,6 @@ class DFlashSpeculator:
             costs = step_costs.at_start(runner, keys, self.graphs.key("decode"), choices[: len(keys)],
                                         self.block_size, self.trees is not None, config.max_num_seqs)
         self.policy = DraftPolicy(config, runner.device, self.num_draft, self.max_accepted, choices, costs, self.stats)
-        self.policy.trees = self.trees is not None
         self.ahead = VerifyAhead(ctx, self.policy, self.graphs, self.trees, self.block_slots, self.decode)
 
     def capture(self, choices: tuple[int, ...]) -> None:

@@ -61,8 +61,6 @@ class DraftPolicy:
         self.gated = False  # this step decodes without drafts (the step gate)
         self.step_drafts = num_draft  # drafts this step's verifies check
         self.last_launch: float | None = None  # when the last step without drafts launched ahead
-        # token trees: a request with a grammar decodes without drafts (its masks walk chains of drafts)
-        self.trees = False
 
     # ---- a step the host schedules -----------------------------------------------------------
     def begin_step(self, num_running: int) -> None:
@@ -77,7 +75,7 @@ class DraftPolicy:
     def drafts(self, seq: Sequence, fits: bool) -> int:
         """Drafts a decoding request verifies this step (0: it decodes without). fits: its block fits
         the context window."""
-        if self.paused or not seq.params.speculative or not fits or (self.trees and seq.grammar is not None):
+        if self.paused or not seq.params.speculative or not fits:
             return 0
         gate = seq.spec_gate
         if self.gated or (gate is not None and not gate.drafts(self.steps)):
