@@ -190,7 +190,11 @@ def test_the_server_takes_every_spelling(spec, smollm2):
         model = r.model
         for extra, check in ((dict(guided_choice=["yes", "no"]), lambda t: t in ("yes", "no")),
                              (dict(structured_outputs={"regex": "[0-9]+"}), lambda t: re.fullmatch("[0-9]+", t)),
-                             (dict(regex="(red|green|blue)"), lambda t: t in ("red", "green", "blue"))):
+                             (dict(regex="(red|green|blue)"), lambda t: t in ("red", "green", "blue")),
+                             (dict(structural_tag=json.dumps({"type": "structural_tag", "format": {
+                                 "type": "sequence", "elements": [{"type": "const_string", "value": "Answer: "},
+                                                                  {"type": "regex", "pattern": "[0-9]{2}"}]}})),
+                              lambda t: re.fullmatch("Answer: [0-9]{2}", t))):
             r = client.completions.create(model=model, prompt="The answer:", max_tokens=8, temperature=0,
                                           extra_body=extra)
             assert check(r.choices[0].text), (extra, r.choices[0].text)

@@ -1,7 +1,8 @@
 """A request's output constraint, in any of the spellings clients send (all to StructuredOutputsParams):
 OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
-...}}), vLLM's `structured_outputs` object and its older `guided_json` / `guided_regex` / `guided_choice` /
-`guided_grammar`, and SGLang's `json_schema` / `regex` / `ebnf`. More than one is a 400, as is a malformed one."""
+...}}, and xgrammar's {"type": "structural_tag", "format": ...}), vLLM's `structured_outputs` object, its
+`structural_tag` and its older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, and
+SGLang's `json_schema` / `regex` / `ebnf`. More than one is a 400, as is a malformed one."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from flashdraft.sampling_params import StructuredOutputsParams
 
 # (request field, StructuredOutputsParams field) for the flat spellings
 FLAT = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar"),
-        ("json_schema", "json"), ("regex", "regex"), ("ebnf", "grammar"))
+        ("structural_tag", "structural_tag"), ("json_schema", "json"), ("regex", "regex"), ("ebnf", "grammar"))
 FIELDS = {"structured_outputs", "response_format"} | {name for name, _ in FLAT}
 
 
@@ -32,7 +33,7 @@ def constraint(fields: dict[str, Any]) -> StructuredOutputsParams | None:
     if so is not None and so != {}:
         if not isinstance(so, dict):
             raise ConstraintError("structured_outputs must be an object", "structured_outputs")
-        known = {"json", "json_object", "regex", "choice", "grammar"}
+        known = {"json", "json_object", "regex", "choice", "grammar", "structural_tag"}
         unknown = sorted(set(so) - known - {"disable_fallback", "disable_any_whitespace",
                                             "disable_additional_properties", "whitespace_pattern"})
         if unknown:
@@ -67,12 +68,15 @@ def _response_format(rf: Any) -> dict | None:
         return None
     if kind == "json_object":
         return {"json_object": True}
+    if kind == "structural_tag":  # (xgrammar's own form: {"type": "structural_tag", "format": ...})
+        return {"structural_tag": rf}
     if kind == "json_schema":
         spec = rf.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise ConstraintError("response_format.json_schema must be an object with a schema", "response_format")
         return {"json": spec.get("schema") or {"type": "object"}}  # (no schema given: any JSON object)
-    raise ConstraintError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+    raise ConstraintError(f"response_format type {kind!r} is not supported (text, json_object, json_schema, "
+                          "structural_tag)",
                           "response_format")
 
 

@@ -84,7 +84,7 @@ NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
     **{name: lambda v: v in (None, True) for name in ("spaces_between_special_tokens",)},
     **{name: lambda v: v is None or v == [] or v == {} for name in (
         "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "logits_processors",
-        "structural_tag", "stop_regex", "chat_template", "documents", "lora_path", "lora_request")},
+        "stop_regex", "chat_template", "documents", "lora_path", "lora_request")},
 }
 
 
