@@ -166,6 +166,26 @@ def test_token_trees_are_lossless_for_constrained_requests(smollm2, monkeypatch,
     assert outs[0].metrics["num_drafts"] > 0 and outs[2].metrics["num_drafts"] > 0
 
 
+def test_a_draft_path_through_the_stop_token(smollm2, monkeypatch):
+    """Forced tool calls on token trees, whose paths run on past the call's end and the stop token: the rows
+    past it take no mask (the finished matcher has none) and are never committed; plain decoding's tokens,
+    each request ending "stop" (the mask of such a row used to fail its request)."""
+    from flashdraft import settings
+    from flashdraft.bench.command import tokenize
+    from flashdraft.bench.datasets import load_prompts
+
+    monkeypatch.setattr(settings, "CPU_TREE", True)
+    llm = LLM(device="cpu", dtype="float32")
+    kept, ids, _ = tokenize(llm.engine, load_prompts("structured", 6), True, 64)
+    pick = [i for i, p in enumerate(kept) if p.tools]
+    params = [SamplingParams(max_tokens=64, structured_outputs=StructuredOutputsParams(**kept[i].constraint))
+              for i in pick]
+    outs = [llm.generate([ids[i]], p)[0] for i, p in zip(pick, params)]  # (one at a time, as at c = 1)
+    assert [o.finish_reason for o in outs] == ["stop"] * len(pick), [o.error for o in outs]
+    want = [o.token_ids for o in smollm2.generate([ids[i] for i in pick], params)]
+    assert [o.token_ids for o in outs] == want and all(o.metrics["num_drafts"] > 0 for o in outs)
+
+
 def test_the_server_takes_every_spelling(spec, smollm2):
     """Through a real server and the official openai client, on the shipped pair: response_format
     json_schema (answers that validate), vLLM's guided_choice and structured_outputs, SGLang's regex; each

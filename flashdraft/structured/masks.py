@@ -35,8 +35,12 @@ def apply_grammars(logits: torch.Tensor, seqs: list, rows: list[int], seen) -> N
         s = seqs[r]
         if s.grammar.error is None:
             try:
-                walked[id(s)] = _walk(s.grammar.matcher, walked.get(id(s), []), [tokens[i] for i in paths.get(r, [])])
-                s.grammar.matcher.fill_next_token_bitmask(mask, k)
+                m = s.grammar.matcher
+                walked[id(s)] = _walk(m, walked.get(id(s), []), [tokens[i] for i in paths.get(r, [])])
+                if m.is_terminated():  # (its path took the stop token: the row is past the request's end)
+                    mask[k] = -1
+                else:
+                    m.fill_next_token_bitmask(mask, k)
                 continue
             except Exception as e:  # (this request's grammar failed: it ends, the step goes on)
                 s.grammar.fail(f"the grammar failed: {e}")
@@ -66,7 +70,7 @@ def _walk(m, held: list[int], path: list[int]) -> list[int]:
         m.rollback(len(held) - common)
     held = held[:common]
     for t in path[common:]:
-        if not m.accept_token(t):
+        if m.is_terminated() or not m.accept_token(t):  # (past a stop token nothing is taken)
             break
         held.append(t)
     return held
