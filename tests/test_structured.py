@@ -233,3 +233,13 @@ def test_a_finished_grammar_ends_its_request_even_with_ignore_eos(spec):
     out = spec.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True,
                                                structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))[0]
     assert out.finish_reason == "stop" and out.text in ("yes", "no")
+
+
+def test_guided_decoding_is_the_earlier_name():
+    from flashdraft import GuidedDecodingParams
+
+    p = SamplingParams(guided_decoding=GuidedDecodingParams(choice=["a", "b"]))
+    assert p.structured_outputs == StructuredOutputsParams(choice=["a", "b"]) and p.guided_decoding is None
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"),
+                       guided_decoding=GuidedDecodingParams(regex="b"))

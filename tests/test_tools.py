@@ -212,3 +212,26 @@ def test_forcing_grammars_are_lossless_under_speculation(spec, smollm2):
     got = spec.generate(prompts, params)
     assert [o.token_ids for o in got] == want
     assert spec.engine.spec_totals()["num_drafts"] > 0
+
+
+def test_a_forced_call_cut_by_max_tokens_ends_length(clients):
+    r = clients[0].chat.completions.create(model="smollm2-135m-instruct", messages=ASK, tools=[WEATHER],
+                                           tool_choice="required", max_tokens=6, temperature=0)
+    ch = r.choices[0]
+    assert ch.finish_reason == "length" and ch.message.tool_calls is None
+    assert ch.message.content.startswith("<tool_call>")  # (an unclosed call is content, as vLLM leaves it)
+
+
+def test_offline_chat_with_tools(spec):
+    """LLM.chat(tools=, chat_template=) renders the tools (vLLM's offline names); a forced call's grammar
+    as structured_outputs makes the text one call the hermes parser reads."""
+    from flashdraft.chat.tool_calls import parse_tool_calls
+
+    so = after_reasoning(tool_call_format(FORMATS["hermes"], [WEATHER], parallel=False), None, False)
+    out = spec.chat(ASK, SamplingParams(max_tokens=40, structured_outputs=so), tools=[WEATHER],
+                    chat_template="chatml_tools")[0]
+    (call,) = parse_tool_calls(out.text, FORMATS["hermes"])[1]
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    prompt = spec.engine.tokenizer.decode(out.prompt_token_ids)
+    assert "<tools>" in prompt and '"get_weather"' in prompt
