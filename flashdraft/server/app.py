@@ -29,6 +29,7 @@ from flashdraft.server.async_engine import AsyncEngine
 from flashdraft.server.chat import ChatOptions
 from flashdraft.server.metrics import ServerMetrics
 from flashdraft.server.protocol import APIError, bad_request, parse_json
+from flashdraft.server.responses_api import create_response
 from flashdraft.server.serving import Serving
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 KEYED = {"/reset_prefix_cache", "/flush_cache"}  # beside /v1: routes that change the server's state
-ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-             "/detokenize", "/version", "/reset_prefix_cache", "/flush_cache"}
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
+             "/tokenize", "/detokenize", "/version", "/reset_prefix_cache", "/flush_cache"}
 
 
 def default_model_name(model: str | None) -> str:
@@ -206,6 +207,10 @@ def build_app(engine: LLMEngine | AsyncEngine, api_key: str | None = None, serve
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(request, await read_json(request, max_body_bytes))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(serving, request, await read_json(request, max_body_bytes))
 
     return app
 
