@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashdraft.chat.tool_calls import _partial_suffix
+from flashdraft.chat.tool_calls import by_name, partial_suffix
 
 
 @dataclass(frozen=True)
@@ -27,12 +27,7 @@ REFUSED = {"gpt_oss": "GPT-OSS's analysis channel (harmony)", "openai_gptoss": "
 
 
 def reasoning_format(name: str) -> ReasoningFormat:
-    if name in REFUSED:
-        raise ValueError(f"reasoning parser {name!r} ({REFUSED[name]}) is not supported; "
-                         f"supported: {', '.join(PARSERS)}")
-    if name not in PARSERS:
-        raise ValueError(f"unknown reasoning parser {name!r}; supported: {', '.join(PARSERS)}")
-    return PARSERS[name]
+    return by_name("reasoning parser", PARSERS, REFUSED, name)
 
 
 PRE, REASONING, ANSWER_START, ANSWER = range(4)
@@ -75,7 +70,7 @@ class ReasoningStream:
                     self.buf, self.started = self.buf.removeprefix(self.fmt.start).lstrip(), True
                 at = self.buf.find(self.fmt.end)
                 if at < 0:
-                    keep = _partial_suffix(self.buf, self.fmt.end)
+                    keep = partial_suffix(self.buf, self.fmt.end)
                     reasoning += self.buf[: len(self.buf) - keep]
                     self.buf = self.buf[len(self.buf) - keep:]
                     break

@@ -39,13 +39,17 @@ REFUSED = {"openai": "GPT-OSS's harmony format", "harmony": "GPT-OSS's harmony f
            "pythonic": "pythonic tool calls"}
 
 
+def by_name(kind: str, known: dict, refused: dict[str, str], name: str):
+    """known[name]; a ValueError naming the parser otherwise (a refused one with what it would read)."""
+    if name in refused:
+        raise ValueError(f"{kind} {name!r} ({refused[name]}) is not supported; supported: {', '.join(known)}")
+    if name not in known:
+        raise ValueError(f"unknown {kind} {name!r}; supported: {', '.join(known)}")
+    return known[name]
+
+
 def tool_format(name: str) -> ToolFormat:
-    if name in REFUSED:
-        raise ValueError(f"tool-call parser {name!r} ({REFUSED[name]}) is not supported; "
-                         f"supported: {', '.join(FORMATS)}")
-    if name not in FORMATS:
-        raise ValueError(f"unknown tool-call parser {name!r}; supported: {', '.join(FORMATS)}")
-    return FORMATS[name]
+    return by_name("tool-call parser", FORMATS, REFUSED, name)
 
 
 def infer_format(chat_template: str | None) -> str | None:
@@ -161,7 +165,7 @@ class ToolCallStream:
         if self.state == TEXT:
             at = buf.find(fmt.start)
             if at < 0:
-                keep = _partial_suffix(buf, fmt.start)
+                keep = partial_suffix(buf, fmt.start)
                 self._content(out, buf[: len(buf) - keep])
                 self.buf = buf[len(buf) - keep:]
                 return False
@@ -272,7 +276,7 @@ class _JSONScan:
         return len(text)
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of text that begins marker (held back: the marker may be coming)."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):
