@@ -66,6 +66,10 @@ STEP_GATE = True
 # sampled requests draw their drafts from the drafter's distribution at their temperature (speculative/
 # drafts.py); off: they draft the argmax too (FLASHDRAFT_DRAW_SAMPLED=0, for A/B runs)
 DRAW_SAMPLED = os.environ.get("FLASHDRAFT_DRAW_SAMPLED", "1") != "0"
+# a constrained request's chain drafts are walked through its grammar (speculative/grammar_drafts.py): each
+# slot's best candidate the grammar allows; off: drafted as if unconstrained (FLASHDRAFT_GRAMMAR_DRAFTS=0,
+# A/B runs). Read at every step.
+GRAMMAR_DRAFTS = os.environ.get("FLASHDRAFT_GRAMMAR_DRAFTS", "1") != "0"
 
 # The kernels (flashdraft/kernels/): each switch is read when a launch or a dispatch asks for it, so a test
 # or a sweep sets `settings.NAME` between calls. CUDA graphs keep what they were captured with.

@@ -8,6 +8,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from flashdraft import LLM, SamplingParams, StructuredOutputsParams
 
@@ -86,8 +87,8 @@ def test_a_failing_grammar_ends_only_its_request(smollm2, spec, monkeypatch):
 
     real = RequestGrammar.__init__
 
-    def init(self, compiled):
-        real(self, compiled)
+    def init(self, compiled, vocab_size):
+        real(self, compiled, vocab_size)
         if compiled is failing[0]:  # (the regex request's matcher)
             self.matcher = _Failing(self.matcher)
 
@@ -112,6 +113,10 @@ class _Failing:
 
     def __getattr__(self, name):
         return getattr(self.m, name)
+
+    @property
+    def _handle(self):  # (xgrammar's batched fill reads the matcher's handle: fill through this one instead)
+        raise RuntimeError("not a GrammarMatcher")
 
     def accept_token(self, t):
         self.taken += 1
@@ -243,3 +248,64 @@ def test_guided_decoding_is_the_earlier_name():
     with pytest.raises(ValueError, match="not both"):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"),
                        guided_decoding=GuidedDecodingParams(regex="b"))
+
+
+def test_the_walk_takes_each_slot_s_first_allowed_candidate(spec):
+    """walk_drafts against a step-by-step reference on a second matcher: each slot's draft is its first
+    candidate the grammar allows after the drafts before it, the walk ends at a slot with none, every
+    kept mask is the one filled after that prefix, and the matcher ends where it started."""
+    import xgrammar as xgr
+
+    from flashdraft.structured.walk import walk_drafts
+
+    tok, grammars = spec.engine.tokenizer, spec.engine.grammars()
+    ids = {c: tok.convert_tokens_to_ids(c) for c in "123-ab"}
+    so = StructuredOutputsParams(regex="[0-9]{2}-[a-z]+")
+    g, ref = grammars.request(so), grammars.request(so)
+    before = xgr.allocate_token_bitmask(1, g.vocab_size)
+    g.matcher.fill_next_token_bitmask(before)
+    cands = [[ids["a"], ids["1"]], [ids["2"]], [ids["-"], ids["3"]], [ids["1"], ids["-"]], [ids["b"]]]
+    drafts = walk_drafts([g], [cands])[0]
+    assert drafts == [ids["1"], ids["2"], ids["-"], ids["1"], ids["b"]]  # slot 3: no candidate allowed
+    look = g.lookahead
+    assert look.tokens == drafts[:3] and look.refused == ids["1"] and look.masks.shape[0] == 4
+    for n in range(4):  # the mask after each prefix, filled on the reference matcher
+        want = xgr.allocate_token_bitmask(1, g.vocab_size)
+        ref.matcher.fill_next_token_bitmask(want)
+        assert torch.equal(look.masks[n], want[0])
+        if n < 3:
+            assert ref.matcher.accept_token(drafts[n])
+    assert look.mask(drafts[:2]) is look.masks[2] or torch.equal(look.mask(drafts[:2]), look.masks[2])
+    assert torch.equal(look.mask(drafts), look.masks[3]) and look.mask([ids["2"]]) is None
+    after = xgr.allocate_token_bitmask(1, g.vocab_size)
+    g.matcher.fill_next_token_bitmask(after)
+    assert torch.equal(before, after)
+
+
+def test_walked_drafts_raise_acceptance_and_change_no_token(smollm2, spec, monkeypatch):
+    """Constrained chains with their drafts walked through the grammar and without: both give plain
+    decoding's tokens (greedy and seeded, beside an unconstrained request), the walked ones accept more
+    drafts, and their verify rows take the walk's masks (the step's own fills: its plain rows alone)."""
+    import flashdraft.structured.masks as masks
+    from flashdraft import settings
+
+    filled = []
+    real = masks.fill_masks
+    monkeypatch.setattr(masks, "fill_masks", lambda gs, mask, rows: (filled.append(len(rows)), real(gs, mask, rows)))
+    prompts = _prompts(spec)[:3]
+    params = [SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+              SamplingParams(max_tokens=40, temperature=1.0, seed=3,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+              SamplingParams(max_tokens=40)]
+    want = [o.token_ids for o in smollm2.generate(prompts, params)]
+    runs = {}
+    for walk in (False, True):
+        monkeypatch.setattr(settings, "GRAMMAR_DRAFTS", walk)
+        filled.clear()
+        t0 = spec.engine.spec_totals()
+        assert [o.token_ids for o in spec.generate(prompts, params)] == want
+        t1 = spec.engine.spec_totals()
+        blocks = t1["num_drafts"] - t0["num_drafts"]
+        runs[walk] = (t1["num_accepted_tokens"] - t0["num_accepted_tokens"]) / blocks, sum(filled)
+    assert runs[True][0] > runs[False][0], runs
+    assert runs[True][1] < runs[False][1] / 4, runs  # (unwalked: every verify row filled at the verify)

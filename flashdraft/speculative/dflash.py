@@ -35,6 +35,7 @@ from flashdraft.speculative import costs as step_costs
 from flashdraft.speculative.ahead import VerifyAhead
 from flashdraft.speculative.context import DrafterContext
 from flashdraft.speculative.drafts import DraftTokens
+from flashdraft.speculative.grammar_drafts import GrammarDrafts
 from flashdraft.speculative.graphs import StepGraphs
 from flashdraft.speculative.metrics import SpecStats
 from flashdraft.speculative.plan import Committed, Plan, Verified, VerifyFlight
@@ -68,6 +69,9 @@ class DFlashSpeculator:
         self.graphs = StepGraphs(runner, self.drafts, self.tap_layers, self.num_draft, config.max_num_seqs,
                                  config.max_num_batched_tokens)
         self.trees = TreeVerifier(ctx, self.drafts, self.graphs, self.num_draft) if self.tree_size else None
+        # constrained requests' chain drafts walked through their grammars (not DFlash2's selector)
+        self.grammar_drafts = GrammarDrafts(self.drafts) if not self.tree_size and \
+            drafter.candidate_selector is None else None
         self.stats = SpecStats(self.max_accepted)
         choices = draft_choices(config, self.num_draft, self.trees is not None, runner.hybrid, runner.use_graphs,
                                 runner.device)
@@ -198,7 +202,9 @@ class DFlashSpeculator:
         verifying = [p for p in plans if p.verify]
         tokens = [p.seq.token_ids[-1:] + [self.drafts.mask_token_id] * (p.n - 1) if p.verify else
                   p.seq.token_ids[p.seq.num_computed_tokens:][:p.n] for p in plans]
-        whole = self.graphs.whole_step(plans, tokens, ctx.block_manager)
+        # a walk through the grammars reads the drafts on the host before the verify: not one graph
+        walked = self.grammar_drafts is not None and self.grammar_drafts.walked([p.seq for p in verifying])
+        whole = None if walked else self.graphs.whole_step(plans, tokens, ctx.block_manager)
         if whole is not None:
             return whole
         drafts = self.propose([p.seq for p in verifying]) if verifying else None
@@ -223,13 +229,17 @@ class DFlashSpeculator:
         return Verified(hidden, ids if verifying else None)
 
     def propose(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Draft B-1 tokens per request in one non-causal drafter forward: [S, B-1] on the device."""
+        """Draft B-1 tokens per request in one non-causal drafter forward: [S, B-1] on the device; a
+        constrained request's walked through its grammar (grammar_drafts.py)."""
         self.context.flush()
-        drafts = self.graphs.draft_only(seqs, self.ctx.block_manager)
-        if drafts is not None:
-            return drafts
-        hidden, ids, pos, _ = self.drafts.eager(seqs, self.ctx.block_manager)
-        return self.drafts.tokens(hidden, len(seqs), self.drafts.draw_of(seqs, pos), ids)
+        out = self.graphs.draft_only(seqs, self.ctx.block_manager)
+        if out is None:
+            hidden, ids, pos, _ = self.drafts.eager(seqs, self.ctx.block_manager)
+            out = self.drafts.tokens(hidden, len(seqs), self.drafts.draw_of(seqs, pos), ids), hidden
+        drafts, hidden = out
+        if self.grammar_drafts is not None and self.grammar_drafts.walked(seqs):
+            return self.grammar_drafts.apply(seqs, drafts, hidden)
+        return drafts
 
     def decode(self, seqs: list[Sequence], tokens: list[list[int]], ids: torch.Tensor | None = None) -> InFlight:
         """Queue a step without drafts (the target over one row a request and the context write) and the

@@ -152,9 +152,9 @@ class StepGraphs:
         runner.capture_ragged_graphs(self.key("decode"), self.decode_step, n, self.max_num_batched_tokens)
         if tree:  # a step with prefill chunks decodes without trees, through the ragged decode graphs
             return
-        runner.capture_graphs(self.key("draft"), B, False, self.context.attn, self.draft_step, n,
+        runner.capture_graphs(self.key("draft"), B, False, self.context.attn, self.draft_block, n,
                               setup=self._setup_draft)
-        runner.capture_graphs(self.key("draft-sampled"), B, False, self.context.attn, self.draft_step, n,
+        runner.capture_graphs(self.key("draft-sampled"), B, False, self.context.attn, self.draft_block, n,
                               setup=add_draws)
 
     def warm_eager(self) -> None:
@@ -196,17 +196,20 @@ class StepGraphs:
                 return Verified(out[0], None)
         return None
 
-    def draft_only(self, seqs: list[Sequence], bm) -> torch.Tensor | None:
-        """The draft blocks alone as a graph replay: [S, B-1] drafts, or None when no graph covers them."""
+    def draft_only(self, seqs: list[Sequence], bm) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The draft blocks alone as a graph replay: [S, B-1] drafts and the drafter's final hidden states
+        [S * B, H], or None when no graph covers them. Read them before any other replay: graphs share one
+        memory pool."""
         drawn = any(self.drafts.draws(s) for s in seqs)
         g = self.runner.filled_graph(self.key("draft-sampled" if drawn else "draft"), seqs, self.drafts.blocks(seqs),
-                                     bm, False, self.context.attn, self.draft_step,
+                                     bm, False, self.context.attn, self.draft_block,
                                      setup=add_draws if drawn else self._setup_draft)
         if g is None:
             return None
         if drawn:
             fill_draws(g, seqs, self.drafts)
-        return g.replay()[: len(seqs)]  # read before any other replay: graphs share one memory pool
+        drafts, hidden = g.replay()
+        return drafts[: len(seqs)], hidden[: len(seqs) * self.block_size]
 
     def decode(self, seqs: list[Sequence], tokens: list[list[int]], bm, ids: torch.Tensor | None = None
                ) -> torch.Tensor | None:
@@ -341,10 +344,15 @@ class StepGraphs:
 
     def draft_step(self, g: StepGraph) -> torch.Tensor:
         """The draft blocks over a graph's buffers: [S, B-1] drafts (drawn in a sampled graph)."""
+        return self.draft_block(g)[0]
+
+    def draft_block(self, g: StepGraph) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft blocks over a graph's buffers: [S, B-1] drafts (drawn in a sampled graph) and the
+        drafter's final hidden states [S * B, H] they come from."""
         hidden = self.drafts.forward(g.input_ids, g.positions, g.meta)
         b = g.buffers
         draw = (b.draw_temp, b.draw_seed, g.positions) if b.drawn else None
-        return self.drafts.tokens(hidden, g.num_seqs, draw, g.input_ids)
+        return self.drafts.tokens(hidden, g.num_seqs, draw, g.input_ids), hidden
 
     def decode_step(self, g: StepGraph) -> torch.Tensor:
         """A step without drafts over a graph's buffers: the target, then every row's context."""

@@ -8,20 +8,47 @@ in place on the CPU and on CUDA, and vLLM and SGLang default to it for the same 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import lru_cache
 
+import torch
+
 from flashdraft.sampling_params import StructuredOutputsParams
+
+
+@dataclass
+class Lookahead:
+    """What one walk left for its request's verify rows: the drafts its matcher took (`tokens`), the slot's
+    draft where the walk ended on a token its grammar forbids (`refused`, else None), and the mask after
+    each prefix of `tokens` ([len(tokens) + 1, W] int32)."""
+
+    tokens: list[int]
+    refused: int | None
+    masks: torch.Tensor
+
+    def mask(self, path: list[int]) -> torch.Tensor | None:
+        """The mask of the verify row after the drafts `path`, when the walk filled it: a prefix of the
+        walked drafts, or those drafts and then the refused one (the row's grammar stops at it)."""
+        n = len(self.tokens)
+        if path[:n] == self.tokens[: len(path)]:
+            if len(path) <= n:
+                return self.masks[len(path)]
+            if self.refused is not None and path[n] == self.refused:
+                return self.masks[n]
+        return None
 
 
 class RequestGrammar:
     """One request's matcher: its state is the grammar after the request's committed output."""
 
-    def __init__(self, compiled):
+    def __init__(self, compiled, vocab_size: int):
         import xgrammar as xgr
 
+        self.vocab_size = vocab_size  # the width of its masks: the target's vocabulary
         self.matcher = xgr.GrammarMatcher(compiled)  # (its rollback reaches any number of tokens)
         self.error: str | None = None  # the matcher failed: the request ends ("error"), no other one
         self.mask_s = 0.0  # host time of its masks (its share of each step's), a request metric
+        self.lookahead: Lookahead | None = None  # the masks its drafts' walk filled (walk.py), until a commit
 
     @property
     def done(self) -> bool:
@@ -31,6 +58,7 @@ class RequestGrammar:
     def commit(self, token: int) -> None:
         """Advance past a committed token; a token the mask allowed is always accepted (one it did not
         fails this request's grammar)."""
+        self.lookahead = None
         if self.done:
             return
         try:
@@ -77,7 +105,7 @@ class Grammars:
             key = ("grammar", "root ::= " + " | ".join(json.dumps(c) for c in spec.choice), "choice")
         else:
             key = ("grammar", spec.grammar, "grammar")
-        return RequestGrammar(self._compiled(*key))
+        return RequestGrammar(self._compiled(*key), self.vocab_size)
 
     def _compile(self, kind: str, text: str, name: str):
         try:

@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from flashdraft.structured.walk import fill_masks
+
 
 def apply_grammars(logits: torch.Tensor, seqs: list, rows: list[int], seen) -> None:
     """Mask logits [R, V] in place at `rows` (each a row of a request with a grammar), row r of seqs[r]."""
@@ -30,33 +32,52 @@ def apply_grammars(logits: torch.Tensor, seqs: list, rows: list[int], seen) -> N
     tokens = dict(zip(wanted, seen.ids[torch.tensor(wanted, dtype=torch.long, device=seen.ids.device)].tolist())) \
         if wanted else {}
     mask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
-    walked: dict[int, list[int]] = {}  # request -> the drafts its matcher holds past the committed output
+    # each request's rows in order; round t walks every request to its t-th row's path, then one batched
+    # fill takes every request's row at once (a row its drafts' walk already filled is copied instead)
+    todo: dict[int, list[tuple[int, list[int]]]] = {}
     for k, r in enumerate(rows):
         s = seqs[r]
-        if s.grammar.error is None:
-            try:
-                m = s.grammar.matcher
-                walked[id(s)] = _walk(m, walked.get(id(s), []), [tokens[i] for i in paths.get(r, [])])
-                if m.is_terminated():  # (its path took the stop token: the row is past the request's end)
-                    mask[k] = -1
-                else:
-                    m.fill_next_token_bitmask(mask, k)
+        path = [tokens[i] for i in paths.get(r, [])]
+        hit = s.grammar.lookahead.mask(path) if s.grammar.lookahead is not None and s.grammar.error is None else None
+        if hit is not None:
+            mask[k] = hit
+        elif s.grammar.error is not None:
+            mask[k] = -1  # (a failed grammar masks nothing; its request ends at its commit)
+        else:
+            todo.setdefault(id(s), []).append((k, path))
+    owners = {id(seqs[r]): seqs[r] for r in rows}
+    walked: dict[int, list[int]] = {}  # request -> the drafts its matcher holds past the committed output
+    for t in range(max((len(v) for v in todo.values()), default=0)):
+        group, at = [], []
+        for sid, items in todo.items():
+            if t >= len(items) or owners[sid].grammar.error is not None:
                 continue
+            k, path = items[t]
+            g = owners[sid].grammar
+            try:
+                walked[sid] = _walk(g.matcher, walked.get(sid, []), path)
+                if g.matcher.is_terminated():  # (its path took the stop token: the row is past the request's end)
+                    mask[k] = -1
+                    continue
             except Exception as e:  # (this request's grammar failed: it ends, the step goes on)
-                s.grammar.fail(f"the grammar failed: {e}")
-        mask[k] = -1  # (a failed grammar masks nothing; its request ends at its commit)
-    for s in {id(seqs[r]): seqs[r] for r in rows}.values():
-        held = walked.get(id(s), [])
+                g.fail(f"the grammar failed: {e}")
+                mask[k] = -1
+                continue
+            group.append(g)
+            at.append(k)
+        fill_masks(group, mask, at)
+    for sid, s in owners.items():
+        held = walked.get(sid, [])
         if held and s.grammar.error is None:
             s.grammar.matcher.rollback(len(held))
+        s.grammar.lookahead = None  # (taken: the commit moves the matcher on)
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)  # (its rows only: others pay nothing)
     sub = logits.index_select(0, index)
     xgr.apply_token_bitmask_inplace(sub, mask.to(logits.device), vocab_size=sub.shape[1])
     logits.index_copy_(0, index, sub)
-    owners = {id(seqs[r]): seqs[r].grammar for r in rows}
     share = (time.perf_counter() - started) / len(owners)
-    for g in owners.values():
-        g.mask_s += share
+    for s in owners.values():
+        s.grammar.mask_s += share
 
 
 def _walk(m, held: list[int], path: list[int]) -> list[int]:
