@@ -93,14 +93,15 @@ class Grammars:
     def request(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A matcher for a request; ValueError naming the constraint when it does not compile."""
         if spec.json is not None:
-            key = ("json", spec.json if isinstance(spec.json, str) else json.dumps(spec.json, sort_keys=True), "json")
+            # (keys in the schema's order: the grammar asks for properties in the order the schema lists them)
+            key = ("json", spec.json if isinstance(spec.json, str) else json.dumps(spec.json), "json")
         elif spec.json_object:
             key = ("json_object", "", "json_object")
         elif spec.regex is not None:
             key = ("regex", spec.regex, "regex")
         elif spec.structural_tag is not None:
             tag = spec.structural_tag
-            key = ("structural_tag", tag if isinstance(tag, str) else json.dumps(tag, sort_keys=True), "structural_tag")
+            key = ("structural_tag", tag if isinstance(tag, str) else json.dumps(tag), "structural_tag")
         elif spec.choice is not None:  # the alternatives as an EBNF grammar of JSON-escaped literals
             key = ("grammar", "root ::= " + " | ".join(json.dumps(c) for c in spec.choice), "choice")
         else:

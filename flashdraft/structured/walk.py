@@ -2,18 +2,17 @@
 
 A constrained request's draft at slot j is the drafter's best candidate that the grammar allows after the
 drafts before it (the drafter ranks its candidates: the argmax first, or a sampled request's draw). The
-walk goes slot by slot over every constrained request of the step at once: one batched mask fill per slot
-(xgrammar's BatchGrammarMatcher, on several threads), each matcher then taking its request's draft. The
-mask filled at slot j is the one plain decoding applies after the first j drafts: the verify row j's mask,
-kept for the verify (`Lookahead`) so its rows cost no second fill. The walk of a request ends where none
-of its candidates is allowed or the grammar has ended; that slot keeps the drafter's own token, which the
-verify rejects (its row's mask forbids it), as it rejects any draft the target does not choose. Drafts
-never change what is committed, only how much of it one verify commits."""
+walk goes slot by slot over every constrained request of the step at once: each matcher's mask at the
+slot, then each matcher takes its request's draft. The mask filled at slot j is the one plain decoding
+applies after the first j drafts: the verify row j's mask, kept for the verify (`Lookahead`) so its rows
+cost no second fill. The walk of a request ends where none of its candidates is allowed or the grammar
+has ended; that slot keeps the drafter's own token, which the verify rejects (its row's mask forbids it),
+as it rejects any draft the target does not choose. Drafts never change what is committed, only how much
+of it one verify commits."""
 
 from __future__ import annotations
 
 import time
-from functools import cache
 
 import numpy as np
 import torch
@@ -21,24 +20,11 @@ import torch
 from flashdraft.structured.grammar import Lookahead, RequestGrammar
 
 
-@cache
-def batch_matcher():
-    """xgrammar's batched mask filler (threads: as many as it chooses)."""
-    import xgrammar as xgr  # (only requests with a grammar reach here: grammar.py imported it)
-
-    return xgr.BatchGrammarMatcher()
-
-
 def fill_masks(grammars: list[RequestGrammar], mask: torch.Tensor, rows: list[int]) -> None:
-    """Fill mask[rows[i]] from grammars[i]'s matcher state, all in one batched call; a matcher that fails
-    there fails its request alone (its row masks nothing: the request ends at its commit)."""
-    if not grammars:
-        return
-    try:
-        batch_matcher().batch_fill_next_token_bitmask([g.matcher for g in grammars], mask, rows)
-        return
-    except Exception:  # (find the failing one: each matcher on its own)
-        pass
+    """Fill mask[rows[i]] from grammars[i]'s matcher state; a matcher that fails there fails its request
+    alone (its row masks nothing: the request ends at its commit). One matcher after another: a fill
+    takes 1-35 us (the structured bench's JSON schemas, SmolLM2's 49,152 tokens, 2-core x86_64), while
+    xgrammar's threaded batch fill took 1.1 ms a call of up to 8 matchers on the 16-core H200 machine."""
     for g, r in zip(grammars, rows):
         try:
             g.matcher.fill_next_token_bitmask(mask, r)
