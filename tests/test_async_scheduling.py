@@ -346,3 +346,23 @@ def test_admit_takes_whole_prompts_only():
     assert sched.schedule().num_new_tokens == [32]  # the step-by-step scheduler takes a chunk
     sched, seqs = fresh([4, 4, 4], most=2)
     assert sched.admit().seqs == seqs[:2] and list(sched.waiting) == seqs[2:]
+
+
+def test_processed_requests_decode_ahead_their_choice_deferred(pair):
+    """Requests whose tokens come from processed logits (penalties, logit_bias, min_tokens, min_p) or
+    that read their log-probabilities: the decode step after one in flight is launched before it is read,
+    its choice made once that step is committed (engine/deferred.py), so the output counts the penalties
+    read are current. Tokens, finish reasons and log-probabilities equal the step-by-step engine's."""
+    sync, overlap = pair
+    params = [SamplingParams(max_tokens=14, temperature=1.0, seed=3, presence_penalty=0.8, logprobs=2),
+              SamplingParams(max_tokens=18, repetition_penalty=50.0, frequency_penalty=2.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, min_tokens=6, logit_bias={5: 3.0, 9: -2.0}, logprobs=0),
+              SamplingParams(max_tokens=16, temperature=0.9, min_p=0.1, seed=4, ignore_eos=True, logprobs=1)]
+    before = overlap.engine.stats["num_overlapped_steps"]
+    got, want = overlap.generate(PROMPTS, params), sync.generate(PROMPTS, params)
+    assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in want]
+    for g, w in zip(got[::2], want[::2]):
+        assert [lp.token_id for lp in g.logprobs] == [lp.token_id for lp in w.logprobs]
+        assert [lp.logprob for lp in g.logprobs] == pytest.approx([lp.logprob for lp in w.logprobs], abs=1e-6)
+    assert overlap.engine.stats["num_overlapped_steps"] - before > 10, "processed requests were meant to overlap"
+    assert overlap.engine.block_manager.num_used_blocks == 0

@@ -317,3 +317,23 @@ def test_properties_come_in_the_schema_s_order(smollm2):
                            SamplingParams(max_tokens=40, structured_outputs=so))[0]
     assert out.finish_reason == "stop"
     assert [k for k, _ in json.loads(out.text, object_pairs_hook=list)] == ["zone", "area"]
+
+
+def test_constrained_decode_steps_launch_ahead():
+    """A constrained request's decode step after one in flight is launched before that step is read; its
+    mask is filled once the step before it is committed (engine/deferred.py). Plain and DFlash engines
+    (every step without drafts: speculative_disable_batch_size=1) give the step-by-step engine's tokens,
+    greedy and seeded, beside an unconstrained request, and do overlap."""
+    sync = LLM(device="cpu", dtype="float32", draft=None, async_scheduling=False)
+    ahead = LLM(device="cpu", dtype="float32", draft=None, async_scheduling=True)
+    paused = LLM(device="cpu", dtype="float32", speculative_disable_batch_size=1, async_scheduling=True)
+    prompts = _prompts(sync)[:3]
+    params = [SamplingParams(max_tokens=32, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+              SamplingParams(max_tokens=32, temperature=1.0, seed=5,
+                             structured_outputs=StructuredOutputsParams(json_object=True)),
+              SamplingParams(max_tokens=32)]
+    want = [o.token_ids for o in sync.generate(prompts, params)]
+    for llm in (ahead, paused):
+        before = llm.engine.stats["num_overlapped_steps"]
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert llm.engine.stats["num_overlapped_steps"] - before > 10

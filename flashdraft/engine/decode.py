@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from flashdraft.engine.deferred import DeferredChoice, deferred
 from flashdraft.engine.graphs import to_device
 from flashdraft.engine.logits import choose, prompt_logprobs
 from flashdraft.engine.pipeline import Flight, InFlight, StepContext, commit_samples
@@ -34,6 +35,7 @@ def decode_rows(ctx: StepContext) -> list[Sequence] | None:
 
 class PlainSteps:
     join_reserve = 1
+    defers = True  # (a decode step launched ahead chooses after the commit before it: deferred.py)
 
     def __init__(self, ctx: StepContext):
         self.ctx = ctx
@@ -52,7 +54,7 @@ class PlainSteps:
         seqs = decode_rows(self.ctx)
         if seqs is None:
             return None
-        flight = self._forward(seqs, [[0]] * len(seqs), prev.next_ids(seqs))
+        flight = self._forward(seqs, [[0]] * len(seqs), prev.next_ids(seqs), defer=True)
         flight.stays = True
         return flight
 
@@ -67,11 +69,12 @@ class PlainSteps:
         return self._forward(batch.seqs, new_rows(batch))
 
     @torch.inference_mode()
-    def _forward(self, seqs: list[Sequence], tokens: list[list[int]], ids: torch.Tensor | None = None
-                 ) -> InFlight | None:
+    def _forward(self, seqs: list[Sequence], tokens: list[list[int]], ids: torch.Tensor | None = None,
+                 defer: bool = False) -> InFlight | None:
         """Queue the target over `tokens` (each sequence's rows from num_computed_tokens on; `ids`:
         their values already on the device) and the sampling of every sequence whose rows reach its
-        end; None when none does. Nothing here waits for the GPU. In inference mode, as the target's
+        end (defer: launched ahead, the sampling after the commit before it where a request needs its
+        logits); None when none does. Nothing here waits for the GPU. In inference mode, as the target's
         forward is: the head and the greedy choice take the fused kernels (with autograd on, the
         head ran through cuBLAS and the choice through torch's argmax, 25 us more a step at the
         Qwen3.5-4B shape on an H200)."""
@@ -93,6 +96,8 @@ class PlainSteps:
         # the position of the token drawn: one past the rows computed (the in-flight token included)
         positions = [s.num_computed_tokens for s in seqs]
         sb = runner.sampling_batch(seqs, positions)
+        if defer and deferred(seqs):
+            return DeferredChoice(runner.model, hidden[: len(rows)], seqs, positions, sb, ctx.eos_token_ids)
         return InFlight(seqs, *choose(runner.model, hidden[: len(rows)], seqs, positions, sb, ctx.eos_token_ids))
 
 

@@ -65,6 +65,10 @@ class Flight:
     stays: bool = False
     joining: InFlight | None = None
 
+    def finish(self) -> None:
+        """Complete a step launched ahead once the step before it is committed (engine/deferred.py:
+        choices that read what that commit moves); nothing for most steps."""
+
 
 class InFlight(Flight):
     """A launched step's samples, one per sequence (a decode step, a prefill's end): on the device,
@@ -72,9 +76,13 @@ class InFlight(Flight):
 
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: StepLogprobs | None = None,
                  stays: bool = False):
-        self.seqs, self.tokens, self.logprobs, self.stays = seqs, tokens, logprobs, stays
+        self.seqs, self.stays = seqs, stays
         self.joining = None
-        self.done = None
+        self.take(tokens, logprobs)
+
+    def take(self, tokens: torch.Tensor, logprobs: StepLogprobs | None = None) -> None:
+        """The step's samples [S] on the device (and their log-probabilities): copied behind the step."""
+        self.tokens, self.logprobs, self.done = tokens, logprobs, None
         if tokens.is_cuda:
             self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self.host.copy_(tokens, non_blocking=True)
@@ -104,6 +112,9 @@ class Steps(Protocol):
     """What a kind of step supplies to the pipeline."""
 
     join_reserve: int  # slots past its prompt a request admitted behind a step in flight is given
+    # whether a step launched ahead of requests that process or read logits defers their choice until the
+    # step before it is committed (engine/deferred.py); otherwise no step is launched ahead of them
+    defers: bool
 
     def launch(self) -> Flight | None:
         """Schedule a step now and launch it (None: nothing to run, or nothing to read)."""
@@ -166,6 +177,8 @@ class Pipeline:
                 self.inflight.joining = self._launch_joining()
         joined = commit_samples(self.ctx, prev.joining) if prev.joining is not None else []
         advanced = joined + self.steps.commit(prev, self.inflight)
+        if self.inflight is not None:
+            self.inflight.finish()  # (its choice, where it reads what the commit moved)
         if self.inflight is not None or not self.ctx.scheduler.has_unfinished():
             return advanced
         return advanced + self._launch()
@@ -190,7 +203,7 @@ class Pipeline:
             return False  # (a request admitted behind prev was aborted)
         if kept_rows(prev.seqs, running[: len(running) - len(joining)]) is None:
             return False
-        if any(s.params.needs_logits for s in running):
+        if any(s.params.needs_logits for s in running) and not self.steps.defers:
             return False
         return not (sched.waiting and len(running) < sched.max_num_seqs and not self.steps.may_join(sched.waiting[0]))
 

@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 
 from flashdraft.engine.decode import decode_rows
+from flashdraft.engine.deferred import deferred
 from flashdraft.engine.graphs import to_device
 from flashdraft.engine.pipeline import Flight, InFlight, StepContext, kept_rows
 from flashdraft.speculative.graphs import StepGraphs
@@ -55,6 +56,8 @@ class VerifyAhead:
         """The step after `prev`, launched on its outputs; None when it must wait for prev's read."""
         if isinstance(prev, InFlight):
             return self._decode_after(prev)
+        if deferred(self.ctx.scheduler.running):  # (a verify chooses at its launch: not ahead of such requests)
+            return None
         plans = self._plan_verify(prev)
         if plans is None:
             return None
@@ -75,7 +78,7 @@ class VerifyAhead:
         if seqs is None:
             return None
         self.policy.take_plain(choice, seqs)
-        flight = self.decode(seqs, [[0]] * len(seqs), prev.next_ids(seqs))
+        flight = self.decode(seqs, [[0]] * len(seqs), prev.next_ids(seqs), defer=True)
         self.policy.launched_plain(len(seqs), len(seqs) == len(prev.seqs) and prev.joining is None)
         return flight
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from flashdraft import settings
+from flashdraft.engine.deferred import DeferredChoice, deferred
 from flashdraft.engine.graphs import to_device
 from flashdraft.engine.logits import choose
 from flashdraft.engine.pipeline import Flight, InFlight, StepContext, commit_samples
@@ -63,6 +64,7 @@ class DFlashSpeculator:
         # slots a verifying request holds from its last committed token: the draft block, or the tree's rows
         self.block_slots = max(self.block_size, self.num_draft + 1)
         self.join_reserve = self.block_slots  # (a request admitted behind a step in flight: its first block)
+        self.defers = True  # (steps without drafts launched ahead choose after the commit before them)
         drafter.setup(ctx.max_model_len + 2 * self.block_size)
         self.context = DrafterContext(drafter, runner)
         self.drafts = DraftTokens(drafter, runner, self.context, draw_sampled)
@@ -241,10 +243,12 @@ class DFlashSpeculator:
             return self.grammar_drafts.apply(seqs, drafts, hidden)
         return drafts
 
-    def decode(self, seqs: list[Sequence], tokens: list[list[int]], ids: torch.Tensor | None = None) -> InFlight:
+    def decode(self, seqs: list[Sequence], tokens: list[list[int]], ids: torch.Tensor | None = None,
+               defer: bool = False) -> InFlight:
         """Queue a step without drafts (the target over one row a request and the context write) and the
         sampling of every request's next token; nothing waits for the GPU. ids: the rows' token ids already
-        on the device, in place of `tokens`."""
+        on the device, in place of `tokens`; defer: launched ahead, the sampling after the commit before it
+        where a request needs its logits (engine/deferred.py)."""
         ctx, runner = self.ctx, self.ctx.runner
         hidden = self.graphs.decode(seqs, tokens, ctx.block_manager, ids)
         if hidden is None:
@@ -258,6 +262,8 @@ class DFlashSpeculator:
         ctx.stats["num_steps"] += 1
         positions = [s.num_computed_tokens for s in seqs]
         sb = runner.sampling_batch(seqs, positions)
+        if defer and deferred(seqs):
+            return DeferredChoice(runner.model, hidden[: len(seqs)], seqs, positions, sb, ctx.eos_token_ids)
         return InFlight(seqs, *choose(runner.model, hidden[: len(seqs)], seqs, positions, sb, ctx.eos_token_ids),
                         stays=True)
 
