@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from flashdraft import settings
+from flashdraft.models.checks import check_config, read_gguf
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,11 @@ _GPT_OSS_NAMES = {  # where llama.cpp's gpt-oss tensors differ from the table ab
     "attn_sinks": "self_attn.sinks", "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
 }
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss")
+# the GGUF fields of a model's sizes, as config.json names them (checked before transformers reads the file)
+_SIZE_FIELDS = {"embedding_length": "hidden_size", "block_count": "num_hidden_layers",
+                "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+                "attention.key_length": "head_dim", "feed_forward_length": "intermediate_size",
+                "context_length": "max_position_embeddings", "rope.freq_base": "rope_theta"}
 # yarn fields of a gpt-oss file and the rope_parameters key each sets (None: read elsewhere)
 _YARN_FIELDS = {"type": None, "factor": "factor", "original_context_length": "original_max_position_embeddings",
                 "attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
@@ -92,10 +98,13 @@ def convert_gguf(path: str | os.PathLike, out_dir: Path | None = None) -> Path:
     out = out_dir or settings.cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}"
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
-    reader = gguf.GGUFReader(str(path))
+    reader = read_gguf(path)
+    if "general.architecture" not in reader.fields:
+        raise ValueError(f"GGUF file {path} has no general.architecture field")
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; supported: {SUPPORTED_GGUF_ARCHS}")
+    check_config(_size_fields(reader, arch), f"GGUF file {path}")
     if arch == "gpt-oss":
         from transformers import PreTrainedTokenizerFast
 
@@ -152,6 +161,17 @@ def convert_gguf(path: str | os.PathLike, out_dir: Path | None = None) -> Path:
             raise
     log.info("converted %s -> %s", path, out)
     return out
+
+
+def _size_fields(reader, arch: str) -> dict:
+    """The model's sizes among the file's fields, under config.json's names (a field given per layer, as a
+    list, is left to transformers' reader)."""
+    fields = {hf: reader.fields[f"{arch}.{key}"].contents() for key, hf in _SIZE_FIELDS.items()
+              if f"{arch}.{key}" in reader.fields}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        fields["vocab_size"] = len(tokens.data)
+    return {k: v for k, v in fields.items() if isinstance(v, (int, float))}
 
 
 def _gpt_oss_config(reader, vocab_size: int, own_head: bool):

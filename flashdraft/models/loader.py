@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
 from flashdraft.hub import local_path
+from flashdraft.models.checks import check_config, check_finite, check_vocab_size, safetensors_header
 from flashdraft.models.gguf_convert import convert_gguf
-from flashdraft.models.hybrid import HYBRID_MODEL_TYPES, HybridLM
+from flashdraft.models.hybrid import HYBRID_MODEL_TYPES, HybridLM, text_config
 from flashdraft.models.transformer import SUPPORTED_MODEL_TYPES, DecoderLM
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -73,35 +73,57 @@ def load_config(folder: Path):
     text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data  # composite Qwen3.5
     where = "config.json" + (" text_config" if text is not data else "")
     needed = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-    for key in needed + (() if "moe" in str(text.get("model_type", model_type)) else ("intermediate_size",)):
-        if not isinstance(text.get(key), int) or text[key] < 1:
-            raise ValueError(f"{str(folder / where)!r}: {key} must be a positive integer, got {text.get(key)!r}")
+    moe = "moe" in str(text.get("model_type", model_type))
+    check_config(text, repr(str(folder / where)), needed + (() if moe else ("intermediate_size",)))
     try:
         return AutoConfig.from_pretrained(str(folder))
     except Exception as e:  # transformers raises many types for malformed configs
         raise ValueError(f"cannot parse {str(folder / 'config.json')!r}: {e}") from None
 
 
-def load_weights(folder: Path) -> dict[str, torch.Tensor]:
+def weight_files(folder: Path) -> dict[Path, dict[str, dict]]:
+    """Every *.safetensors file of `folder` with the tensors its header declares, each file checked against
+    its header and size (models/checks.py) before any tensor is read."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{str(folder)!r} has no *.safetensors weights")
+    return {f: safetensors_header(f) for f in files}
+
+
+def read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one checked file, one at a time, each tensor checked finite."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_tensor(name)
+                check_finite(tensor, name, path)
+                yield name, tensor
+    except SafetensorError as e:  # the library's message names no file
+        raise ValueError(f"cannot read safetensors file {path}: {e}") from None
+
+
+def load_weights(folder: Path) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(f)))
+    for f in weight_files(folder):
+        weights.update(read_safetensors(f))
     return weights
 
 
 def stream_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every *.safetensors tensor, read one at a time: a loader that copies each into its
-    model and lets it go never holds the checkpoint in host memory (a tensor-parallel rank keeps a share)."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{str(folder)!r} has no *.safetensors weights")
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+    model and lets it go never holds the checkpoint in host memory (a tensor-parallel rank keeps a share).
+    The files are checked when this is called, before the caller allocates a model for them."""
+    files = weight_files(folder)
+    return (pair for f in files for pair in read_safetensors(f))
+
+
+def embedding_rows(folder: Path) -> tuple[str, int] | None:
+    """(name, rows) of the checkpoint's token embedding, from the safetensors headers alone."""
+    for f, tensors in weight_files(folder).items():
+        for name, info in tensors.items():
+            if name.endswith("embed_tokens.weight") and len(info["shape"]) == 2:
+                return f"{name} in {f}", info["shape"][0]
+    return None
 
 
 def load_tokenizer(folder: Path):
@@ -169,6 +191,10 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     tokenizer = load_tokenizer(folder)
     hybrid = cfg.model_type in HYBRID_MODEL_TYPES
     weights = None if load_format == "dummy" else stream_weights(folder)
+    # (the tokenizer's base vocabulary: added tokens past vocab_size are the checkpoint's own business)
+    check_vocab_size(text_config(cfg).vocab_size, repr(str(folder / "config.json")),
+                     getattr(tokenizer, "vocab_size", None) or len(tokenizer),
+                     None if weights is None else embedding_rows(folder))
     with torch.device("meta"):
         net = HybridLM(cfg) if hybrid else DecoderLM(cfg)
     if tp is not None:

@@ -26,6 +26,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from flashdraft.models.checks import check_config
 from flashdraft.models.loader import read_config_json
 
 log = logging.getLogger("flashdraft")
@@ -41,6 +42,8 @@ UNSUPPORTED = {
 }
 DFLASH_FIELDS = ("target_layer_ids", "block_size", "mask_token_id", "input_embedding_scale", "output_multiplier",
                  "final_logit_softcapping", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# the draft layers' sizes a config must give (the vocabulary is the target's)
+LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # fields read elsewhere or that describe the file, not the math
 METADATA = {"architectures", "auto_map", "dflash_config", "num_target_layers", "speculators_model_type",
             "speculators_version", "speculators_config", "transformer_layer_config", "aux_hidden_state_layer_ids",
@@ -137,8 +140,7 @@ def _read_zlab(folder: Path, data: dict, num_target_layers: int) -> DraftSpec:
     model_type = data.get("model_type") or "qwen3"
     if model_type != "qwen3":
         raise ValueError(f"{where}: a z-lab drafter is a Qwen3 config, got model_type {model_type!r}")
-    for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        _int(where, k, data.get(k))
+    check_config(data, where, LAYER_FIELDS)
     cfg = _hf_config("qwen3", {k: v for k, v in data.items() if k not in ("model_type", "dflash_config")})
     _log_unknown(where, data, _known(cfg))
 
@@ -171,8 +173,7 @@ def _read_speculators(folder: Path, data: dict) -> DraftSpec:
         raise ValueError(f"{where}: speculators config lacks transformer_layer_config")
     _check_fields(where, data)
     _check_fields(f"{where} transformer_layer_config", tlc)
-    for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        _int(f"{where} transformer_layer_config", k, tlc.get(k))
+    check_config(tlc, f"{where} transformer_layer_config", LAYER_FIELDS)
     cfg = _hf_config(tlc.get("model_type") or "qwen3", {k: v for k, v in tlc.items() if k != "model_type"})
     _log_unknown(where, data, set())
     _log_unknown(f"{where} transformer_layer_config", tlc, _known(cfg))

@@ -11,6 +11,7 @@ import torch
 from flashdraft import settings
 from flashdraft.engine.pipeline import StepContext
 from flashdraft.hub import local_path
+from flashdraft.models.checks import safetensors_header
 from flashdraft.models.dflash_draft import DFlashDraftModel
 from flashdraft.models.loader import dummy_weights, load_weights
 from flashdraft.speculative.dflash import DFlashSpeculator
@@ -18,8 +19,9 @@ from flashdraft.speculative.formats import DraftSpec, read_draft_spec
 
 
 def checked_spec(folder: Path, target_config) -> DraftSpec:
-    """The drafter's config.json read and checked against its target's config (no weights are read, so the
-    engine runs this before the target loads too); errors name the mismatch."""
+    """The drafter's config.json read and checked against its target's config, and its safetensors headers
+    against their files (no weights are read, so the engine runs this before the target loads too); errors
+    name the mismatch."""
     if not folder.is_dir():
         raise ValueError(f"drafter path {str(folder)!r} must be a folder with config.json and safetensors")
     n_target = target_config.num_hidden_layers
@@ -42,6 +44,8 @@ def checked_spec(folder: Path, target_config) -> DraftSpec:
     if (folder / "mask_embedding.pt").exists():
         raise ValueError(f"{folder}/mask_embedding.pt replaces the mask token's embedding, which flashdraft "
                          "does not support")
+    for f in sorted(folder.glob("*.safetensors")):
+        safetensors_header(f)
     return spec
 
 
