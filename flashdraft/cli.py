@@ -70,9 +70,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     chat = ChatOptions(load_chat_template(args.chat_template) if args.chat_template else None,
                        args.tool_call_parser, args.reasoning_parser)  # (checked before the model loads)
-    run_server(serve_engine_kwargs(args), host=args.host, port=args.port, api_key=args.api_key or None,
+    run_server(serve_engine_kwargs(args), host=args.host, port=args.port, api_key=args.api_key,
                served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-               max_prompt_tokens=args.max_prompt_tokens, log_level=args.log_level, chat_options=chat)
+               max_prompt_tokens=args.max_prompt_tokens, log_level=args.log_level, chat_options=chat,
+               allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
+               body_timeout_s=args.body_timeout, max_connections=args.max_connections)
     return 0
 
 
@@ -165,7 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port")
     s.add_argument("--api-key", default=os.environ.get("FLASHDRAFT_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $FLASHDRAFT_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health; an empty key is refused "
+                        "(default: $FLASHDRAFT_API_KEY)")
+    s.add_argument("--allowed-hosts", default=None, type=lambda v: [h.strip() for h in v.split(",") if h.strip()],
+                   help="comma-separated Host header names answered, any port; * = any (default: localhost, "
+                        "127.0.0.1 and [::1] when --host is a loopback address, else any)")
+    s.add_argument("--allowed-origins", default=[], type=lambda v: [o.strip() for o in v.split(",") if o.strip()],
+                   help="comma-separated web origins CORS lets read answers, e.g. http://localhost:3000; * = any "
+                        "(default: none, no CORS headers)")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds each part of a request body may take to arrive before a 408 (default: 30)")
+    s.add_argument("--max-connections", type=int, default=None,
+                   help="open connections or running requests at which new ones get 503 (default: no limit)")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: MODEL as given)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     s.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the context window")

@@ -234,10 +234,13 @@ def test_bad_request_names_the_field(server, path, body, param):
     assert err["message"]
 
 
+JSON_TYPE = {"content-type": "application/json"}
+
+
 def test_malformed_and_oversized_bodies(server, engine):
-    r = httpx.post(server.url + COMPLETIONS, content=b'{"prompt": "hi",', timeout=30)
+    r = httpx.post(server.url + COMPLETIONS, content=b'{"prompt": "hi",', timeout=30, headers=JSON_TYPE)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-    r = httpx.post(server.url + COMPLETIONS, content=b"[" * 100_000, timeout=30)
+    r = httpx.post(server.url + COMPLETIONS, content=b"[" * 100_000, timeout=30, headers=JSON_TYPE)
     assert r.status_code == 400
     r = httpx.post(server.url + COMPLETIONS, json={"prompt": "x" * (2 << 20)}, timeout=30)
     assert r.status_code == 413 and "error" in r.json()

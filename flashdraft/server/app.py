@@ -1,8 +1,10 @@
 """The FastAPI app (`build_app`) and `run_server`, which `flashdraft serve` calls.
 
-Safe by default: binds 127.0.0.1, and with an API key every /v1 route needs
-`Authorization: Bearer KEY`. Request bodies are capped (413) and every malformed request gets a
-400 with OpenAI's error object naming the field."""
+Safe by default: binds 127.0.0.1 and answers only Host headers that name the loopback; with an API key
+every route but the load balancer's probe (OPEN_PATHS) needs `Authorization: Bearer KEY`; JSON bodies must
+say so (415 otherwise, so no web page posts one without a CORS preflight), and CORS is off unless origins
+are allowed. Request bodies are capped (413) and every malformed request gets a 400 with OpenAI's error
+object naming the field."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import gc
 import hmac
 import logging
 import time
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -27,6 +31,7 @@ from flashdraft.config import EngineConfig
 from flashdraft.engine.engine import LLMEngine
 from flashdraft.server.async_engine import AsyncEngine
 from flashdraft.server.chat import ChatOptions
+from flashdraft.server.limits import DEFAULT_BODY_TIMEOUT_S, BodyTimeout, uvicorn_limits
 from flashdraft.server.metrics import ServerMetrics
 from flashdraft.server.protocol import APIError, bad_request, parse_json
 from flashdraft.server.responses_api import create_response
@@ -36,7 +41,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
-KEYED = {"/reset_prefix_cache", "/flush_cache"}  # beside /v1: routes that change the server's state
+OPEN_PATHS = frozenset({"/health"})  # with an API key, every other path needs it: a new route is keyed
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}  # bind addresses
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")  # the Host header names of those, any port
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/metrics",
              "/tokenize", "/detokenize", "/version", "/reset_prefix_cache", "/flush_cache"}
 
@@ -51,18 +58,47 @@ def default_model_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def check_api_key(api_key: str | None) -> None:
+    if api_key is not None and not api_key.strip():  # an empty key would otherwise switch auth off
+        raise ValueError("the API key is empty (--api-key '' or FLASHDRAFT_API_KEY=''): give a key, or leave "
+                         "both unset to serve without one")
+
+
+def host_name(host: str) -> str:
+    """A Host header without its port: `[::1]:8000` -> `[::1]`, `Localhost:8000` -> `localhost`."""
+    host = host.strip().lower()
+    return host[: host.find("]") + 1] if host.startswith("[") else host.partition(":")[0]
+
+
+def is_json(content_type: str) -> bool:
+    """`application/json` or `application/*+json`, parameters (charset) allowed."""
+    kind, _, subtype = content_type.partition(";")[0].strip().lower().partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
 def error_response(e: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 class Guard:
-    """API-key check for /v1 routes, and request counting by endpoint and status."""
+    """Each request's Host header must be one of `allowed_hosts` (a page whose domain is rebound to
+    127.0.0.1 sends its own), then its API key unless the path is in OPEN_PATHS; and requests are counted
+    by endpoint and status."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics):
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics,
+                 allowed_hosts: Sequence[str] = LOOPBACK_HOSTS):
+        check_api_key(api_key)  # b"" would match a bare "Bearer "
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.api_key = api_key.encode() if api_key is not None else None
         self.metrics = metrics
+        self.allowed_hosts = None if "*" in allowed_hosts else frozenset(h.strip().lower() for h in allowed_hosts)
+
+    def host_allowed(self, scope: Scope) -> bool:
+        if self.allowed_hosts is None:
+            return True
+        host = next((value for name, value in scope.get("headers", []) if name == b"host"), b"")
+        return host_name(host.decode("latin-1")) in self.allowed_hosts
 
     def authorized(self, scope: Scope) -> bool:
         for name, value in scope.get("headers", []):
@@ -86,7 +122,12 @@ class Guard:
                 self.metrics.http_requests.labels(endpoint, str(message["status"])).inc()
             await send(message)
 
-        if self.api_key is not None and (path.startswith("/v1") or path in KEYED) and not self.authorized(scope):
+        if not self.host_allowed(scope):
+            err = APIError(400, "this server does not answer to that Host header; start it with --allowed-hosts "
+                           "naming the host clients use", code="invalid_host")
+            await error_response(err)(scope, receive, counting_send)
+            return
+        if self.api_key is not None and path not in OPEN_PATHS and not self.authorized(scope):
             err = APIError(401, "invalid or missing API key; send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
             await error_response(err)(scope, receive, counting_send)
@@ -100,6 +141,9 @@ class Guard:
 
 
 async def read_json(request: Request, limit: int) -> dict:
+    if not is_json(request.headers.get("content-type", "")):
+        raise APIError(415, "the request body must be JSON, sent with the header 'Content-Type: application/json'",
+                       code="unsupported_media_type")
     too_large = APIError(413, f"the request body is larger than the limit of {limit} bytes")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -114,9 +158,13 @@ async def read_json(request: Request, limit: int) -> dict:
 
 def build_app(engine: LLMEngine | AsyncEngine, api_key: str | None = None, served_model_name: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_prompt_tokens: int | None = None,
-              chat_options: ChatOptions | None = None) -> FastAPI:
+              chat_options: ChatOptions | None = None, allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
+              allowed_origins: Sequence[str] = (), body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
     """An app serving `engine`. Several apps may share one engine: they share its loop thread.
-    chat_options: the chat template, tool-call and reasoning parsers (server/chat.py)."""
+    chat_options: the chat template, tool-call and reasoning parsers (server/chat.py).
+    allowed_hosts: the Host header names it answers (any port; "*": any). allowed_origins: the web origins
+    that CORS lets read its answers ("*": any; none: no CORS headers)."""
+    check_api_key(api_key)
     aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine.of(engine)
     name = served_model_name or default_model_name(aengine.engine.config.model)
     max_model_len = aengine.engine.max_model_len
@@ -133,7 +181,12 @@ def build_app(engine: LLMEngine | AsyncEngine, api_key: str | None = None, serve
             await asyncio.to_thread(aengine.release)
 
     app = FastAPI(title="flashdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(Guard, api_key=api_key, metrics=metrics)
+    # added before Guard, so inside it: Guard counts the 408, and a client gone mid-body is no 500
+    app.add_middleware(BodyTimeout, body_timeout_s=body_timeout_s)
+    app.add_middleware(Guard, api_key=api_key, metrics=metrics, allowed_hosts=allowed_hosts)
+    if allowed_origins:  # added last, so outside Guard: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
     app.state.async_engine = aengine
     app.state.serving = serving
 
@@ -215,7 +268,6 @@ def build_app(engine: LLMEngine | AsyncEngine, api_key: str | None = None, serve
     return app
 
 
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 SHUTDOWN_GRACE_S = 5.0
 
 
@@ -241,21 +293,30 @@ def _server_class():
 def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_prompt_tokens: int | None = None, log_level: str = "info",
-               chat_options: ChatOptions | None = None) -> None:
-    """Load the engine (so load errors surface before anything binds), then serve until interrupted."""
+               chat_options: ChatOptions | None = None, allowed_hosts: Sequence[str] | None = None,
+               allowed_origins: Sequence[str] = (), body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+               max_connections: int | None = None) -> None:
+    """Load the engine (so load errors surface before anything binds), then serve until interrupted.
+    allowed_hosts None: the loopback's names when bound to a loopback address, else any. body_timeout_s:
+    each part of a request body must arrive within it (else 408); max_connections: uvicorn's concurrency
+    limit (limits.py)."""
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    check_api_key(api_key)
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
-    if not api_key and host not in LOOPBACK:
+    if allowed_hosts is None:
+        allowed_hosts = LOOPBACK_HOSTS if host in LOOPBACK else ("*",)
+    if api_key is None and host not in LOOPBACK:
         log.warning("serving on %s without an API key: anyone who can reach this port can use it", host)
     engine = LLMEngine(EngineConfig.from_kwargs(**engine_kwargs))
     name = served_model_name or default_model_name(engine.config.model)
     app = build_app(engine, api_key=api_key, served_model_name=name, max_body_bytes=max_body_bytes,
-                    max_prompt_tokens=max_prompt_tokens, chat_options=chat_options)
+                    max_prompt_tokens=max_prompt_tokens, chat_options=chat_options, allowed_hosts=allowed_hosts,
+                    allowed_origins=allowed_origins, body_timeout_s=body_timeout_s)
     log.info("serving %s on http://%s:%d (max_model_len %d)", name, host, port, engine.max_model_len)
     # this process serves the engine until it exits: what start-up made (modules, tokenizer, graphs) moves
     # to the permanent generation, so no garbage-collection pass walks it mid-serving (a full pass over
@@ -263,6 +324,7 @@ def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, a
     gc.collect()
     gc.freeze()
     server = _server_class()(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                            timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 10))
+                                            timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 10,
+                                            **uvicorn_limits(max_connections)))
     server.aengine = app.state.async_engine
     server.run()

@@ -42,6 +42,17 @@ from flashdraft.server.responses import ResponseFormat, TokenText, best_of, choi
 
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MAX_LOGGED_FIELDS = 16
+MAX_LOGGED_NAME = 64  # characters of each field name
+
+
+def logged_names(names: list[str]) -> str:
+    """Field names a client chose, as a log line may show them: escaped (a "\\n" in a name must not start a
+    forged line of its own), each cut short, and the first MAX_LOGGED_FIELDS of them."""
+    shown = [ascii(n) if len(n) <= MAX_LOGGED_NAME else ascii(n[:MAX_LOGGED_NAME]) + "..."
+             for n in names[:MAX_LOGGED_FIELDS]]
+    more = len(names) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more else "")
 
 
 class AbortingStreamingResponse(StreamingResponse):
@@ -75,7 +86,7 @@ class Serving:
         self.metrics = metrics
         self.max_prompt_tokens = max_prompt_tokens
         engine = aengine.engine
-        self.max_model_len, self.vocab_size, self.model_dir = engine.max_model_len, engine.vocab_size, engine.model_dir
+        self.max_model_len, self.vocab_size = engine.max_model_len, engine.vocab_size
         # prompts are tokenized here, one at a time, on a copy of the tokenizer: a long prompt must not stall
         # the engine thread (every running stream waits on it), and the engine's copy stays its own
         self.tokenizer = copy.deepcopy(engine.tokenizer)
@@ -108,7 +119,7 @@ class Serving:
         self._check_model(req.model)
         ignored = req.ignored_fields()
         if ignored:
-            log.warning("request fields not used by this server, ignored: %s", ", ".join(ignored))
+            log.warning("request fields not used by this server, ignored: %s", logged_names(ignored))
         return req, req.sampling_params(self.vocab_size, self.aengine.engine.sampling_defaults)
 
     async def completions(self, request: Request, data: dict) -> Response:
@@ -129,7 +140,7 @@ class Serving:
         max_tokens, max_name = req.requested_max_tokens()
         try:
             ids = await self.tokenized(lambda tok: self.check_ids(encode_chat(
-                tok, messages, self.model_dir, add_generation_prompt=gen_prompt,
+                tok, messages, self.model_name, add_generation_prompt=gen_prompt,
                 add_special_tokens=bool(req.add_special_tokens), template_kwargs=req.chat_template_kwargs,
                 tools=tools, chat_template=plan.template), max_tokens, max_name))
             prompt_end = await self.tokenized(lambda tok: tok.decode(ids[-16:]))
@@ -161,7 +172,7 @@ class Serving:
             tools = chat_tools(req.tools, None, None)
             plan = plan_chat(self.chat_options, self.tokenizer.chat_template, tools, messages)
             gen_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
-            encode = lambda tok: encode_chat(tok, messages, self.model_dir, add_generation_prompt=gen_prompt,
+            encode = lambda tok: encode_chat(tok, messages, self.model_name, add_generation_prompt=gen_prompt,
                                              add_special_tokens=bool(req.add_special_tokens),
                                              template_kwargs=req.chat_template_kwargs,
                                              tools=tools.tools if tools else None, chat_template=plan.template)
