@@ -153,8 +153,8 @@ BAD_CONFIGS = [
     pytest.param(rope_theta(-10000.0), "rope_parameters.rope_theta must be a positive number, got -10000.0",
                  id="rope-theta-negative"),
     pytest.param(rope_theta(float("nan")), "rope_theta must be a positive number", id="rope-theta-nan"),
-    pytest.param(lambda c: c.update(vocab_size=10), "vocab_size 10 is smaller than the tokenizer's vocabulary of 320 tokens",
-                 id="vocab-10"),
+    pytest.param(lambda c: c.update(vocab_size=10),
+                 "vocab_size 10 is smaller than the tokenizer's vocabulary of 320 tokens", id="vocab-10"),
     pytest.param(lambda c: c.update(vocab_size=400),
                  "vocab_size 400 does not match the 320 rows of model.embed_tokens.weight", id="vocab-400"),
 ]

@@ -42,7 +42,7 @@ def constraint(fields: dict[str, Any]) -> StructuredOutputsParams | None:
     for name, key in FLAT:
         value = fields.get(name)
         if value is not None and value != [] and value != {}:
-            found.append((name, {key: json.loads(value) if key == "json" and _is_json_text(value) else value}))
+            found.append((name, {key: _schema(value, name) if key == "json" and _is_json_text(value) else value}))
     if not found:
         return None
     if len(found) > 1:
@@ -78,6 +78,13 @@ def _response_format(rf: Any) -> dict | None:
     raise ConstraintError(f"response_format type {kind!r} is not supported (text, json_object, json_schema, "
                           "structural_tag)",
                           "response_format")
+
+
+def _schema(text: str, name: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ConstraintError(f"{name} is not a JSON schema: {e}", name) from None
 
 
 def _is_json_text(value: Any) -> bool:

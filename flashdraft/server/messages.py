@@ -26,7 +26,7 @@ def _message(m: Any, where: str) -> dict:
     if not isinstance(m, dict):
         raise bad_request(f"{where} must be an object with role and content", where)
     role = m.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:  # (a list or an object is not hashable)
         raise bad_request(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", f"{where}.role")
     allowed = {"role", "content", "name"} | ({"tool_calls", "function_call", "refusal", "reasoning_content"}
                                               if role == "assistant" else set()) | \
@@ -81,7 +81,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict]:
         if isinstance(args, str):  # the arguments as an object: templates write them with tojson
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise bad_request(f"{w}.function.arguments is not JSON", f"{w}.function.arguments") from None
         out.append({"id": c.get("id") or f"call_{j}", "type": "function",
                     "function": {"name": f["name"], "arguments": args}})
@@ -144,7 +144,8 @@ def chat_tools(tools: Any, tool_choice: Any, parallel: bool | None, functions: A
         raise bad_request("tools have two functions of one name", "tools")
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        function = choice.get("function") if choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         if name not in names:
             raise bad_request(f"tool_choice names a function that is not among the tools: {name!r}", "tool_choice")
         choice = name

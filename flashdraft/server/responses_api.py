@@ -89,7 +89,7 @@ def _text(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+        if not isinstance(kind, str) or kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
             raise bad_request(f"{where}[{j}]: only text parts are supported, got {kind!r}", f"{where}[{j}]")
         texts.append(part["text"])
     return "\n".join(texts)
@@ -116,7 +116,7 @@ def messages(input: Any, instructions: Any) -> list[dict]:
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             role = item.get("role")
-            if role not in ROLES:
+            if not isinstance(role, str) or role not in ROLES:
                 raise bad_request(f"{where}.role must be one of {sorted(ROLES)}, got {role!r}", f"{where}.role")
             out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":

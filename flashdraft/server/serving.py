@@ -144,7 +144,8 @@ class Serving:
                 add_special_tokens=bool(req.add_special_tokens), template_kwargs=req.chat_template_kwargs,
                 tools=tools, chat_template=plan.template), max_tokens, max_name))
             prompt_end = await self.tokenized(lambda tok: tok.decode(ids[-16:]))
-        except (ValueError, jinja2.TemplateError) as e:
+        except (ValueError, RecursionError, jinja2.TemplateError) as e:
+            # (RecursionError: messages, tools or template variables nested deeper than the template renders)
             raise bad_request(str(e), "messages") from None
         params = plan.sampling_params(params, prompt_end)
         if plan.tools is not None and plan.tools.forced:  # a schema in the tools that does not compile: theirs
@@ -179,7 +180,7 @@ class Serving:
         try:
             ids = await self.tokenized(encode)
             strs = await self.tokenized(lambda tok: tok.convert_ids_to_tokens(ids)) if req.return_token_strs else None
-        except (ValueError, jinja2.TemplateError) as e:
+        except (ValueError, RecursionError, jinja2.TemplateError) as e:
             raise bad_request(str(e), "prompt" if req.prompt is not None else "messages") from None
         return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
