@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated web origins CORS lets read answers, e.g. http://localhost:3000; * = any "
                         "(default: none, no CORS headers)")
     s.add_argument("--body-timeout", type=float, default=30.0,
-                   help="seconds each part of a request body may take to arrive before a 408 (default: 30)")
+                   help="seconds a request body may take to arrive before a 408 (default: 30)")
     s.add_argument("--max-connections", type=int, default=None,
                    help="open connections or running requests at which new ones get 503 (default: no limit)")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: MODEL as given)")

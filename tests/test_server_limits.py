@@ -261,3 +261,27 @@ def test_the_server_app_times_out_a_stalled_body(tiny_llama):
         assert status == 408 and body["error"]["code"] == "request_timeout"
         status, body = post(port, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')
         assert status == 200, body
+
+
+def test_a_body_dripped_a_byte_at_a_time_gets_408():
+    """The timeout is the whole body's: a client sending one byte every BODY_TIMEOUT_S / 3 (each part in
+    time) is answered 408 all the same."""
+    recorder = Recorder()
+    body = b'{"prompt": "' + b"x" * 40 + b'"}'
+    with serving(build(recorder)) as (server, port, logged):
+        conn = connect(port)
+        conn.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                     % len(body))
+        reply = b""
+        for byte in body:
+            try:
+                conn.sendall(bytes([byte]))
+            except OSError:  # (the server closed after its 408)
+                break
+            time.sleep(BODY_TIMEOUT_S / 3)
+            if "stalled" in " ".join(r.getMessage() for r in logged.records):
+                break
+        reply = read_until_closed(conn)
+        conn.close()
+        assert parse(reply)[0] == 408
+    assert recorder.statuses == [408]

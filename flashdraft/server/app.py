@@ -298,7 +298,7 @@ def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, a
                max_connections: int | None = None) -> None:
     """Load the engine (so load errors surface before anything binds), then serve until interrupted.
     allowed_hosts None: the loopback's names when bound to a loopback address, else any. body_timeout_s:
-    each part of a request body must arrive within it (else 408); max_connections: uvicorn's concurrency
+    a request body must arrive within it (else 408); max_connections: uvicorn's concurrency
     limit (limits.py)."""
     import uvicorn
 

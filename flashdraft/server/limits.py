@@ -31,7 +31,8 @@ def _who(scope: Scope) -> str:
 
 
 class BodyTimeout:
-    """Each `http.request` message of a body must arrive within `body_timeout_s` of the app asking for it.
+    """A request's whole body must arrive within `body_timeout_s` of the app first asking for it (so a client
+    dripping a byte at a time gets no longer than one that stalls).
 
     On a stall the client gets a 408 with OpenAI's error object and `Connection: close` (uvicorn then
     closes the socket), and the app is told the client is gone (`http.disconnect`); the app's own reply,
@@ -59,15 +60,18 @@ class BodyTimeout:
             return
         more_body = True
         started = answered = gone = False  # answered: this middleware sent the 408; gone: the client left
+        deadline: float | None = None  # the whole body's (a client dripping bytes gets no longer)
 
         async def bounded_receive() -> Message:
-            nonlocal more_body, answered, gone
+            nonlocal more_body, answered, gone, deadline
             if answered or gone:
                 return {"type": "http.disconnect"}
             if not more_body:
                 return await receive()
+            now = asyncio.get_running_loop().time()
+            deadline = now + self.body_timeout_s if deadline is None else deadline
             try:
-                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+                message = await asyncio.wait_for(receive(), max(deadline - now, 0.0))
             except asyncio.TimeoutError:
                 log.warning("request body stalled for %g s: %s; %s", self.body_timeout_s, _who(scope),
                             "response already started, read ended" if started else "answered 408")
