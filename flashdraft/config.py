@@ -18,6 +18,11 @@ log = logging.getLogger("flashdraft")
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+# max_num_batched_tokens' defaults. A CPU step's time grows with its tokens (SmolLM2 on 2 cores: one forward of
+# 512 / 2048 / 4000 prompt tokens takes 0.7 / 6.3 / 22 s; the last 512-token chunk of a 4000-token prompt 4.2 s),
+# and the engine reads stops and aborts between steps, so on a CPU a long prompt is cut finer.
+GPU_BATCHED_TOKENS = 2048
+CPU_BATCHED_TOKENS = 512
 
 
 @dataclass
@@ -34,7 +39,10 @@ class EngineConfig:
     dtype: str | None = flag(None, "float32 | bfloat16 | float16 (default: bf16 on cuda, fp32 on cpu)")
     max_model_len: int | None = flag(None, "context window in tokens (default: the model's max_position_embeddings)")
     max_num_seqs: int = flag(64, "requests running at once")
-    max_num_batched_tokens: int = flag(2048, "tokens per forward; longer prompts are prefilled in chunks")
+    # None: resolved in __post_init__ (CPU_BATCHED_TOKENS on a CPU, GPU_BATCHED_TOKENS elsewhere)
+    max_num_batched_tokens: int | None = flag(
+        None, "tokens per forward; longer prompts are prefilled in chunks (default: 2048 on a GPU, 512 on a CPU, "
+              "where a step's time grows with it and stops and aborts wait for the step)")
     kv_block_size: int = no_flag(16)
     # overrides kv_cache_memory_gb
     num_kv_blocks: int | None = flag(None, "KV cache pages of 16 tokens (default: as many as the memory budget "
@@ -122,6 +130,9 @@ class EngineConfig:
             self._apply_speculative_config()
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is None:
+            on_cpu = (self.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+            self.max_num_batched_tokens = CPU_BATCHED_TOKENS if on_cpu else GPU_BATCHED_TOKENS
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.kv_block_size < 1:

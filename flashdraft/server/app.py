@@ -268,24 +268,32 @@ def build_app(engine: LLMEngine | AsyncEngine, api_key: str | None = None, serve
     return app
 
 
-SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_GRACE_S = 5.0  # running requests' time to finish after a stop, then they are aborted
+# the engine reads the aborts after the step it is in; requests it has still not ended this long after the stop
+# are ended from the loop (AsyncEngine.end_stranded), before uvicorn cancels its handlers (a plain-text 500)
+STRANDED_AFTER_S = SHUTDOWN_GRACE_S + 6
+UVICORN_GRACE_S = int(SHUTDOWN_GRACE_S) + 10
 
 
 def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """On Ctrl-C, running requests get a few seconds to finish, then are aborted so that their
-        streams end cleanly (finish_reason "abort", then [DONE]) instead of being cancelled."""
+        """On Ctrl-C or SIGTERM, running requests get a few seconds to finish, then are aborted so that
+        each ends cleanly (a 503, or finish_reason "abort" then [DONE]) instead of being cancelled; those
+        the engine has not ended by STRANDED_AFTER_S (inside a long step) are ended from the loop."""
 
         aengine: AsyncEngine
 
         async def shutdown(self, sockets=None) -> None:
-            timer = asyncio.get_running_loop().call_later(SHUTDOWN_GRACE_S, self.aengine.abort_all)
+            loop = asyncio.get_running_loop()
+            timers = [loop.call_later(SHUTDOWN_GRACE_S, self.aengine.abort_all),
+                      loop.call_later(STRANDED_AFTER_S, self.aengine.end_stranded)]
             try:
                 await super().shutdown(sockets)
             finally:
-                timer.cancel()
+                for timer in timers:
+                    timer.cancel()
 
     return Server
 
@@ -324,7 +332,7 @@ def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, a
     gc.collect()
     gc.freeze()
     server = _server_class()(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                            timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S) + 10,
+                                            timeout_graceful_shutdown=UVICORN_GRACE_S,
                                             **uvicorn_limits(max_connections)))
     server.aengine = app.state.async_engine
     server.run()

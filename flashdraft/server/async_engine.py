@@ -16,6 +16,7 @@ from typing import Any
 from flashdraft.engine.engine import LLMEngine
 from flashdraft.engine.sequence import Output, Sequence, TokenLogprob
 from flashdraft.sampling_params import SamplingParams
+from flashdraft.server.errors import APIError
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class RequestStream:
         self.num_sent = 0  # output tokens whose log-probabilities went out
         self.abort_requested = False
         self.done = False  # the handler has seen the final update
+        self.added: asyncio.Future | None = None  # resolved once the engine thread has added the request
+        self.ended = False  # the loop side gave it its final update (AsyncEngine.end_stranded)
 
     def push(self, update: Update) -> None:
         _call_in_loop(self.loop, self.queue.put_nowait, update)
@@ -71,6 +74,10 @@ def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> 
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:
         pass  # that loop is closed: nobody is listening any more
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down", type="server_error")
 
 
 def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
@@ -110,6 +117,7 @@ class AsyncEngine:
         self._users = 0
         self._finished: dict[str, int] = {}
         self._prompt_tokens = 0
+        self._handed_out: weakref.WeakSet[RequestStream] = weakref.WeakSet()  # loop side (end_stranded)
         self.snapshot = self._take_snapshot()
 
     @classmethod
@@ -145,12 +153,16 @@ class AsyncEngine:
         if last:
             self.stop()
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the thread after the step it is in; waits up to `timeout` s for that step (the thread is a
+        daemon: a process exiting meanwhile does not wait for it)."""
         with self._lock:
             thread = self._thread
         if thread is not None and thread.is_alive():
             self._inbox.put(("stop",))
             thread.join(timeout)
+            if thread.is_alive():
+                log.warning("the engine thread is still in a step %g s after the stop: leaving it", timeout)
 
     # ---- called from asyncio --------------------------------------------------------------------
     async def add(self, make_ids: Callable[[LLMEngine], list[int]], params: SamplingParams, request_id: str,
@@ -159,7 +171,8 @@ class AsyncEngine:
         its exceptions and add_request's (ValueError for a bad prompt) are raised here."""
         self.start()
         stream = RequestStream(request_id, streaming)
-        fut = stream.loop.create_future()
+        fut = stream.added = stream.loop.create_future()
+        self._handed_out.add(stream)
         self._inbox.put(("add", stream, make_ids, params, fut))
         try:
             await fut
@@ -177,6 +190,21 @@ class AsyncEngine:
     def abort_all(self) -> None:
         """Finish every request (they end with finish_reason "abort"); used when shutting down."""
         self._inbox.put(("abort_all",))
+
+    def end_stranded(self) -> None:
+        """Shutting down, with the engine thread still inside a step (a long CPU prefill chunk) when the server
+        must answer: end, from the loop, every request the engine has not ended yet, as an abort (a request
+        not yet added: a 503), so that each handler still answers with its 503 or its `finish_reason:
+        "abort"` chunk before the server cancels what is left. The engine's own final update, if it comes
+        later, goes unread. Loop side only."""
+        for stream in list(self._handed_out):
+            if stream.added is not None and not stream.added.done():
+                stream.added.set_exception(shutting_down())
+            elif not (stream.done or stream.ended) and stream.seq is not None:
+                stream.ended, seq = True, stream.seq
+                ids, n = list(seq.token_ids), seq.num_prompt_tokens  # (a copy, taken while the thread steps)
+                out = Output(stream.request_id, None, ids[:n], stream.shown, ids[n:], "abort")
+                stream.queue.put_nowait(Update("", True, out))
 
     async def reset_prefix_cache(self) -> None:
         """Forget the prefix cache, on the engine thread between two steps (pages held by running
@@ -299,7 +327,7 @@ class AsyncEngine:
             except queue.Empty:
                 break
             if cmd[0] == "add":
-                _call_in_loop(cmd[1].loop, _resolve, cmd[4], RuntimeError("the server is shutting down"))
+                _call_in_loop(cmd[1].loop, _resolve, cmd[4], shutting_down())
         self.snapshot = self._take_snapshot()
         log.debug("engine thread stopped")
 
