@@ -74,7 +74,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                max_prompt_tokens=args.max_prompt_tokens, log_level=args.log_level, chat_options=chat,
                allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
-               body_timeout_s=args.body_timeout, max_connections=args.max_connections)
+               body_timeout_s=args.body_timeout, header_timeout_s=args.header_timeout,
+               max_connections=args.max_connections)
     return 0
 
 
@@ -177,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: none, no CORS headers)")
     s.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request body may take to arrive before a 408 (default: 30)")
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a request's line and headers may take to arrive before the connection is closed "
+                        "(default: 10)")
     s.add_argument("--max-connections", type=int, default=None,
                    help="open connections or running requests at which new ones get 503 (default: no limit)")
     s.add_argument("--served-model-name", default=None, help="model id clients send (default: MODEL as given)")

@@ -1,9 +1,11 @@
 """Request limits against a real uvicorn server on a local port, spoken to over raw sockets.
 
-A body that stops arriving gets a 408 (OpenAI's error object) and its connection closed, then the server
-still serves; a client that leaves mid-body is one log line and never a 500; reads after the body (a
-stream waiting for the disconnect) are not timed out; `uvicorn_limits` gives arguments uvicorn takes.
-Socket timeouts are hang guards only: no assertion here is on a measured duration."""
+Headers that stop arriving (a new connection's, a kept-alive one's next request, or dripped) close the
+connection and are logged, and the server still serves. A body that stops arriving gets a 408 (OpenAI's
+error object) and its connection closed, then the server still serves; a client that leaves mid-body is one
+log line and never a 500; reads after the body (a stream waiting for the disconnect) are not timed out;
+`uvicorn_limits` gives arguments uvicorn takes. Socket timeouts are hang guards only: no assertion here is
+on a measured duration."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from starlette.responses import JSONResponse
 from flashdraft.server.limits import BodyTimeout, uvicorn_limits
 
 BODY_TIMEOUT_S = 0.5
+HEADER_TIMEOUT_S = 0.5
 HANG_GUARD_S = 10.0
 STALLED = b'POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"prompt":"x"}'
 
@@ -101,7 +104,7 @@ class Logged(logging.Handler):
 
 
 @contextmanager
-def serving(app):
+def serving(app, header_timeout_s: float = HEADER_TIMEOUT_S, http: str | None = None):
     """uvicorn on a free loopback port in a background thread, with `uvicorn_limits`; yields the server,
     its port and a handler holding what the limits and uvicorn log (attached to them directly: another
     test's uvicorn log config may stop them propagating)."""
@@ -113,8 +116,10 @@ def serving(app):
         lg.setLevel(logging.INFO)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_config=None, log_level="info", access_log=False,
-                            **uvicorn_limits(max_connections=64))
+    limits = uvicorn_limits(max_connections=64, header_timeout_s=header_timeout_s)
+    if http is not None:  # (uvicorn's own protocol, for the controls)
+        limits["http"] = http
+    config = uvicorn.Config(app, log_config=None, log_level="info", access_log=False, **limits)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -149,6 +154,18 @@ def read_until_closed(conn: socket.socket) -> bytes:
     while chunk := conn.recv(65536):
         data += chunk
     return bytes(data)
+
+
+def read_response(conn: socket.socket) -> bytes:
+    """One response with a Content-Length, leaving the connection open."""
+    data = bytearray()
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, _, body = bytes(data).partition(b"\r\n\r\n")
+    length = int(next(ln.split(b":")[1] for ln in head.lower().split(b"\r\n") if ln.startswith(b"content-length")))
+    while len(body) < length:
+        body += conn.recv(65536)
+    return head + b"\r\n\r\n" + body
 
 
 def post(port: int, path: str, body: bytes) -> tuple[int, dict]:
@@ -285,3 +302,85 @@ def test_a_body_dripped_a_byte_at_a_time_gets_408():
         conn.close()
         assert parse(reply)[0] == 408
     assert recorder.statuses == [408]
+
+
+PARTIAL_HEAD = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+def header_timeouts(logged) -> int:
+    return sum("headers did not arrive" in r.getMessage() for r in logged.records)
+
+
+def test_stalled_headers_close_the_connection_then_the_server_still_serves():
+    recorder = Recorder()
+    with serving(build(recorder)) as (server, port, logged):
+        silent = [connect(port) for _ in range(10)]  # connected, nothing sent
+        partial = [connect(port) for _ in range(10)]
+        for conn in partial:
+            conn.sendall(PARTIAL_HEAD)
+        for conn in silent + partial:
+            assert read_until_closed(conn) == b""  # closed without a response (h11 parsed no request)
+            conn.close()
+        assert post(port, "/echo", b'{"prompt": "x"}') == (200, {"prompt": "x"})
+    assert header_timeouts(logged) == 20
+    assert recorder.statuses == [200] and recorder.server_errors == []
+
+
+def test_a_kept_alive_connections_next_request_is_timed_too():
+    recorder = Recorder()
+    with serving(build(recorder)) as (server, port, logged):
+        conn = connect(port)
+        body = b'{"prompt": "a"}'
+        conn.sendall(PARTIAL_HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert parse(read_response(conn)) == (200, {"prompt": "a"})
+        conn.sendall(PARTIAL_HEAD)  # the next request's headers never end
+        assert read_until_closed(conn) == b""
+        conn.close()
+    assert header_timeouts(logged) == 1 and recorder.statuses == [200]
+
+
+def test_headers_dripped_a_byte_at_a_time_are_cut_off():
+    """The timeout runs from the request's first byte: bytes arriving in time each do not extend it."""
+    with serving(build(Recorder())) as (server, port, logged):
+        conn = connect(port)
+        for byte in PARTIAL_HEAD * 4:
+            try:
+                conn.sendall(bytes([byte]))
+            except OSError:  # (the server closed)
+                break
+            time.sleep(HEADER_TIMEOUT_S / 5)
+            if header_timeouts(logged):
+                break
+        assert read_until_closed(conn) == b""
+        conn.close()
+    assert header_timeouts(logged) == 1
+
+
+def test_a_slow_body_after_complete_headers_is_not_cut_by_the_header_timeout():
+    recorder = Recorder()
+    with serving(build(recorder, limited=False)) as (server, port, logged):
+        conn = connect(port)
+        body = b'{"prompt": "slow"}'
+        conn.sendall(PARTIAL_HEAD + b"Content-Length: %d\r\n\r\n" % len(body))
+        time.sleep(3 * HEADER_TIMEOUT_S)
+        conn.sendall(body)
+        assert parse(read_response(conn)) == (200, {"prompt": "slow"})
+        conn.close()
+    assert header_timeouts(logged) == 0 and recorder.statuses == [200]
+
+
+def test_without_the_header_timer_stalled_headers_hold_the_connection():
+    """The control: uvicorn's own h11 protocol leaves a request with unfinished headers open."""
+    with serving(build(Recorder()), http="h11") as (server, port, logged):
+        conn = connect(port)
+        conn.sendall(PARTIAL_HEAD)
+        conn.settimeout(4 * HEADER_TIMEOUT_S)
+        with pytest.raises(socket.timeout):
+            conn.recv(1)
+        conn.close()
+    assert header_timeouts(logged) == 0
+
+
+def test_header_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="header_timeout_s"):
+        uvicorn_limits(max_connections=None, header_timeout_s=0)

@@ -31,7 +31,7 @@ from flashdraft.config import EngineConfig
 from flashdraft.engine.engine import LLMEngine
 from flashdraft.server.async_engine import AsyncEngine
 from flashdraft.server.chat import ChatOptions
-from flashdraft.server.limits import DEFAULT_BODY_TIMEOUT_S, BodyTimeout, uvicorn_limits
+from flashdraft.server.limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S, BodyTimeout, uvicorn_limits
 from flashdraft.server.metrics import ServerMetrics
 from flashdraft.server.protocol import APIError, bad_request, parse_json
 from flashdraft.server.responses_api import create_response
@@ -303,11 +303,11 @@ def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, a
                max_prompt_tokens: int | None = None, log_level: str = "info",
                chat_options: ChatOptions | None = None, allowed_hosts: Sequence[str] | None = None,
                allowed_origins: Sequence[str] = (), body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
-               max_connections: int | None = None) -> None:
+               header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S, max_connections: int | None = None) -> None:
     """Load the engine (so load errors surface before anything binds), then serve until interrupted.
     allowed_hosts None: the loopback's names when bound to a loopback address, else any. body_timeout_s:
-    a request body must arrive within it (else 408); max_connections: uvicorn's concurrency
-    limit (limits.py)."""
+    a request body must arrive within it (else 408); header_timeout_s: a request's headers must (else the
+    connection closes); max_connections: uvicorn's concurrency limit (limits.py)."""
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -333,6 +333,6 @@ def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, a
     gc.freeze()
     server = _server_class()(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                             timeout_graceful_shutdown=UVICORN_GRACE_S,
-                                            **uvicorn_limits(max_connections)))
+                                            **uvicorn_limits(max_connections, header_timeout_s=header_timeout_s)))
     server.aengine = app.state.async_engine
     server.run()

@@ -1,10 +1,10 @@
-"""Bounds on what one client can hold: the wait for a request body (`BodyTimeout`, an ASGI middleware)
-and uvicorn's own limits on connections, idle keep-alive and header size (`uvicorn_limits`).
+"""Bounds on what one client can hold: the wait for a request's headers (`header_timeout_protocol`, uvicorn's
+h11 protocol with a timer) and for its body (`BodyTimeout`, an ASGI middleware), and uvicorn's own limits on
+connections, idle keep-alive and header size (`uvicorn_limits`).
 
-Header reading has no time bound: uvicorn 0.55's h11 protocol starts no timer when a connection opens,
-and any bytes that arrive cancel the keep-alive timer, so a request whose headers never end holds its
-connection until the client leaves (measured: open after 4 s with `timeout_keep_alive=1`, first request
-or a later one). `BodyTimeout` needs no header timeout: it starts when the app first reads the body."""
+uvicorn 0.55 bounds no header time itself: its h11 protocol starts no timer when a connection opens, and any
+bytes that arrive cancel the keep-alive timer, so a request whose headers never end held its connection until
+the client left (measured: open after 4 s with `timeout_keep_alive=1`, first request or a later one)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,18 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+import h11
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from flashdraft.server.errors import APIError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_HEADER_TIMEOUT_S = 10.0
 H11_MAX_HEADER_BYTES = 16 * 1024  # h11's own default (DEFAULT_MAX_INCOMPLETE_EVENT_SIZE)
 
 
@@ -111,17 +114,79 @@ class BodyTimeout:
         await JSONResponse(err.body(), status_code=408, headers={"connection": "close"})(scope, receive, send)
 
 
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, whose request line and headers must arrive within `header_timeout_s` of the
+    connection opening or, on a kept-alive connection, of the next request's first byte; else the connection
+    is closed (as uvicorn closes an idle keep-alive one: no response, since h11 answers only a request it has
+    parsed) and the close logged. Built by `header_timeout_protocol`."""
+
+    header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_headers()
+
+    def data_received(self, data: bytes) -> None:
+        if self._header_timer is None and self.conn.their_state is h11.IDLE and (
+                self.cycle is None or self.cycle.response_complete):
+            self._await_headers()  # the first byte of a kept-alive connection's next request
+        super().data_received(data)
+        self._headers_done_if_read()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
+            self._await_headers()  # part of a pipelined request came with the last one
+        else:
+            self._headers_done_if_read()  # (a pipelined request, parsed from what was buffered)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def _await_headers(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_timed_out)
+
+    def _headers_done_if_read(self) -> None:
+        if self.conn.their_state is not h11.IDLE:
+            self._cancel_header_timer()
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_timed_out(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            where = f"{self.client[0]}:{self.client[1]}" if self.client else "unknown client"
+            log.warning("request headers did not arrive within %g s: closed the connection from %s",
+                        self.header_timeout_s, where)
+            self.transport.close()
+
+
+def header_timeout_protocol(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> type[HeaderTimeoutH11Protocol]:
+    """An `http=` protocol class for `uvicorn.Config` whose requests' headers must arrive within the timeout."""
+    if not header_timeout_s > 0:
+        raise ValueError(f"header_timeout_s must be > 0, got {header_timeout_s}")
+    return type("HeaderTimeoutH11Protocol", (HeaderTimeoutH11Protocol,), {"header_timeout_s": header_timeout_s})
+
+
 def uvicorn_limits(max_connections: int | None, keep_alive_s: int = 5,
-                   max_header_bytes: int = H11_MAX_HEADER_BYTES) -> dict:
-    """`uvicorn.Config` keyword arguments bounding what clients can hold; none bounds header time (above).
+                   max_header_bytes: int = H11_MAX_HEADER_BYTES,
+                   header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> dict:
+    """`uvicorn.Config` keyword arguments bounding what clients can hold.
 
     max_connections -> `limit_concurrency`: once open connections or running requests reach it, each new
       request gets uvicorn's plain-text 503 (not OpenAI's error object). Sockets are still accepted, and
-      connections stalled in their headers count until the client leaves, so behind no proxy that times
-      headers out (nginx's client_header_timeout) a few hundred idle sockets turn everyone away; None: off.
+      connections stalled in their headers count until the header timeout closes them; None: off.
     keep_alive_s -> `timeout_keep_alive`: an idle keep-alive connection closes this long after a response.
     max_header_bytes -> `h11_max_incomplete_event_size`: the request line and headers larger than this
-      get a 400 (h11 only: uvicorn's "auto" picks httptools instead when it is installed)."""
+      get a 400.
+    header_timeout_s -> `http`: h11 with a header timer (`header_timeout_protocol`), never httptools, which
+      uvicorn's "auto" would pick when it is installed."""
     if max_connections is not None and max_connections < 1:
         raise ValueError(f"max_connections must be >= 1 or None, got {max_connections}")
     if keep_alive_s < 1:
@@ -129,4 +194,4 @@ def uvicorn_limits(max_connections: int | None, keep_alive_s: int = 5,
     if max_header_bytes < 1:
         raise ValueError(f"max_header_bytes must be >= 1, got {max_header_bytes}")
     return {"limit_concurrency": max_connections, "timeout_keep_alive": keep_alive_s,
-            "h11_max_incomplete_event_size": max_header_bytes}
+            "h11_max_incomplete_event_size": max_header_bytes, "http": header_timeout_protocol(header_timeout_s)}
