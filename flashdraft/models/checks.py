@@ -17,7 +17,11 @@ import torch
 # far below what hangs or fails in the allocator: a value past one is a corrupt config, refused by name
 SIZE_LIMITS = {"hidden_size": 1 << 16, "num_hidden_layers": 1024, "num_attention_heads": 1024,
                "num_key_value_heads": 1024, "head_dim": 1024, "intermediate_size": 1 << 20,
-               "vocab_size": 1 << 21, "max_position_embeddings": 1 << 24}
+               "vocab_size": 1 << 21, "max_position_embeddings": 1 << 24,
+               # mixtures of experts (512 experts the most published, 22 of them routed per token)
+               "num_experts": 1 << 14, "num_local_experts": 1 << 14, "num_experts_per_tok": 1 << 14,
+               "moe_intermediate_size": 1 << 20}
+MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
 # bits per element of each safetensors dtype (the format's own table)
 DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
               "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64, "U64": 64, "F64": 64,
@@ -27,11 +31,12 @@ HEADER_LIMIT = 100_000_000  # the safetensors library refuses a longer header
 
 def check_config(fields: Mapping, where: str, required: Sequence[str] = ()) -> None:
     """A model's sizes as config.json spells them: positive integers within SIZE_LIMITS where present (and
-    where `required`), attention heads in whole groups of KV heads, a positive rope_theta."""
+    where `required`), attention heads in whole groups of KV heads, no more experts routed than there are,
+    a positive rope_theta."""
     for name, limit in SIZE_LIMITS.items():
         value = fields.get(name)
-        if value is None and name not in required:
-            continue
+        if (value is None or (value == 0 and name in MOE_FIELDS)) and name not in required:
+            continue  # (some dense configs say 0 experts)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}")
         if value > limit:
@@ -39,6 +44,10 @@ def check_config(fields: Mapping, where: str, required: Sequence[str] = ()) -> N
     heads, kv = fields.get("num_attention_heads"), fields.get("num_key_value_heads")
     if heads and kv and heads % kv:
         raise ValueError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    experts = fields.get("num_experts") or fields.get("num_local_experts")
+    routed = fields.get("num_experts_per_tok")
+    if experts and routed and routed > experts:
+        raise ValueError(f"{where}: num_experts_per_tok {routed} is more than the {experts} experts")
     for name, theta in _rope_thetas(fields):
         if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not math.isfinite(theta) \
                 or theta <= 0:
