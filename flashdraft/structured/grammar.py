@@ -19,12 +19,14 @@ from flashdraft.sampling_params import StructuredOutputsParams
 @dataclass
 class Lookahead:
     """What one walk left for its request's verify rows: the drafts its matcher took (`tokens`), the slot's
-    draft where the walk ended on a token its grammar forbids (`refused`, else None), and the mask after
-    each prefix of `tokens` ([len(tokens) + 1, W] int32)."""
+    draft where the walk ended on a token its grammar forbids (`refused`, else None), the mask after
+    each prefix of `tokens` ([len(tokens) + 1, W] int32), and every draft the verify is fed (`drafts`: the
+    walked ones, then the drafter's own), so that its rows' paths are known without reading the device."""
 
     tokens: list[int]
     refused: int | None
     masks: torch.Tensor
+    drafts: list[int]
 
     def mask(self, path: list[int]) -> torch.Tensor | None:
         """The mask of the verify row after the drafts `path`, when the walk filled it: a prefix of the

@@ -12,11 +12,15 @@ import time
 
 import torch
 
+from flashdraft.engine.graphs import to_device
 from flashdraft.structured.walk import fill_masks
 
 
 def apply_grammars(logits: torch.Tensor, seqs: list, rows: list[int], seen) -> None:
-    """Mask logits [R, V] in place at `rows` (each a row of a request with a grammar), row r of seqs[r]."""
+    """Mask logits [R, V] in place at `rows` (each a row of a request with a grammar), row r of seqs[r].
+    Nothing here waits for the device when every path's drafts are known on the host (a chain whose drafts
+    the walk chose: `Lookahead.drafts`): the masks are built while the GPU runs the verify, and uploaded
+    from pinned memory."""
     import xgrammar as xgr  # (only requests with a grammar reach here: grammar.py imported it)
 
     paths: dict[int, list[int]] = {}  # logits row -> indices into the step's input ids, in path order
@@ -27,17 +31,22 @@ def apply_grammars(logits: torch.Tensor, seqs: list, rows: list[int], seen) -> N
         for r, src, w in zip(seen.rows, seen.src, on):
             if w:
                 paths.setdefault(r, []).append(src)
-    wanted = sorted({i for r in rows for i in paths.get(r, ())})
-    tokens = dict(zip(wanted, seen.ids[torch.tensor(wanted, dtype=torch.long, device=seen.ids.device)].tolist())) \
-        if wanted else {}
+    chain = seen is None or seen.weights is None
+    known = {r: seqs[r].grammar.lookahead.drafts for r in rows
+             if chain and seqs[r].grammar.lookahead is not None}  # a chain row's path: its first drafts
+    wanted = sorted({i for r in rows if r not in known for i in paths.get(r, ())})
+    tokens = dict(zip(wanted, seen.ids[to_device(wanted, torch.long, seen.ids.device)].tolist())) if wanted else {}
     started = time.perf_counter()  # (the host's share: after the drafts are read, before the upload)
-    mask = xgr.allocate_token_bitmask(len(rows), logits.shape[1])
+    pinned = logits.device.type == "cuda"
+    mask = torch.empty(len(rows), xgr.get_bitmask_shape(1, logits.shape[1])[1], dtype=torch.int32,
+                       pin_memory=pinned)
     # a row its drafts' walk already filled (walk.py) is copied; the others walk their request's matcher
     owners = {id(seqs[r]): seqs[r] for r in rows}
     walked: dict[int, list[int]] = {}  # request -> the drafts its matcher holds past the committed output
     for k, r in enumerate(rows):
         g = seqs[r].grammar
-        path = [tokens[i] for i in paths.get(r, [])]
+        n = len(paths.get(r, ()))
+        path = known[r][:n] if r in known else [tokens[i] for i in paths.get(r, [])]
         hit = g.lookahead.mask(path) if g.lookahead is not None and g.error is None else None
         if hit is not None:
             mask[k] = hit
@@ -57,9 +66,9 @@ def apply_grammars(logits: torch.Tensor, seqs: list, rows: list[int], seen) -> N
             s.grammar.matcher.rollback(len(held))
         s.grammar.lookahead = None  # (taken: the commit moves the matcher on)
     share = (time.perf_counter() - started) / len(owners)
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)  # (its rows only: others pay nothing)
+    index = to_device(rows, torch.long, logits.device)  # (its rows only: others pay nothing)
     sub = logits.index_select(0, index)
-    xgr.apply_token_bitmask_inplace(sub, mask.to(logits.device), vocab_size=sub.shape[1])
+    xgr.apply_token_bitmask_inplace(sub, mask.to(logits.device, non_blocking=pinned), vocab_size=sub.shape[1])
     logits.index_copy_(0, index, sub)
     for s in owners.values():
         s.grammar.mask_s += share

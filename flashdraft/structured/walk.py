@@ -77,7 +77,7 @@ def walk_drafts(grammars: list[RequestGrammar], candidates: list[list[list[int]]
     for r, g in enumerate(grammars):
         if taken[r] and g.error is None:
             g.matcher.rollback(len(taken[r]))
-        g.lookahead = Lookahead(taken[r], refused[r], masks[r * (J + 1): r * (J + 1) + len(taken[r]) + 1])
+        g.lookahead = Lookahead(taken[r], refused[r], masks[r * (J + 1): r * (J + 1) + len(taken[r]) + 1], drafts[r])
         g.mask_s += share
     return drafts
 
