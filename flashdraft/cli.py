@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, TypeError) as e:
+    except (ValueError, OSError, TypeError) as e:  # (OSError: a file missing, unreadable, a folder, ...)
         print(f"flashdraft: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,7 +1,7 @@
 """A bad checkpoint fails fast with one ValueError naming the file or the config field, before anything large
 is allocated: safetensors files truncated, empty or not safetensors at all (target and drafter), GGUF files
 cut short or empty, config sizes out of range or heads that do not group, a vocabulary smaller than the
-tokenizer's or the embedding's, a rope_theta <= 0, NaN weights."""
+tokenizer's or the embedding's, a rope_theta <= 0, NaN weights; and the CLI says each in one line."""
 
 from __future__ import annotations
 
@@ -250,3 +250,20 @@ def test_checks_pass_a_good_checkpoint(tiny_llama, drafter):
     llm = load(tiny_llama, drafter)
     out = llm.generate(["the quick brown fox"], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("spoil, words", [
+    pytest.param(lambda f: f.write_bytes(truncated(f.read_bytes())), "is truncated", id="truncated"),
+    pytest.param(lambda f: edit_config(f.parent, lambda c: c.update(num_hidden_layers=10**9)),
+                 "num_hidden_layers 1000000000 is over 1024", id="layers-1e9"),
+    pytest.param(lambda f: (f.unlink(), f.mkdir()), "model.safetensors", id="a-folder"),
+])
+def test_the_cli_says_one_line(tiny_llama, tmp_path, capsys, spoil, words):
+    """`flashdraft generate` on a bad checkpoint: exit status 2 and one `flashdraft: error:` line, no traceback."""
+    from flashdraft.cli import main
+
+    folder = copy(tiny_llama, tmp_path / "m")
+    spoil(folder / "model.safetensors")
+    assert main(["generate", "hi", "--model", str(folder), "--no-spec", "--device", "cpu", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("flashdraft: error: ") and words in err[0], err
