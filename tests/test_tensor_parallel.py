@@ -364,7 +364,7 @@ def test_a_rank_that_dies_mid_generate_is_named(tiny_llama):
         started = time.monotonic()
         with pytest.raises(RuntimeError, match="tensor-parallel rank 1 exited"):
             llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=400, ignore_eos=True))
-        assert time.monotonic() - started < 30
+        assert time.monotonic() - started < 300  # a hang guard only (the error comes within about a second)
     finally:
         llm.engine.shutdown()
 
@@ -374,7 +374,6 @@ def test_a_rank_loads_its_share_streaming(kind, tiny_llama, tiny_moe, tmp_path, 
     """load_model(tp=...) splits the model on the meta device, then streams the checkpoint into the shares: the
     same parameters as splitting the whole loaded model, with no more than about a pack's parts (a mixture of
     experts: one layer's experts; a hybrid's Gated DeltaNet layer: its in_proj parts) held at once."""
-    import gc
     import weakref
 
     from fixtures import build_tiny_model
@@ -390,8 +389,7 @@ def test_a_rank_loads_its_share_streaming(kind, tiny_llama, tiny_moe, tmp_path, 
     stream, alive, most = loader.stream_weights, [], [0]
 
     def watched(f):
-        for name, w in stream(f):
-            gc.collect()
+        for name, w in stream(f):  # (refcounts free a dropped part at once: no collection pass is needed)
             alive[:] = [r for r in alive if r() is not None]
             most[0] = max(most[0], len(alive))
             alive.append(weakref.ref(w))
