@@ -196,8 +196,10 @@ class AsyncEngine:
         must answer: end, from the loop, every request the engine has not ended yet, as an abort (a request
         not yet added: a 503), so that each handler still answers with its 503 or its `finish_reason:
         "abort"` chunk before the server cancels what is left. The engine's own final update, if it comes
-        later, goes unread. Loop side only."""
-        for stream in list(self._handed_out):
+        later, goes unread. Called on the server's loop: it ends that loop's requests (apps on other loops that
+        share the engine end theirs themselves)."""
+        loop = asyncio.get_running_loop()
+        for stream in [s for s in list(self._handed_out) if s.loop is loop]:
             if stream.added is not None and not stream.added.done():
                 stream.added.set_exception(shutting_down())
             elif not (stream.done or stream.ended) and stream.seq is not None:
