@@ -354,3 +354,13 @@ class StepClock:
 
     def __call__(self) -> float:
         return self.ms / 1e3
+
+
+def wait_until(done, guard_s: float, what: str = "a condition", every_s: float = 0.01) -> None:
+    """Poll `done()` until it is true; a hang guard of guard_s seconds (no assertion on how long it took)."""
+    import time
+
+    deadline = time.monotonic() + guard_s
+    while not done():
+        assert time.monotonic() < deadline, f"hang guard expired waiting for {what}"
+        time.sleep(every_s)

@@ -18,6 +18,7 @@ import threading
 import time
 from contextlib import contextmanager
 
+import fixtures
 import pytest
 import uvicorn
 from fastapi import FastAPI
@@ -135,11 +136,8 @@ def serving(app, header_timeout_s: float = HEADER_TIMEOUT_S, http: str | None = 
             lg.setLevel(level)
 
 
-def wait_until(done, guard_s: float = HANG_GUARD_S) -> None:
-    deadline = time.monotonic() + guard_s
-    while not done():
-        assert time.monotonic() < deadline, "hang guard expired"
-        time.sleep(0.01)
+def wait_until(done) -> None:
+    fixtures.wait_until(done, HANG_GUARD_S)
 
 
 def connect(port: int) -> socket.socket:

@@ -16,8 +16,8 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
+import fixtures
 import pytest
 import uvicorn
 
@@ -35,11 +35,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until(done, guard_s: float = HANG_GUARD_S, what: str = "condition", every_s: float = 0.05) -> None:
-    deadline = time.monotonic() + guard_s
-    while not done():
-        assert time.monotonic() < deadline, f"hang guard expired waiting for {what}"
-        time.sleep(every_s)
+def wait_until(done, what: str, every_s: float = 0.05) -> None:
+    fixtures.wait_until(done, HANG_GUARD_S, what, every_s)
 
 
 def post(port: int, body: dict, results: dict, key: str) -> None:
