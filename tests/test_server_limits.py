@@ -382,3 +382,13 @@ def test_without_the_header_timer_stalled_headers_hold_the_connection():
 def test_header_timeout_must_be_positive():
     with pytest.raises(ValueError, match="header_timeout_s"):
         uvicorn_limits(max_connections=None, header_timeout_s=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [({"header_timeout_s": 0}, "header_timeout_s"),
+                                             ({"body_timeout_s": -1}, "body_timeout_s"),
+                                             ({"max_connections": 0}, "max_connections")])
+def test_serve_refuses_bad_limits_before_loading_the_model(kwargs, message, tmp_path):
+    from flashdraft.server.app import run_server
+
+    with pytest.raises(ValueError, match=message):  # (the model does not exist: loading it would fail otherwise)
+        run_server({"model": str(tmp_path / "missing")}, **kwargs)

@@ -312,6 +312,9 @@ def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, a
 
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     check_api_key(api_key)
+    limits = uvicorn_limits(max_connections, header_timeout_s=header_timeout_s)  # (bad values refused before the load)
+    if not body_timeout_s > 0:
+        raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
@@ -333,6 +336,6 @@ def run_server(engine_kwargs: dict, host: str = "127.0.0.1", port: int = 8000, a
     gc.freeze()
     server = _server_class()(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                             timeout_graceful_shutdown=UVICORN_GRACE_S,
-                                            **uvicorn_limits(max_connections, header_timeout_s=header_timeout_s)))
+                                            **limits))
     server.aengine = app.state.async_engine
     server.run()
