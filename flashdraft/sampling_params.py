@@ -157,6 +157,15 @@ class SamplingParams:
         return self.structured_outputs is not None
 
     @property
+    def grammar_only(self) -> bool:
+        """Constrained and greedy, with nothing else that changes or reads its logits: its token is the argmax
+        among the tokens its grammar allows, which is the plain argmax wherever the grammar allows that
+        (a DFlash verify checks such a request's tokens after the fact: structured/check.py)."""
+        return self.constrained and self.greedy and not (self.penalizes or self.min_p or self.min_tokens
+                                                         or self.logit_bias or self.logprobs is not None
+                                                         or self.prompt_logprobs is not None)
+
+    @property
     def needs_logits(self) -> bool:
         """Whether a step's tokens for this request are chosen from logits the host's code processes or
         reads (processors or log-probabilities): outside the step graphs' own choice, and never in a step

@@ -70,6 +70,10 @@ DRAW_SAMPLED = os.environ.get("FLASHDRAFT_DRAW_SAMPLED", "1") != "0"
 # slot's best candidate the grammar allows; off: drafted as if unconstrained (FLASHDRAFT_GRAMMAR_DRAFTS=0,
 # A/B runs). Read at every step.
 GRAMMAR_DRAFTS = os.environ.get("FLASHDRAFT_GRAMMAR_DRAFTS", "1") != "0"
+# a greedy constrained request with no other processor verifies unmasked in the step graphs, its committed
+# tokens checked through its grammar after the verify (structured/check.py); off: its verify rows are masked
+# on the host and its drafts walked (FLASHDRAFT_GRAMMAR_CHECK=0, A/B runs). Read at every step.
+GRAMMAR_CHECK = os.environ.get("FLASHDRAFT_GRAMMAR_CHECK", "1") != "0"
 
 # The kernels (flashdraft/kernels/): each switch is read when a launch or a dispatch asks for it, so a test
 # or a sweep sets `settings.NAME` between calls. CUDA graphs keep what they were captured with.

@@ -24,11 +24,21 @@ def spec():
     return LLM(device="cpu", dtype="float32")  # the shipped drafter (chains in the suite)
 
 
+@pytest.fixture(params=[True, False], ids=["checked", "masked"])
+def check(request, monkeypatch):
+    """Greedy constrained requests verified unmasked and checked before the commit
+    (speculative/grammar_check.py), or masked at every verify row (FLASHDRAFT_GRAMMAR_CHECK=0)."""
+    from flashdraft import settings
+
+    monkeypatch.setattr(settings, "GRAMMAR_CHECK", request.param)
+    return request.param
+
+
 def _prompts(llm, qs=QUESTIONS):
     return [llm.engine.apply_chat_template([{"role": "user", "content": q}]) for q in qs]
 
 
-def test_json_schema_is_lossless_under_speculation(smollm2, spec):
+def test_json_schema_is_lossless_under_speculation(smollm2, spec, check):
     so = StructuredOutputsParams(json=SCHEMA)
     params = SamplingParams(max_tokens=48, structured_outputs=so)
     prompts = _prompts(spec)
@@ -42,7 +52,7 @@ def test_json_schema_is_lossless_under_speculation(smollm2, spec):
     assert any(o.finish_reason == "stop" for o in got)
 
 
-def test_batched_beside_unconstrained_and_seeded(smollm2, spec):
+def test_batched_beside_unconstrained_and_seeded(smollm2, spec, check):
     """Constrained greedy and seeded sampled requests beside unconstrained ones: each equals plain decoding."""
     prompts = _prompts(spec) * 2
     params = [SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(json_object=True)),
@@ -67,7 +77,9 @@ def test_the_mask_of_a_verify_row_follows_its_drafts(smollm2, spec, monkeypatch)
     """A mask taken at the committed state for every verify row (the drafts before the row not walked)
     gives other tokens than plain decoding: the test above would catch a mask at the wrong position."""
     import flashdraft.structured.masks as masks
+    from flashdraft import settings
 
+    monkeypatch.setattr(settings, "GRAMMAR_CHECK", False)  # (every verify row masked)
     real = masks.apply_grammars
     monkeypatch.setattr(masks, "apply_grammars", lambda logits, seqs, rows, seen: real(logits, seqs, rows, None))
     monkeypatch.setattr("flashdraft.engine.logits.apply_grammars", masks.apply_grammars)
@@ -80,7 +92,7 @@ def test_the_mask_of_a_verify_row_follows_its_drafts(smollm2, spec, monkeypatch)
     assert all(o.error is None for o in got if o.finish_reason != "error")
 
 
-def test_a_failing_grammar_ends_only_its_request(smollm2, spec, monkeypatch):
+def test_a_failing_grammar_ends_only_its_request(smollm2, spec, monkeypatch, check):
     """A matcher that fails while its mask is filled ends its request ("error", with the reason); the
     constrained and unconstrained requests beside it give plain decoding's tokens."""
     from flashdraft.structured.grammar import RequestGrammar
@@ -106,7 +118,7 @@ def test_a_failing_grammar_ends_only_its_request(smollm2, spec, monkeypatch):
 
 
 class _Failing:
-    """A matcher whose mask fails after its first three tokens."""
+    """A matcher that fails after its first three tokens, at its next mask or token."""
 
     def __init__(self, m):
         self.m, self.taken = m, 0
@@ -115,8 +127,14 @@ class _Failing:
         return getattr(self.m, name)
 
     def accept_token(self, t):
+        if self.taken >= 3:
+            raise RuntimeError("matcher broke")
         self.taken += 1
         return self.m.accept_token(t)
+
+    def rollback(self, n):
+        self.taken -= n
+        return self.m.rollback(n)
 
     def fill_next_token_bitmask(self, mask, k):
         if self.taken >= 3:
@@ -285,6 +303,7 @@ def test_walked_drafts_raise_acceptance_and_change_no_token(smollm2, spec, monke
     import flashdraft.structured.masks as masks
     from flashdraft import settings
 
+    monkeypatch.setattr(settings, "GRAMMAR_CHECK", False)  # (the greedy request's drafts walked too)
     filled = []
     real = masks.fill_masks
     monkeypatch.setattr(masks, "fill_masks", lambda gs, mask, rows: (filled.append(len(rows)), real(gs, mask, rows)))
@@ -337,3 +356,30 @@ def test_constrained_decode_steps_launch_ahead():
         before = llm.engine.stats["num_overlapped_steps"]
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
         assert llm.engine.stats["num_overlapped_steps"] - before > 10
+
+
+def test_checked_tokens_are_plain_decodings(smollm2, spec, monkeypatch):
+    """Greedy JSON-schema requests verified unmasked (speculative/grammar_check.py): the check replaces
+    tokens the grammar forbids (it had to, here) and gives plain decoding's tokens. Without the check, or
+    with each replacement taken from the row before its own, the tokens differ (or a forbidden token
+    reaches a commit: "error")."""
+    import flashdraft.speculative.dflash as dflash
+    import flashdraft.speculative.grammar_check as gc
+    from flashdraft import settings
+
+    monkeypatch.setattr(settings, "GRAMMAR_CHECK", True)
+    params = SamplingParams(max_tokens=48, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    prompts = _prompts(spec)
+    want = [o.token_ids for o in smollm2.generate(prompts, params)]
+    fixed = []
+    real_greedy = gc.greedy_tokens
+    monkeypatch.setattr(gc, "greedy_tokens", lambda logits: (fixed.append(logits.shape[0]), real_greedy(logits))[1])
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    assert sum(fixed) > 0  # (rows whose unmasked token the grammar forbade)
+    real = gc.check_outcome  # each replacement from the row before its own
+    monkeypatch.setattr(dflash, "check_outcome", lambda model, plans, out, hidden: real(
+        model, plans, out, torch.roll(hidden, 1, 0)))
+    assert [o.token_ids for o in spec.generate(prompts, params)] != want
+    monkeypatch.setattr(dflash, "check_outcome", lambda model, plans, out, hidden: out)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] != want or any(o.finish_reason == "error" for o in got)

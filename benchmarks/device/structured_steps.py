@@ -6,8 +6,11 @@ tau, the host time of the grammar work per step, and how many outputs equal plai
 The `structured` dataset (32 requests with their grammars; unconstrained: the same prompts without them),
 greedy, max 256 tokens. DFlash runs twice: with the step gate off (every step drafts: what speculation
 itself costs and gains) and with the default gate, reset before each run as a fresh server's would be. The
-plain arm is requests with speculative=False on the gate-off engine. Host timers wrap the walk of the drafts
-(structured/walk.py) and the verify rows' masks (structured/masks.py); each includes no GPU wait."""
+plain arm is requests with speculative=False on the gate-off engine. The constrained arms also run DFlash
+with every verify row of a greedy constrained request masked and its drafts walked (FLASHDRAFT_GRAMMAR_CHECK=0),
+against their tokens checked after an unmasked verify (the default: speculative/grammar_check.py). Host
+timers wrap the walk of the drafts (structured/walk.py), the verify rows' masks (structured/masks.py) and
+the check (which includes the device read of its replaced tokens); the others include no GPU wait."""
 
 from __future__ import annotations
 
@@ -17,8 +20,9 @@ import time
 from pathlib import Path
 
 import flashdraft.engine.logits as logits_module
+import flashdraft.speculative.dflash as dflash
 import flashdraft.speculative.grammar_drafts as grammar_drafts
-from flashdraft import LLM
+from flashdraft import LLM, StructuredOutputsParams, settings
 from flashdraft.bench.command import tokenize
 from flashdraft.bench.datasets import load_structured
 from flashdraft.bench.runner import EngineBackend, Workload
@@ -56,15 +60,29 @@ def main() -> None:
     concurrency = [int(c) for c in args.concurrency.split(",")]
     grammar_drafts.walk_drafts = timed("walk", grammar_drafts.walk_drafts)
     logits_module.apply_grammars = timed("masks", logits_module.apply_grammars)
+    dflash.check_outcome = timed("check", dflash.check_outcome)
     engines = {"off": LLM(model=args.model, draft=args.draft, speculative_min_acceptance_length=None),
                "auto": LLM(model=args.model, draft=args.draft)}
     prompts, ids, _ = tokenize(engines["off"].engine, load_structured(), True, args.max_tokens)
-    arms = [("plain", "off", False), ("dflash", "off", True), ("dflash-gated", "auto", True)]
+    # dflash-masked: greedy constrained requests masked at every verify row, their drafts walked (the path
+    # before structured checks: FLASHDRAFT_GRAMMAR_CHECK=0), gate off
+    for llm in engines.values():  # every grammar compiled (and cached) before any arm's clock
+        for p in prompts:
+            llm.engine.grammars().request(StructuredOutputsParams(**p.constraint))
+        for constrained in (True, False):  # every prompt once, plain and DFlash (kernels for its shapes)
+            workload = Workload(32, 0.0, 0, False, [p.constraint for p in prompts] if constrained else None)
+            for speculative in (False, True):
+                EngineBackend(llm.engine, ids, workload).run(speculative, 8)
+    arms = [("plain", "off", False), ("dflash", "off", True), ("dflash-masked", "off", True),
+            ("dflash-gated", "auto", True)]
     rows, outputs = [], {}
     for constrained in (True, False):
         workload = Workload(args.max_tokens, 0.0, 0, False, [p.constraint for p in prompts] if constrained else None)
         for c in concurrency:
             for arm, gate, speculative in arms:
+                if arm == "dflash-masked" and not constrained:
+                    continue
+                settings.GRAMMAR_CHECK = arm != "dflash-masked"
                 llm = engines[gate]
                 backend = EngineBackend(llm.engine, ids, workload)
                 fresh_gate(llm)

@@ -61,19 +61,24 @@ class StepLogprobs:
 
 
 def choose(model, hidden: torch.Tensor, seqs: list[Sequence], positions: list[int] | torch.Tensor,
-           sb: SamplingBatch, eos_ids: set[int] | list[int], seen: Seen | None = None
+           sb: SamplingBatch, eos_ids: set[int] | list[int], seen: Seen | None = None, checked=None
            ) -> tuple[torch.Tensor, StepLogprobs | None]:
     """The target's token for each row of hidden [R, H] (row r: request seqs[r], drawing the token at
-    positions[r]), and their raw log-probabilities when any request asks for them."""
-    need = any(s.params.needs_logits for s in seqs)
-    logits = model.compute_logits(hidden, float32=need or not sb.all_greedy)
+    positions[r]), and their raw log-probabilities when any request asks for them. checked: requests
+    whose grammar is not applied here (their tokens are checked after: speculative/grammar_check.py).
+    A greedy request whose only processor is its grammar takes the argmax of the logits unconstrained
+    greedy requests take (bf16 on a bf16 target) among the tokens its grammar allows."""
+    skip = (lambda s: False) if checked is None else checked
+    need = any(s.params.needs_logits and not skip(s) for s in seqs)
+    f32 = not sb.all_greedy or any(s.params.needs_logits and not s.params.grammar_only for s in seqs)
+    logits = model.compute_logits(hidden, float32=f32)
     if not need:
         return sample(logits, sb), None
     k = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
     logp = logits.log_softmax(-1) if k is not None else None
-    if any(s.params.processes_logits for s in seqs):
+    if any(s.params.processes_logits and not skip(s) for s in seqs):
         pos = positions if isinstance(positions, torch.Tensor) else to_device(positions, torch.long, logits.device)
-        logits = process(logits, seqs, pos, eos_ids, seen)  # (in place: compute_logits made it, logp is apart)
+        logits = process(logits, seqs, pos, eos_ids, seen, skip)  # (in place: compute_logits made it, logp apart)
     toks = sample(logits, sb)
     if logp is None:
         return toks, None
@@ -81,8 +86,8 @@ def choose(model, hidden: torch.Tensor, seqs: list[Sequence], positions: list[in
     return toks, StepLogprobs(logp.gather(1, toks[:, None])[:, 0], top.values, top.indices)
 
 
-def process(logits: torch.Tensor, seqs: list[Sequence], positions: torch.Tensor, eos_ids, seen: Seen | None = None
-            ) -> torch.Tensor:
+def process(logits: torch.Tensor, seqs: list[Sequence], positions: torch.Tensor, eos_ids, seen: Seen | None = None,
+            checked=None) -> torch.Tensor:
     """vLLM's processors over logits [R, V] float32 (changed in place and returned): row r belongs to
     seqs[r] and chooses the token at positions[r] (on the device), so its output so far is the request's
     committed output up to that position, plus the step's own rows in `seen`. Flat scatters throughout:
@@ -104,7 +109,7 @@ def process(logits: torch.Tensor, seqs: list[Sequence], positions: torch.Tensor,
     penalized = [r for r, s in enumerate(seqs) if s.params.penalizes]
     if penalized:
         _penalties(logits, seqs, penalized, seen)
-    constrained = [r for r, s in enumerate(seqs) if s.grammar is not None]
+    constrained = [r for r, s in enumerate(seqs) if s.grammar is not None and not (checked and checked(s))]
     if constrained:  # the grammar's mask after the processors (vLLM applies it to the processed logits)
         apply_grammars(logits, seqs, constrained, seen)
     return logits

@@ -36,6 +36,7 @@ from flashdraft.speculative import costs as step_costs
 from flashdraft.speculative.ahead import VerifyAhead
 from flashdraft.speculative.context import DrafterContext
 from flashdraft.speculative.drafts import DraftTokens
+from flashdraft.speculative.grammar_check import check_outcome, checked
 from flashdraft.speculative.grammar_drafts import GrammarDrafts
 from flashdraft.speculative.graphs import StepGraphs
 from flashdraft.speculative.metrics import SpecStats
@@ -120,17 +121,21 @@ class DFlashSpeculator:
             return self.decode([p.seq for p in plans], [p.seq.token_ids[-1:] for p in plans])
         # drafts never leave the device: drafted, fed to the verify, compared with the target's
         # tokens there; one device->host transfer reads the accepted lengths and the tokens
+        # (greedy requests whose only processor is a grammar verify unmasked, checked before the commit:
+        # grammar_check.py)
         verified = self.forward(plans)
         g = verified.graph
-        if self.graphs.greedy_post(plans, g):  # tokens and acceptance from its post graph
+        if self.graphs.greedy_post(plans, g, checked):  # tokens and acceptance from its post graph
             owner = [i for i in range(len(plans)) for _ in range(plans[0].n)]
-            return self._stays(VerifyFlight(plans, self.graphs.run_post(g), g.num_seqs, owner, started, whole, g))
-        toks, owner, logprobs = target_tokens(ctx, plans, verified.hidden, ids=verified.ids)
-        accepted = accept_plans(plans, verified.ids, toks)
-        outcome = toks if accepted is None else torch.cat([accepted, toks])
-        flight = VerifyFlight(plans, outcome, 0 if accepted is None else accepted.shape[0], owner, started, whole, g,
-                              logprobs)
-        flight.decoding = decoding
+            flight = VerifyFlight(plans, self.graphs.run_post(g), g.num_seqs, owner, started, whole, g)
+        else:
+            toks, owner, logprobs = target_tokens(ctx, plans, verified.hidden, ids=verified.ids, checked=checked)
+            accepted = accept_plans(plans, verified.ids, toks)
+            outcome = toks if accepted is None else torch.cat([accepted, toks])
+            flight = VerifyFlight(plans, outcome, 0 if accepted is None else accepted.shape[0], owner, started,
+                                  whole, g, logprobs)
+            flight.decoding = decoding
+        flight.hidden = verified.hidden
         return self._stays(flight)
 
     def launch_after(self, prev: Flight) -> Flight | None:
@@ -275,7 +280,10 @@ class DFlashSpeculator:
         if isinstance(flight, InFlight):
             advanced = commit_samples(self.ctx, flight)
         else:  # a step followed by one launched ahead was timed at that launch (the pace of launches)
-            advanced = self._commit(flight.plans, flight.read(), flight.started, flight.whole and ahead is None,
+            out = flight.read()
+            if flight.hidden is not None and any(checked(p.seq) for p in flight.plans):
+                out = check_outcome(self.ctx.runner.model, flight.plans, out, flight.hidden)
+            advanced = self._commit(flight.plans, out, flight.started, flight.whole and ahead is None,
                                     flight.decoding, {id(s) for s in ahead.seqs} if ahead is not None else ())
         if not self.ctx.scheduler.has_unfinished():
             self.context.idle(self.ctx.block_manager.prefix_caching)

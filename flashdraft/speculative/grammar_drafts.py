@@ -15,6 +15,7 @@ from flashdraft.engine.graphs import to_device
 from flashdraft.engine.sampler import draw_candidates
 from flashdraft.engine.sequence import Sequence
 from flashdraft.speculative.drafts import DraftTokens
+from flashdraft.speculative.grammar_check import checked
 from flashdraft.structured.walk import walk_drafts
 
 CANDIDATES = 32  # a slot's candidates the walk may take, best first
@@ -25,14 +26,20 @@ class GrammarDrafts:
         self.drafts = drafts
 
     @staticmethod
-    def walked(seqs: list[Sequence]) -> bool:
+    def walks(seq: Sequence) -> bool:
+        """Whether this request's drafts are walked through its grammar (not one whose tokens are checked
+        after the verify: grammar_check.py)."""
+        return settings.GRAMMAR_DRAFTS and seq.grammar is not None and seq.grammar.error is None and \
+            not checked(seq)
+
+    def walked(self, seqs: list[Sequence]) -> bool:
         """Whether any of these requests' drafts are walked through its grammar."""
-        return settings.GRAMMAR_DRAFTS and any(s.grammar is not None and s.grammar.error is None for s in seqs)
+        return any(self.walks(s) for s in seqs)
 
     def apply(self, seqs: list[Sequence], drafts: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """drafts [S, B-1] of seqs from the drafter's final hidden states [S * B, H] -> the same with each
         constrained request's row walked through its grammar."""
-        idx = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.error is None]
+        idx = [i for i, s in enumerate(seqs) if self.walks(s)]
         B, H = self.drafts.block_size, hidden.shape[-1]
         dev = hidden.device
         rows = hidden[: len(seqs) * B].view(len(seqs), B, H)[to_device(idx, torch.long, dev), 1:].reshape(-1, H)

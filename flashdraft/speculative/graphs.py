@@ -263,11 +263,13 @@ class StepGraphs:
         return to
 
     @staticmethod
-    def greedy_post(plans: list[Plan], g: StepGraph | None) -> bool:
+    def greedy_post(plans: list[Plan], g: StepGraph | None, checked=None) -> bool:
         """Whether a whole step over graph g takes its tokens and acceptance from g's post graph
-        (_post_step): a greedy chain's graph, every request greedy."""
+        (_post_step): a greedy chain's graph, every request greedy, none reading its logits (but those
+        `checked` after the step: grammar_check.py)."""
         return g is not None and g.buffers.outcome is not None and all(
-            p.seq.params.temperature == 0 and not p.seq.params.needs_logits for p in plans)
+            p.seq.params.temperature == 0 and (not p.seq.params.needs_logits or (checked and checked(p.seq)))
+            for p in plans)
 
     def run_post(self, g: StepGraph) -> torch.Tensor:
         """_post_step after a greedy step's replay (its graph's replay on CUDA); returns the outcome."""

@@ -59,6 +59,7 @@ class VerifyFlight(Flight):
         self.verifying = [p for p in plans if p.verify]
         self.joining = None
         self.stays = False
+        self.hidden: torch.Tensor | None = None  # the verify's final hidden states (grammar_check.py reads them)
         self._read = InFlight(self.seqs, outcome) if outcome is not None else None
 
     @property

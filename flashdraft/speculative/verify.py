@@ -60,14 +60,15 @@ def accept_plans(plans: list[Plan], ids: torch.Tensor | None, toks: torch.Tensor
 
 
 def target_tokens(ctx: StepContext, plans: list[Plan], hidden: torch.Tensor, row_positions: torch.Tensor | None = None,
-                  ids: torch.Tensor | None = None, tree_masks: torch.Tensor | None = None
+                  ids: torch.Tensor | None = None, tree_masks: torch.Tensor | None = None, checked=None
                   ) -> tuple[torch.Tensor | None, list[int], StepLogprobs | None]:
     """The target's tokens on the device (every verify slot of a verifying request, the last row of
     other requests that reach their end), the plan index of each, and their raw log-probabilities when
     a request asks for them (engine/logits.py), chosen as plain decoding chooses them. row_positions:
     every row's position on the device (token trees: a row's token is drawn for its position + 1).
     ids, tree_masks: every row's input id and (trees) ancestor mask on the device, for the processors
-    of a verify row, which count the drafts on its path as output."""
+    of a verify row, which count the drafts on its path as output. checked: requests whose grammar is
+    not applied here (grammar_check.py checks their tokens before the commit)."""
     model = ctx.runner.model
     rows, seqs, positions, owner = [], [], [], []
     seen = Seen([], [], ids, [] if tree_masks is not None else None)
@@ -77,7 +78,7 @@ def target_tokens(ctx: StepContext, plans: list[Plan], hidden: torch.Tensor, row
             prompt_logprobs(model, hidden[p.row: p.row + p.n], s, start)
         if p.verify:
             width = p.n
-            if s.params.penalizes or s.params.constrained:
+            if s.params.penalizes or (s.params.constrained and not (checked and checked(s))):
                 if ids is None:  # (every path that verifies a penalized request passes them)
                     raise RuntimeError("a penalized or constrained request's verify rows need the step's input ids")
                 for j in range(p.n):  # row j counts the drafts of rows 1..j (a tree: of its ancestors)
@@ -111,5 +112,6 @@ def target_tokens(ctx: StepContext, plans: list[Plan], hidden: torch.Tensor, row
     if seen.weights:  # each tree pair counts where the row's ancestor mask has the draft row's bit
         at = to_device([list(x) for x in zip(*seen.weights)], torch.long, ctx.device)
         seen.weights = tree_masks[at[0]].bitwise_right_shift(at[1]).bitwise_and(1)
-    toks, logprobs = choose(model, hidden, seqs, drawn_at, sb, ctx.eos_token_ids, seen if seen.rows else None)
+    toks, logprobs = choose(model, hidden, seqs, drawn_at, sb, ctx.eos_token_ids, seen if seen.rows else None,
+                            checked)
     return toks, owner, logprobs
