@@ -18,6 +18,7 @@ from flashdraft.hub import local_path
 from flashdraft.models.checks import check_config, check_finite, check_vocab_size, safetensors_header
 from flashdraft.models.gguf_convert import convert_gguf
 from flashdraft.models.hybrid import HYBRID_MODEL_TYPES, HybridLM, text_config
+from flashdraft.models.quant import dequantized, scheme_of
 from flashdraft.models.transformer import SUPPORTED_MODEL_TYPES, DecoderLM
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -190,7 +191,8 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     cfg = load_config(folder)
     tokenizer = load_tokenizer(folder)
     hybrid = cfg.model_type in HYBRID_MODEL_TYPES
-    weights = None if load_format == "dummy" else stream_weights(folder)
+    # (a quantized checkpoint's weights dequantized as they stream in: models/quant.py)
+    weights = None if load_format == "dummy" else dequantized(stream_weights(folder), scheme_of(cfg))
     # (the tokenizer's base vocabulary: added tokens past vocab_size are the checkpoint's own business)
     check_vocab_size(text_config(cfg).vocab_size, repr(str(folder / "config.json")),
                      getattr(tokenizer, "vocab_size", None) or len(tokenizer),

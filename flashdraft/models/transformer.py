@@ -17,6 +17,7 @@ from flashdraft.attention.base import AttentionBackend, AttentionBatch, layer_ba
 from flashdraft.kernels.dispatch import fused_enabled
 from flashdraft.models.layers import MLP, Embedding, Linear, RMSNorm, activation, linear
 from flashdraft.models.moe import GptOssMoE, MoE, gpt_oss_experts, is_moe_layer, stack_experts
+from flashdraft.models.quant import scheme_of
 from flashdraft.models.rope import RotaryTable, apply_rope
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen3", "qwen2", "mistral", "qwen3_moe", "gpt_oss")
@@ -126,12 +127,7 @@ def check_config(cfg) -> None:
     """Refuse, by name, config fields that would change a target's math and that flashdraft does not
     implement (a field read wrongly gives other text without a word). The fields each family reads
     are implemented (module docstring); others, as in transformers, change nothing."""
-    quant = getattr(cfg, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-        if not (method == "mxfp4" and cfg.model_type == "gpt_oss"):  # GPT-OSS experts: dequantized at load
-            raise ValueError(f"quantization_config with quant_method {method!r} is not supported: "
-                             "pass an unquantized (bf16/fp16/fp32) checkpoint")
+    scheme_of(cfg)  # (a quantization this loader cannot read: refused by name)
 
 
 def target_layer_masks(cfg) -> list[tuple[bool, int | None]]:
