@@ -101,3 +101,125 @@ def test_a_missing_half_is_named(fp8, tmp_path, drop):
     save_file(weights, bad / "model.safetensors")
     with pytest.raises(ValueError, match="model.layers.1.self_attn.k_proj.weight"):
         LLM(str(bad), draft=None, device="cpu", dtype="float32")
+
+
+def _write_compressed(src, dst, fmt, weights, compressor, quantize):
+    """src's checkpoint in compressed-tensors' layout, every linear layer quantized by `quantize` (scale,
+    zero point) and compressed by the library's own compressor; the library's decompression of the same
+    tensors as a plain float32 checkpoint in dst / "reference"."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    shutil.copytree(src, dst)
+    ref = dst / "reference"
+    shutil.copytree(src, ref)
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+    quant, plain = {}, {}
+    for name, w in load_file(src / "model.safetensors").items():
+        if not (name.endswith(".weight") and name.split(".")[-2] in LINEARS):
+            quant[name] = plain[name] = w
+            continue
+        state = {"weight": w, **quantize(w)}
+        packed = compressor.compress(state, scheme)
+        module = name.removesuffix(".weight")
+        quant.update({f"{module}.{k}": v.contiguous() for k, v in packed.items()})
+        plain[name] = compressor.decompress(packed, scheme)["weight"].float()
+    save_file(quant, dst / "model.safetensors")
+    save_file(plain, ref / "model.safetensors")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+                                  "quantization_status": "compressed",
+                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                                "input_activations": None}}}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst, ref
+
+
+def _int_groups(group, symmetric):
+    def quantize(w):
+        g = w.view(w.shape[0], -1, group)
+        if symmetric:
+            return {"weight_scale": g.abs().amax(-1) / 7.0}
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = (hi - lo) / 15.0
+        return {"weight_scale": scale, "weight_zero_point": torch.round(-8 - lo / scale).clamp(-8, 7).to(torch.int8)}
+    return quantize
+
+
+def _fp8_channels(strategy):
+    def quantize(w):
+        amax = w.abs().amax(-1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+        return {"weight_scale": amax / 448.0}
+    return quantize
+
+
+COMPRESSED = {
+    "w4a16-symmetric": ("pack-quantized", dict(num_bits=4, type="int", symmetric=True, strategy="group",
+                                               group_size=16), _int_groups(16, True)),
+    "w4a16-zero-points": ("pack-quantized", dict(num_bits=4, type="int", symmetric=False, strategy="group",
+                                                 group_size=16), _int_groups(16, False)),
+    "fp8-channel": ("float-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="channel"),
+                    _fp8_channels("channel")),
+    "fp8-tensor": ("float-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="tensor"),
+                   _fp8_channels("tensor")),
+}
+
+
+@pytest.mark.parametrize("kind", list(COMPRESSED))
+def test_compressed_tensors_give_the_library_s_dequantized_tokens(kind, tiny_llama, drafter, tmp_path):
+    """Each compressed-tensors layout, written by the library's own compressor, gives the greedy tokens of
+    the library's decompression loaded as a plain checkpoint; DFlash on it equals them too."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import FloatQuantizationCompressor, PackedQuantizationCompressor
+
+    fmt, weights, quantize = COMPRESSED[kind]
+    compressor = PackedQuantizationCompressor if fmt == "pack-quantized" else FloatQuantizationCompressor
+    model, ref = _write_compressed(tiny_llama, tmp_path / "model", fmt, weights, compressor, quantize)
+    prompts = [[1, 5, 9, 14, 20], [1, 7, 7, 30]]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(ref), draft=None, device="cpu", dtype="float32").generate(prompts, params)]
+    assert [o.token_ids for o in LLM(str(model), draft=None, device="cpu", dtype="float32").generate(
+        prompts, params)] == want
+    spec = LLM(str(model), draft=str(drafter), device="cpu", dtype="float32")
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+
+
+def test_unpacking_matches_the_library():
+    """unpack_int32 against compressed-tensors' unpack at 2..8 bits, ragged counts (values split across
+    int32 words at 3, 5, 6, 7 bits)."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    from flashdraft.models.quant import unpack_int32
+
+    gen = torch.Generator().manual_seed(0)
+    for bits in range(2, 9):
+        q = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (5, 77), generator=gen, dtype=torch.int8)
+        packed = pack_to_int32(q, bits)
+        assert torch.equal(unpack_int32(packed, bits, 77), q.int())
+        assert torch.equal(unpack_from_int32(packed, bits, q.shape).int(), q.int())
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(format="marlin-24"), "format 'marlin-24' is not supported"),
+    (dict(sparsity_config={"format": "sparse-24"}), "sparsity_config is not supported"),
+    (dict(extra_field=1), "extra_field of compressed-tensors are not supported"),
+    (dict(config_groups={"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                                                                  "group_size": 16},
+                               "input_activations": {"num_bits": 8, "type": "int", "dynamic": False}}}),
+     "input_activations static quantization is not supported"),
+    (dict(config_groups={"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+                                                                  "strategy": "group", "group_size": 16,
+                                                                  "actorder": "group"}}}),
+     "actorder 'group' is not supported"),
+])
+def test_compressed_tensors_fields_it_does_not_know_are_refused(tiny_llama, tmp_path, change, match):
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+
+    fmt, weights, quantize = COMPRESSED["w4a16-symmetric"]
+    model, _ = _write_compressed(tiny_llama, tmp_path / "model", fmt, weights, PackedQuantizationCompressor, quantize)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["quantization_config"].update(change)
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        LLM(str(model), draft=None, device="cpu", dtype="float32")

@@ -4,13 +4,19 @@ device, so its results are those of its dequantized weights).
 
 Formats: HF fine-grained FP8 (`quant_method: "fp8"`, Qwen's `-FP8` checkpoints: float8_e4m3fn weights in
 `weight_block_size` blocks, each block's `weight_scale_inv` the factor that restores it; the modules of
-`modules_to_not_convert` kept as they are), and GPT-OSS's MXFP4 experts (moe.py). Any other method, an FP8
-activation scheme other than dynamic, or a field this reader does not know is refused by name."""
+`modules_to_not_convert` kept as they are); compressed-tensors (`quant_method: "compressed-tensors"`,
+RedHatAI's checkpoints: `float-quantized` FP8 weights with a per-channel or per-tensor `weight_scale`, and
+`pack-quantized` int weights of 2-8 bits, eight 4-bit values an int32 word, a `weight_scale` per group or
+channel and, asymmetric, a `weight_zero_point` packed along the rows: w = (q - zero point) * scale; `ignore`
+kept as they are); and GPT-OSS's MXFP4 experts (moe.py). Activations are not quantized (a dynamic
+activation scheme is taken as a W8A16 / W4A16 computation: the dequantized weights' results); a static
+one, any other method or format, or a field this reader does not know is refused by name."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,9 +30,9 @@ class BlockFP8:
     keep: tuple[str, ...]  # modules_to_not_convert: names (or name prefixes) stored unquantized
 
 
-def scheme_of(cfg) -> BlockFP8 | None:
-    """The quantization a config declares (None: none, or GPT-OSS's MXFP4 experts, which moe.py reads);
-    ValueError naming what is not supported."""
+def scheme_of(cfg):
+    """The quantization a config declares (BlockFP8, CompressedTensors; None: none, or GPT-OSS's MXFP4
+    experts, which moe.py reads); ValueError naming what is not supported."""
     quant = getattr(cfg, "quantization_config", None)
     if not quant:
         return None
@@ -34,9 +40,12 @@ def scheme_of(cfg) -> BlockFP8 | None:
     method = q.get("quant_method")
     if method == "mxfp4" and getattr(cfg, "model_type", None) == "gpt_oss":
         return None
+    if method == "compressed-tensors":
+        return _compressed_tensors(q)
     if method != "fp8":
         raise ValueError(f"quantization_config with quant_method {method!r} is not supported (supported: 'fp8' "
-                         "block-scaled, GPT-OSS's 'mxfp4'); pass an unquantized (bf16/fp16/fp32) checkpoint")
+                         "block-scaled, 'compressed-tensors', GPT-OSS's 'mxfp4'); pass an unquantized "
+                         "(bf16/fp16/fp32) checkpoint")
     unknown = sorted(set(q) - FP8_FIELDS)
     if unknown:
         raise ValueError(f"quantization_config field(s) {', '.join(unknown)} of quant_method 'fp8' are not supported")
@@ -69,31 +78,156 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     return weight.float() * full
 
 
-def dequantized(pairs: Iterable[tuple[str, torch.Tensor]], scheme: BlockFP8 | None
-                ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's (name, tensor) pairs with each FP8 weight and its `_scale_inv` (in either order, in
-    any file) turned into one float32 weight; others as they come. A weight or a factor left without its
-    other half, or an FP8 tensor in a module kept unquantized, is an error naming it."""
+CT_FIELDS = {"quant_method", "format", "config_groups", "ignore", "quantization_status", "kv_cache_scheme",
+             "global_compression_ratio", "version", "sparsity_config", "transform_config"}
+CT_WEIGHT_FIELDS = {"num_bits", "type", "symmetric", "group_size", "strategy", "dynamic", "actorder", "observer",
+                    "observer_kwargs", "block_structure", "scale_dtype", "zp_dtype"}
+
+
+@dataclass(frozen=True)
+class CompressedTensors:
+    """A compressed-tensors checkpoint of one weight scheme: `format` float-quantized (FP8, `strategy`
+    channel or tensor) or pack-quantized (int of `bits`, per `group` columns or per channel when None,
+    `symmetric` or with zero points)."""
+    format: str
+    bits: int
+    strategy: str
+    group: int | None
+    symmetric: bool
+    ignore: tuple[str, ...] = field(default=())
+
+
+def _compressed_tensors(q: dict) -> CompressedTensors:
+    unknown = sorted(set(q) - CT_FIELDS)
+    if unknown:
+        raise ValueError(f"quantization_config field(s) {', '.join(unknown)} of compressed-tensors are not supported")
+    fmt = q.get("format")
+    if fmt not in ("float-quantized", "pack-quantized"):
+        raise ValueError(f"compressed-tensors format {fmt!r} is not supported (supported: 'float-quantized' FP8, "
+                         "'pack-quantized' int)")
+    for name in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        if q.get(name):
+            raise ValueError(f"compressed-tensors {name} is not supported")
+    groups = q.get("config_groups") or {}
+    schemes = {json_key(g.get("weights")) for g in groups.values() if isinstance(g, dict)}
+    if len(groups) < 1 or len(schemes) != 1:
+        raise ValueError("compressed-tensors config_groups must hold one weight scheme (mixed schemes are not "
+                         "supported)")
+    g = next(iter(groups.values()))
+    for part in ("input_activations", "output_activations"):
+        a = g.get(part)
+        if a and (part == "output_activations" or not a.get("dynamic")):
+            raise ValueError(f"compressed-tensors {part} {'' if a.get('dynamic') else 'static '}quantization is "
+                             "not supported (dynamic input activations are served unquantized)")
+    w = g.get("weights") or {}
+    unknown = sorted(set(w) - CT_WEIGHT_FIELDS)
+    if unknown:
+        raise ValueError(f"compressed-tensors weights field(s) {', '.join(unknown)} are not supported")
+    bits, kind, strategy = w.get("num_bits"), w.get("type"), w.get("strategy")
+    if w.get("dynamic"):
+        raise ValueError("compressed-tensors dynamic weight quantization is not supported")
+    if w.get("actorder") not in (None, False, "static", "weight"):  # (group: a g_idx permutes the columns)
+        raise ValueError(f"compressed-tensors weights actorder {w['actorder']!r} is not supported")
+    if fmt == "float-quantized" and not (kind == "float" and bits == 8 and strategy in ("channel", "tensor")):
+        raise ValueError(f"compressed-tensors float-quantized weights must be 8-bit float per channel or tensor, "
+                         f"got {bits}-bit {kind} per {strategy}")
+    if fmt == "pack-quantized" and not (kind == "int" and isinstance(bits, int) and 2 <= bits <= 8
+                                        and strategy in ("group", "channel")):
+        raise ValueError(f"compressed-tensors pack-quantized weights must be 2-8-bit int per group or channel, "
+                         f"got {bits}-bit {kind} per {strategy}")
+    group = w.get("group_size") if strategy == "group" else None
+    if strategy == "group" and not (isinstance(group, int) and group > 0):
+        raise ValueError(f"compressed-tensors group_size must be a positive integer, got {group!r}")
+    return CompressedTensors(fmt, bits, strategy, group, bool(w.get("symmetric", True)), tuple(q.get("ignore") or ()))
+
+
+def json_key(value) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True)
+
+
+def _parts(scheme) -> tuple[str, ...]:
+    """The tensors of one quantized module, by suffix."""
+    if isinstance(scheme, BlockFP8):
+        return ("weight", "weight_scale_inv")
+    if scheme.format == "float-quantized":
+        return ("weight", "weight_scale")
+    return ("weight_packed", "weight_scale", "weight_shape") + (() if scheme.symmetric else ("weight_zero_point",))
+
+
+def _kept(module: str, scheme) -> bool:
+    """Whether the config says this module is stored unquantized."""
+    name = module.removeprefix("model.")
+    if isinstance(scheme, BlockFP8):
+        return any(name.startswith(k.removeprefix("model.")) for k in scheme.keep)
+    return any(re.fullmatch(k[3:], module) if k.startswith("re:") else k in (module, name) for k in scheme.ignore)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """[R, W] int32 of densely packed `bits`-bit values (value i at bits i * bits, stored as q + 2^(bits-1))
+    -> [R, count] int32 q."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    pos = torch.arange(count, dtype=torch.int64) * bits
+    lo = (words[:, pos // 32] >> (pos % 32)[None, :])
+    spill = (pos % 32 + bits - 32).clamp_min(0)  # bits past the word's end come from the next word
+    nxt = words[:, (pos // 32 + 1).clamp_max(words.shape[1] - 1)] << (bits - spill)[None, :]
+    value = torch.where((spill > 0)[None, :], lo | nxt, lo) & ((1 << bits) - 1)
+    return (value - (1 << (bits - 1))).to(torch.int32)
+
+
+def _dequantize(scheme, t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if isinstance(scheme, BlockFP8):
+        return dequantize_block_fp8(t["weight"], t["weight_scale_inv"], scheme.block, name)
+    scale = t["weight_scale"].float()
+    if scheme.format == "float-quantized":
+        w = t["weight"]
+        n = w.shape[0]
+        if scale.numel() not in (1, n):
+            raise ValueError(f"{name}_scale has {scale.numel()} values; {name} {tuple(w.shape)} per "
+                             f"{scheme.strategy} needs {1 if scheme.strategy == 'tensor' else n}")
+        return w.float() * scale.reshape(-1, 1)
+    shape = [int(v) for v in t["weight_shape"].tolist()]
+    if len(shape) != 2:
+        raise ValueError(f"{name}_shape must hold two sizes, got {shape}")
+    n, k = shape
+    group = scheme.group or k
+    groups = -(-k // group)
+    if tuple(scale.shape) != (n, groups):
+        raise ValueError(f"{name}_scale has shape {tuple(scale.shape)}; {name} {tuple(shape)} needs {(n, groups)}")
+    q = unpack_int32(t["weight_packed"], scheme.bits, k)
+    if q.shape[0] != n:
+        raise ValueError(f"{name}_packed has {q.shape[0]} rows; {name}_shape says {n}")
+    if not scheme.symmetric:
+        zp = unpack_int32(t["weight_zero_point"].t().contiguous(), scheme.bits, n).t()  # (packed along rows)
+        q = q - zp.repeat_interleave(group, 1)[:, :k]
+    return q.float() * scale.repeat_interleave(group, 1)[:, :k]
+
+
+def dequantized(pairs: Iterable[tuple[str, torch.Tensor]], scheme) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's (name, tensor) pairs with each quantized module's tensors (in any order, in any file)
+    turned into one float32 `weight`; others as they come. A module left without one of its tensors, or a
+    quantized tensor in a module the config keeps unquantized, is an error naming it."""
     if scheme is None:
         yield from pairs
         return
-    waiting: dict[str, torch.Tensor] = {}  # a weight's name -> the half of it that came first
+    parts = _parts(scheme)
+    waiting: dict[str, dict[str, torch.Tensor]] = {}  # a module -> the tensors of it that came
     for name, w in pairs:
-        base = name.removesuffix("_scale_inv")
-        if base != name or w.dtype == torch.float8_e4m3fn:
-            if any(base.removeprefix("model.").startswith(k.removeprefix("model.")) for k in scheme.keep):
-                raise ValueError(f"{name} is quantized, but its module is in modules_to_not_convert")
-            other = waiting.pop(base, None)
-            if other is None:
-                waiting[base] = w
-                continue
-            weight, scale = (other, w) if base != name else (w, other)
-            if weight.dtype != torch.float8_e4m3fn:
-                raise ValueError(f"{base} is {weight.dtype}, but it has a block scale: float8_e4m3fn expected")
-            yield base, dequantize_block_fp8(weight, scale, scheme.block, base)
+        module, _, part = name.rpartition(".")
+        if part not in parts or (part == "weight" and w.dtype != torch.float8_e4m3fn):
+            yield name, w
             continue
-        yield name, w
+        if _kept(module, scheme):
+            raise ValueError(f"{name} is quantized, but the config keeps {module} unquantized")
+        have = waiting.setdefault(module, {})
+        have[part] = w
+        if len(have) == len(parts):
+            del waiting[module]
+            if "weight" in have and have["weight"].dtype != torch.float8_e4m3fn:
+                raise ValueError(f"{module}.weight is {have['weight'].dtype}: float8_e4m3fn expected")
+            yield module + ".weight", _dequantize(scheme, have, module + ".weight")
     if waiting:
-        name = sorted(waiting)[0]
-        half = "its weight" if waiting[name].dtype != torch.float8_e4m3fn else f"{name}_scale_inv"
-        raise ValueError(f"{name}: {half} is missing from the checkpoint")
+        module = sorted(waiting)[0]
+        missing = [p for p in parts if p not in waiting[module]]
+        raise ValueError(f"{module}.weight: {module}.{missing[0]} is missing from the checkpoint")
