@@ -73,7 +73,7 @@ def test_the_dequantization_is_not_a_no_op(fp8, tiny_llama):
 
 
 @pytest.mark.parametrize("change, match", [
-    (dict(quant_method="awq"), "quant_method 'awq' is not supported"),
+    (dict(quant_method="hqq"), "quant_method 'hqq' is not supported"),
     (dict(activation_scheme="static"), "activation_scheme 'static' is not supported"),
     (dict(fmt="e5m2"), "fmt 'e5m2' is not supported"),
     (dict(weight_block_size=[128]), "weight_block_size must be two positive integers"),
@@ -218,6 +218,89 @@ def test_compressed_tensors_fields_it_does_not_know_are_refused(tiny_llama, tmp_
 
     fmt, weights, quantize = COMPRESSED["w4a16-symmetric"]
     model, _ = _write_compressed(tiny_llama, tmp_path / "model", fmt, weights, PackedQuantizationCompressor, quantize)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["quantization_config"].update(change)
+    (model / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=match):
+        LLM(str(model), draft=None, device="cpu", dtype="float32")
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # (the AutoAWQ packer's column order within a word)
+
+
+def _pack_cols(vals, order=tuple(range(8))):
+    """[R, 8C] values 0..15 -> [R, C] int32, nibble i of word c holding column 8c + order[i]."""
+    v = vals.to(torch.int64).view(vals.shape[0], -1, 8)
+    word = sum(v[:, :, order[i]] << (4 * i) for i in range(8))
+    return (word - ((word >> 31) << 32)).to(torch.int32).contiguous()  # (as a signed int32)
+
+
+def _pack_rows(vals):
+    """[8R, C] values 0..15 -> [R, C] int32, nibble i of word r holding row 8r + i."""
+    return _pack_cols(vals.t().contiguous()).t().contiguous()
+
+
+def _write_int4(src, dst, method, group=16, checkpoint_format="gptq"):
+    """src's checkpoint in AutoAWQ's GEMM or GPTQ's layout (asymmetric 4-bit, groups of `group` inputs,
+    fp16 scales), packed here from the format's description; the float64 dequantization as a plain
+    float32 checkpoint in dst / "reference"."""
+    shutil.copytree(src, dst)
+    ref = dst / "reference"
+    shutil.copytree(src, ref)
+    quant, plain = {}, {}
+    for name, w in load_file(src / "model.safetensors").items():
+        if not (name.endswith(".weight") and name.split(".")[-2] in LINEARS):
+            quant[name] = plain[name] = w
+            continue
+        wt = w.t().double()  # [K, N]
+        K, N = wt.shape
+        g = wt.view(K // group, group, N)
+        lo, hi = g.amin(1), g.amax(1)
+        scale = ((hi - lo) / 15).half()
+        z = torch.round(-lo / scale.double()).clamp(0, 15)
+        idx = torch.arange(K) // group
+        q = (torch.round(wt / scale.double()[idx]) + z[idx]).clamp(0, 15)
+        plain[name] = ((q - z[idx]) * scale.double()[idx]).t().float().contiguous()
+        module = name.removesuffix(".weight")
+        quant[f"{module}.scales"] = scale
+        if method == "awq":
+            quant[f"{module}.qweight"], quant[f"{module}.qzeros"] = _pack_cols(q, AWQ_ORDER), _pack_cols(z, AWQ_ORDER)
+        else:
+            stored = z - 1 if checkpoint_format == "gptq" else z
+            quant[f"{module}.qweight"], quant[f"{module}.qzeros"] = _pack_rows(q), _pack_cols(stored)
+            quant[f"{module}.g_idx"] = idx.to(torch.int32)
+    save_file(quant, dst / "model.safetensors")
+    save_file(plain, ref / "model.safetensors")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = ({"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                   "version": "gemm"} if method == "awq" else
+                                  {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                                   "sym": False, "checkpoint_format": checkpoint_format, "damp_percent": 0.01})
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst, ref
+
+
+@pytest.mark.parametrize("method, fmt", [("awq", None), ("gptq", "gptq"), ("gptq", "gptq_v2")])
+def test_awq_and_gptq_give_their_dequantized_tokens(method, fmt, tiny_llama, drafter, tmp_path):
+    model, ref = _write_int4(tiny_llama, tmp_path / "model", method, checkpoint_format=fmt or "gptq")
+    prompts = [[1, 5, 9, 14, 20], [1, 7, 7, 30]]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(ref), draft=None, device="cpu", dtype="float32").generate(prompts, params)]
+    assert [o.token_ids for o in LLM(str(model), draft=None, device="cpu", dtype="float32").generate(
+        prompts, params)] == want
+    spec = LLM(str(model), draft=str(drafter), device="cpu", dtype="float32")
+    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+
+
+@pytest.mark.parametrize("method, change, match", [
+    ("gptq", dict(desc_act=True), "desc_act"),
+    ("gptq", dict(bits=3), "bits 3 is not supported"),
+    ("gptq", dict(checkpoint_format="marlin"), "checkpoint_format 'marlin' is not supported"),
+    ("awq", dict(version="gemv"), "AWQ version 'gemv' is not supported"),
+    ("awq", dict(brand_new=True), "brand_new of quant_method 'awq' are not supported"),
+])
+def test_int4_fields_it_does_not_know_are_refused(tiny_llama, tmp_path, method, change, match):
+    model, _ = _write_int4(tiny_llama, tmp_path / "model", method)
     cfg = json.loads((model / "config.json").read_text())
     cfg["quantization_config"].update(change)
     (model / "config.json").write_text(json.dumps(cfg))

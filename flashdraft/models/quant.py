@@ -8,7 +8,8 @@ Formats: HF fine-grained FP8 (`quant_method: "fp8"`, Qwen's `-FP8` checkpoints: 
 RedHatAI's checkpoints: `float-quantized` FP8 weights with a per-channel or per-tensor `weight_scale`, and
 `pack-quantized` int weights of 2-8 bits, eight 4-bit values an int32 word, a `weight_scale` per group or
 channel and, asymmetric, a `weight_zero_point` packed along the rows: w = (q - zero point) * scale; `ignore`
-kept as they are); and GPT-OSS's MXFP4 experts (moe.py). Activations are not quantized (a dynamic
+kept as they are); AWQ (AutoAWQ's GEMM layout) and GPTQ (v1 and v2 zero points, no act-order) 4-bit
+`qweight` / `qzeros` / `scales`; and GPT-OSS's MXFP4 experts (moe.py). Activations are not quantized (a dynamic
 activation scheme is taken as a W8A16 / W4A16 computation: the dequantized weights' results); a static
 one, any other method or format, or a field this reader does not know is refused by name."""
 
@@ -42,9 +43,11 @@ def scheme_of(cfg):
         return None
     if method == "compressed-tensors":
         return _compressed_tensors(q)
+    if method in ("awq", "gptq"):
+        return _int4(q, method)
     if method != "fp8":
         raise ValueError(f"quantization_config with quant_method {method!r} is not supported (supported: 'fp8' "
-                         "block-scaled, 'compressed-tensors', GPT-OSS's 'mxfp4'); pass an unquantized "
+                         "block-scaled, 'compressed-tensors', 'awq', 'gptq', GPT-OSS's 'mxfp4'); pass an unquantized "
                          "(bf16/fp16/fp32) checkpoint")
     unknown = sorted(set(q) - FP8_FIELDS)
     if unknown:
@@ -151,6 +154,8 @@ def _parts(scheme) -> tuple[str, ...]:
     """The tensors of one quantized module, by suffix."""
     if isinstance(scheme, BlockFP8):
         return ("weight", "weight_scale_inv")
+    if isinstance(scheme, Int4):
+        return ("qweight", "qzeros", "scales") + (("g_idx",) if scheme.method == "gptq" else ())
     if scheme.format == "float-quantized":
         return ("weight", "weight_scale")
     return ("weight_packed", "weight_scale", "weight_shape") + (() if scheme.symmetric else ("weight_zero_point",))
@@ -159,7 +164,7 @@ def _parts(scheme) -> tuple[str, ...]:
 def _kept(module: str, scheme) -> bool:
     """Whether the config says this module is stored unquantized."""
     name = module.removeprefix("model.")
-    if isinstance(scheme, BlockFP8):
+    if isinstance(scheme, (BlockFP8, Int4)):
         return any(name.startswith(k.removeprefix("model.")) for k in scheme.keep)
     return any(re.fullmatch(k[3:], module) if k.startswith("re:") else k in (module, name) for k in scheme.ignore)
 
@@ -179,6 +184,8 @@ def unpack_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 def _dequantize(scheme, t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if isinstance(scheme, BlockFP8):
         return dequantize_block_fp8(t["weight"], t["weight_scale_inv"], scheme.block, name)
+    if isinstance(scheme, Int4):
+        return _dequantize_int4(scheme, t, name)
     scale = t["weight_scale"].float()
     if scheme.format == "float-quantized":
         w = t["weight"]
@@ -231,3 +238,88 @@ def dequantized(pairs: Iterable[tuple[str, torch.Tensor]], scheme) -> Iterator[t
         module = sorted(waiting)[0]
         missing = [p for p in parts if p not in waiting[module]]
         raise ValueError(f"{module}.weight: {module}.{missing[0]} is missing from the checkpoint")
+
+
+# AWQ and GPTQ: fields that only describe how the checkpoint was made or which kernel once ran it
+INT4_INERT = {"quant_method", "bits", "group_size", "modules_to_not_convert", "backend", "version", "zero_point",
+              "do_fuse", "fuse_max_seq_len", "modules_to_fuse", "exllama_config", "desc_act", "sym", "damp_percent",
+              "true_sequential", "static_groups", "model_name_or_path", "model_file_base_name", "checkpoint_format",
+              "lm_head", "dataset", "tokenizer", "use_exllama", "max_input_length", "cache_block_outputs",
+              "modules_in_block_to_quantize", "batch_size", "pad_token_id", "use_cuda_fp16", "meta",
+              "module_name_preceding_first_block", "damp_auto_increment", "quantizer", "pack_dtype", "format"}
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's GEMM packing: nibble i of a word holds column AWQ_ORDER[i]
+
+
+@dataclass(frozen=True)
+class Int4:
+    """AutoAWQ's GEMM layout (`awq`) or GPTQ's (`gptq`; v1 zero points stored less one), 4-bit, groups of
+    `group` input columns (-1: one group a row)."""
+    method: str
+    group: int
+    zero_offset: int  # added to a stored zero point (GPTQ v1: 1)
+    keep: tuple[str, ...] = field(default=())
+
+
+def _int4(q: dict, method: str) -> Int4:
+    unknown = sorted(set(q) - INT4_INERT)
+    if unknown:
+        raise ValueError(f"quantization_config field(s) {', '.join(unknown)} of quant_method {method!r} are not "
+                         "supported")
+    if q.get("bits") != 4:
+        raise ValueError(f"quant_method {method!r} with bits {q.get('bits')!r} is not supported (supported: 4)")
+    group = q.get("group_size", 128)
+    if not (isinstance(group, int) and (group > 0 or group == -1)):
+        raise ValueError(f"quantization_config.group_size must be a positive integer or -1, got {group!r}")
+    if method == "awq":
+        if q.get("version", "gemm").lower() != "gemm":
+            raise ValueError(f"AWQ version {q.get('version')!r} is not supported (supported: 'gemm')")
+        if q.get("zero_point", True) is not True:
+            raise ValueError("AWQ without zero points is not supported")
+        offset = 0
+    else:
+        if q.get("desc_act"):
+            raise ValueError("GPTQ desc_act (act-order: a g_idx permutes the groups) is not supported")
+        fmt = q.get("checkpoint_format", "gptq")
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (supported: 'gptq', 'gptq_v2')")
+        if q.get("lm_head"):
+            raise ValueError("a GPTQ-quantized lm_head is not supported")
+        offset = 1 if fmt == "gptq" else 0
+    keep = q.get("modules_to_not_convert") or []
+    return Int4(method, group, offset, tuple(keep))
+
+
+def _nibbles(words: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """int32 words holding eight 4-bit values each (value i at bits 4i) -> the values along `dim`, eight
+    per word, the i-th of a word placed at order[i]."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    vals = torch.stack([(w >> (4 * i)) & 0xF for i in range(8)], dim=-1)  # [..., 8] in nibble order
+    vals = vals[..., [order.index(j) for j in range(8)]]  # (position j takes the nibble holding it)
+    if dim == 0:
+        vals = vals.movedim(-1, 1)  # [R, 8, C] -> rows r * 8 + i
+        return vals.reshape(words.shape[0] * 8, words.shape[1]).to(torch.int32)
+    return vals.reshape(words.shape[0], words.shape[1] * 8).to(torch.int32)
+
+
+def _dequantize_int4(scheme: Int4, t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    scales = t["scales"].float()  # [G, N]
+    groups, n = scales.shape
+    if scheme.method == "awq":
+        q = _nibbles(t["qweight"], 1, AWQ_ORDER)  # [K, N]
+        z = _nibbles(t["qzeros"], 1, AWQ_ORDER)
+    else:
+        q = _nibbles(t["qweight"], 0)  # packed along K: [K, N]
+        z = _nibbles(t["qzeros"], 1) + scheme.zero_offset
+        k = q.shape[0]
+        group = scheme.group if scheme.group > 0 else k
+        trivial = torch.arange(k, dtype=torch.int64) // group
+        if not torch.equal(t["g_idx"].to(torch.int64).cpu(), trivial):
+            raise ValueError(f"{name}: g_idx permutes the groups (act-order), which is not supported")
+    k = q.shape[0]
+    group = scheme.group if scheme.group > 0 else k
+    if q.shape[1] != n or z.shape != (groups, n) or groups != -(-k // group):
+        raise ValueError(f"{name}: qweight {tuple(t['qweight'].shape)}, qzeros {tuple(t['qzeros'].shape)} and "
+                         f"scales {tuple(scales.shape)} do not describe one {scheme.method} matrix in groups of "
+                         f"{group}")
+    idx = torch.arange(k) // group
+    return ((q - z[idx]).float() * scales[idx]).t().contiguous()  # [N, K], as nn.Linear stores it
