@@ -92,6 +92,10 @@ class EngineConfig:
     # "dummy" (vLLM's name): for timing models whose weights are not at hand; outputs are meaningless
     load_format: str = flag("auto", "dummy: random weights at config.json's shapes, target and drafter (timing only)",
                             choices=LOAD_FORMATS)
+    # models/quant.py reads the checkpoint's quantization_config; vLLM's --quantization names it
+    quantization: str | None = flag(
+        None, "the checkpoint's quantization method, as vLLM names it (fp8, compressed-tensors, awq, gptq, mxfp4; "
+              "default: what its config.json says); one that differs from the checkpoint's is refused")
     # engine/block_manager.py; off for hybrid targets, whose recurrent state pages cannot restore
     enable_prefix_caching: bool | None = flag(
         None, "share the KV pages (and the drafter's context) of prompt prefixes between requests (default: on, "

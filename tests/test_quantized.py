@@ -306,3 +306,20 @@ def test_int4_fields_it_does_not_know_are_refused(tiny_llama, tmp_path, method, 
     (model / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=match):
         LLM(str(model), draft=None, device="cpu", dtype="float32")
+
+
+def test_vllm_s_quantization_flag_is_checked_against_the_checkpoint(fp8, tiny_llama):
+    """--quantization (vLLM's): the checkpoint's own method (or vLLM's kernel name for it) loads; another,
+    or a method given for an unquantized checkpoint (quantizing at load), is refused by name."""
+    from flashdraft.cli import build_parser
+
+    model, _ = fp8
+    LLM(str(model), draft=None, device="cpu", dtype="float32", quantization="fp8")
+    with pytest.raises(ValueError, match="quantization 'awq_marlin' does not match the checkpoint's quant_method 'fp8'"):
+        LLM(str(model), draft=None, device="cpu", dtype="float32", quantization="awq_marlin")
+    with pytest.raises(ValueError, match="the checkpoint is not quantized"):
+        LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32", quantization="fp8")
+    with pytest.raises(ValueError, match="quantization 'bitsandbytes' is not supported"):
+        LLM(str(model), draft=None, device="cpu", dtype="float32", quantization="bitsandbytes")
+    args = build_parser().parse_args(["generate", "hi", "--quantization", "gptq_marlin"])
+    assert args.quantization == "gptq_marlin"

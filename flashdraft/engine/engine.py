@@ -43,7 +43,7 @@ class LLMEngine:
             self.ranks = Ranks(config, self.device)
         try:
             loaded = load_model(config.model, self.device, self.dtype, config.load_format, config.revision,
-                                self.ranks.tp if self.ranks is not None else None)
+                                self.ranks.tp if self.ranks is not None else None, config.quantization)
         except BaseException:
             self.shutdown()
             raise

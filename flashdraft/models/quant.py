@@ -31,6 +31,28 @@ class BlockFP8:
     keep: tuple[str, ...]  # modules_to_not_convert: names (or name prefixes) stored unquantized
 
 
+# vLLM's --quantization names of the methods read here (its kernel-specific names included)
+METHOD_NAMES = {"fp8": "fp8", "compressed-tensors": "compressed-tensors", "compressed_tensors": "compressed-tensors",
+                "awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq", "mxfp4": "mxfp4"}
+
+
+def check_method(cfg, asked: str | None) -> None:
+    """vLLM's --quantization against the checkpoint's quant_method: refused when they differ, or when the
+    checkpoint is not quantized (quantizing at load is not supported)."""
+    if asked is None:
+        return
+    if asked not in METHOD_NAMES:
+        raise ValueError(f"quantization {asked!r} is not supported (supported: {', '.join(sorted(METHOD_NAMES))})")
+    quant = getattr(cfg, "quantization_config", None)
+    q = {} if not quant else quant if isinstance(quant, dict) else quant.to_dict()
+    method = q.get("quant_method")
+    if method is None:
+        raise ValueError(f"quantization {asked!r}: the checkpoint is not quantized, and quantizing at load is not "
+                         "supported")
+    if METHOD_NAMES.get(method, method) != METHOD_NAMES[asked]:
+        raise ValueError(f"quantization {asked!r} does not match the checkpoint's quant_method {method!r}")
+
+
 def scheme_of(cfg):
     """The quantization a config declares (BlockFP8, CompressedTensors; None: none, or GPT-OSS's MXFP4
     experts, which moe.py reads); ValueError naming what is not supported."""
