@@ -26,6 +26,7 @@ GPU's: the bytes rank 0 reads (its share of every layer and of the LM head) over
     python benchmarks/e2e_step.py --target qwen3.5-0.8b --out e2e.json        # a GPU
     python benchmarks/e2e_step.py --target qwen3-8b -tp 2 --out e2e-tp2.json  # two GPUs
     python benchmarks/e2e_step.py --target tiny-hybrid --device cpu            # smoke test, anywhere
+    python benchmarks/e2e_step.py --target qwen3-8b --fp8-block --arms plain   # FP8 weights (Qwen's layout)
 
 Prints a table of every arm's steps and one JSON line (also written to --out)."""
 
@@ -97,7 +98,11 @@ TARGETS = {
 }
 
 
-def write_folders(root: Path, target: dict, draft_layers: int, block: int) -> tuple[Path, Path]:
+FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+
+
+def write_folders(root: Path, target: dict, draft_layers: int, block: int, quantization: dict | None = None
+                  ) -> tuple[Path, Path]:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoConfig, PreTrainedTokenizerFast
 
@@ -106,6 +111,9 @@ def write_folders(root: Path, target: dict, draft_layers: int, block: int) -> tu
         f.mkdir(parents=True, exist_ok=True)
     kw = dict(target)
     AutoConfig.for_model(kw.pop("model_type"), **kw).save_pretrained(t)
+    if quantization is not None:  # (a quantized checkpoint's config: its layers hold the format's tensors)
+        cfg = json.loads((t / "config.json").read_text())
+        (t / "config.json").write_text(json.dumps(cfg | {"quantization_config": quantization}))
     words = {f"w{i}": i for i in range(255)} | {"<eos>": 255}
     tok = Tokenizer(models.WordLevel(words, unk_token="<eos>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -316,11 +324,15 @@ def main() -> None:
                     help="seconds idle after an engine is built (its dummy weights written), before any timing: "
                          "a GPU's graph replays have run ~10%% slower for seconds after heavy work "
                          "(docs/performance.md section 12)")
+    ap.add_argument("--fp8-block", action="store_true",
+                    help="the target as a block-FP8 checkpoint (128 x 128, Qwen's -FP8 layout): on CUDA its dense "
+                         "projections keep FP8 weights (kernels/fp8_gemm.py); FLASHDRAFT_FP8_GEMM=0 dequantizes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
     conc = [int(c) for c in args.concurrency.split(",")]
-    result = {"target": args.target, "shape": TARGETS[args.target], "prompt_len": args.prompt_len,
+    result = {"target": args.target, "shape": TARGETS[args.target], "fp8_block": args.fp8_block,
+              "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "tensor_parallel_size": args.tensor_parallel_size,
               "disable_custom_all_reduce": args.disable_custom_all_reduce,
               "copy_bytes_per_s": copy_bandwidth(device), "arms": {}}
@@ -337,7 +349,8 @@ def main() -> None:
                 result.update({k: v for k, v in one.items() if k in ("state_bytes_per_seq", "graphs", "step_costs")})
         arms = []
     with tempfile.TemporaryDirectory() as tmp:
-        target, draft = write_folders(Path(tmp), TARGETS[args.target], args.draft_layers, args.block)
+        target, draft = write_folders(Path(tmp), TARGETS[args.target], args.draft_layers, args.block,
+                                      FP8_BLOCK if args.fp8_block else None)
         for arm in arms:
             gate = {"speculative_min_acceptance_length": None} if arm in ("dflash", "dflash-sync") else {}
             llm = LLM(str(target), draft=str(draft) if arm.startswith("dflash") else None, device=args.device,

@@ -315,7 +315,7 @@ def test_vllm_s_quantization_flag_is_checked_against_the_checkpoint(fp8, tiny_ll
 
     model, _ = fp8
     LLM(str(model), draft=None, device="cpu", dtype="float32", quantization="fp8")
-    with pytest.raises(ValueError, match="quantization 'awq_marlin' does not match the checkpoint's quant_method 'fp8'"):
+    with pytest.raises(ValueError, match="'awq_marlin' does not match the checkpoint's quant_method 'fp8'"):
         LLM(str(model), draft=None, device="cpu", dtype="float32", quantization="awq_marlin")
     with pytest.raises(ValueError, match="the checkpoint is not quantized"):
         LLM(str(tiny_llama), draft=None, device="cpu", dtype="float32", quantization="fp8")

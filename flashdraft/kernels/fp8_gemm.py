@@ -8,8 +8,8 @@ program streams a strip of BLOCK_N weight rows over the whole K, "swap AB" as ke
 value) times x^T on the tensor cores, the float32 partial scaled by its rows' block factors and summed in
 float32; one rounding to x's dtype at the end. The activations stay bf16 (not quantized per 1 x 128 group
 as a W8A8 GEMM would): the result is that of the dequantized weights, as the reference path's. Grids
-depend on shapes only: CUDA-graph safe. A first kernel, timed by benchmarks/device/fp8_gemm.py; not yet
-on the model path (quantized checkpoints are served dequantized)."""
+depend on shapes only: CUDA-graph safe. Timed by benchmarks/device/fp8_gemm.py; models/layers.py's
+BlockFP8Linear calls it for the dense layers of a block-FP8 checkpoint on CUDA."""
 
 from __future__ import annotations
 
@@ -77,6 +77,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block:
         raise ValueError(f"fp8_linear: scale_inv must be {want} for blocks {block}, got {tuple(scale_inv.shape)}")
     if block[1] % 16:
         raise ValueError(f"fp8_linear: block columns must be a multiple of 16, got {block[1]}")
+    if M == 0:
+        return torch.empty(0, N, dtype=x.dtype, device=x.device)
     bn, bk, sub, split, mpad, warps = tiles or fp8_tiles(M, N, K, block)
     step = bk * sub
     chunk = -(-K // split // step) * step  # (each part a whole number of loop steps)

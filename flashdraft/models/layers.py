@@ -64,6 +64,33 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, parts)
 
 
+class BlockFP8Linear(nn.Module):
+    """A linear layer whose weight stays in its checkpoint's block-scaled FP8 (models/quant.py), multiplied
+    by kernels/fp8_gemm.py on CUDA: half the bytes of a bf16 weight. The float8_e4m3fn weight [N, K] and its
+    blocks' float32 factors are held as their bits, uint8 and int32 parameters, so that casting the model to
+    its dtype leaves them as they are."""
+
+    def __init__(self, in_features: int, out_features: int, block: tuple[int, int], bias: bool):
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.uint8), requires_grad=False)
+        scales = (-(-out_features // block[0]), -(-in_features // block[1]))
+        self.weight_scale_inv = nn.Parameter(torch.empty(scales, dtype=torch.int32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor:
+        """parts: accepted for the callers of Linear; the result is always whole."""
+        from flashdraft.kernels.fp8_gemm import fp8_linear
+
+        flat = x.reshape(-1, x.shape[-1])
+        half = flat if flat.dtype in (torch.bfloat16, torch.float16) else flat.to(torch.bfloat16)
+        y = fp8_linear(half, self.weight.view(torch.float8_e4m3fn), self.weight_scale_inv.view(torch.float32),
+                       self.block).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 def activation(name: str):
     """The gate activation `hidden_act` names, as transformers defines it (silu: F.silu)."""
     if name == "silu":
@@ -94,7 +121,8 @@ class MLP(nn.Module):
 
         if self.act_name != "silu":  # the fused kernels compute silu
             return self.forward(x)
-        if skinny_enabled(x, self.gate_up_proj.weight, glu=True) and self.gate_up_proj.bias is None:  # silu * up
+        if isinstance(self.gate_up_proj, Linear) and skinny_enabled(x, self.gate_up_proj.weight, glu=True) and \
+                self.gate_up_proj.bias is None:  # silu * up in the GEMM's epilogue
             from flashdraft.kernels.skinny_gemm import skinny_linear
 
             h = skinny_linear(x, self.gate_up_proj.weight, glu=True)

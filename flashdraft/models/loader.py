@@ -18,7 +18,7 @@ from flashdraft.hub import local_path
 from flashdraft.models.checks import check_config, check_finite, check_vocab_size, safetensors_header
 from flashdraft.models.gguf_convert import convert_gguf
 from flashdraft.models.hybrid import HYBRID_MODEL_TYPES, HybridLM, text_config
-from flashdraft.models.quant import check_method, dequantized, scheme_of
+from flashdraft.models.quant import check_method, dequantized, scheme_of, serve_quantized
 from flashdraft.models.transformer import SUPPORTED_MODEL_TYPES, DecoderLM
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -178,7 +178,10 @@ def dummy_weights(net: torch.nn.Module, seed: int = 0) -> None:
     gen = torch.Generator(device=next(net.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for p in net.parameters():
-            p.uniform_(-1e-3, 1e-3, generator=gen)
+            if p.is_floating_point():
+                p.uniform_(-1e-3, 1e-3, generator=gen)
+            else:  # (the bits of quantized weights and their scales: zeros, read at their own size)
+                p.zero_()
         for b in net.buffers():  # left unset by to_empty
             b.zero_()
 
@@ -194,18 +197,21 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     check_method(cfg, quantization)
     tokenizer = load_tokenizer(folder)
     hybrid = cfg.model_type in HYBRID_MODEL_TYPES
-    # (a quantized checkpoint's weights dequantized as they stream in: models/quant.py)
-    weights = None if load_format == "dummy" else dequantized(stream_weights(folder), scheme_of(cfg))
+    scheme = scheme_of(cfg)
+    stream = None if load_format == "dummy" else stream_weights(folder)
     # (the tokenizer's base vocabulary: added tokens past vocab_size are the checkpoint's own business)
     check_vocab_size(text_config(cfg).vocab_size, repr(str(folder / "config.json")),
                      getattr(tokenizer, "vocab_size", None) or len(tokenizer),
-                     None if weights is None else embedding_rows(folder))
+                     None if stream is None else embedding_rows(folder))
     with torch.device("meta"):
         net = HybridLM(cfg) if hybrid else DecoderLM(cfg)
     if tp is not None:
         from flashdraft.models.parallel import shard_decoder
 
         shard_decoder(net, tp)
+    # a quantized checkpoint's weights: the FP8 kernel's kept, the others dequantized as they stream in
+    served = serve_quantized(net, scheme, device, tp)
+    weights = None if stream is None else dequantized(stream, scheme, served)
     net = net.to_empty(device=device).to(dtype)
     if weights is None:
         dummy_weights(net)

@@ -233,10 +233,12 @@ def _dequantize(scheme, t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return q.float() * scale.repeat_interleave(group, 1)[:, :k]
 
 
-def dequantized(pairs: Iterable[tuple[str, torch.Tensor]], scheme) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantized(pairs: Iterable[tuple[str, torch.Tensor]], scheme, served: set[str] = frozenset()
+                ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's (name, tensor) pairs with each quantized module's tensors (in any order, in any file)
-    turned into one float32 `weight`; others as they come. A module left without one of its tensors, or a
-    quantized tensor in a module the config keeps unquantized, is an error naming it."""
+    turned into one float32 `weight`; others as they come. The modules of `served` (serve_quantized) keep
+    theirs, as the bits BlockFP8Linear holds. A module left without one of its tensors, or a quantized tensor
+    in a module the config keeps unquantized, is an error naming it."""
     if scheme is None:
         yield from pairs
         return
@@ -245,10 +247,17 @@ def dequantized(pairs: Iterable[tuple[str, torch.Tensor]], scheme) -> Iterator[t
     for name, w in pairs:
         module, _, part = name.rpartition(".")
         if part not in parts or (part == "weight" and w.dtype != torch.float8_e4m3fn):
+            if served and part == "weight" and _served(module, served):
+                raise ValueError(f"{name} is {w.dtype}, but the config quantizes it: float8_e4m3fn expected")
             yield name, w
             continue
         if _kept(module, scheme):
             raise ValueError(f"{name} is quantized, but the config keeps {module} unquantized")
+        if served and _served(module, served):
+            if part == "weight" and w.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"{name} is {w.dtype}: float8_e4m3fn expected")
+            yield name, w.view(torch.uint8) if part == "weight" else w.float().view(torch.int32)
+            continue
         have = waiting.setdefault(module, {})
         have[part] = w
         if len(have) == len(parts):
@@ -345,3 +354,39 @@ def _dequantize_int4(scheme: Int4, t: dict[str, torch.Tensor], name: str) -> tor
                          f"{group}")
     idx = torch.arange(k) // group
     return ((q - z[idx]).float() * scales[idx]).t().contiguous()  # [N, K], as nn.Linear stores it
+
+
+PACKED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+                "up_proj": "gate_up_proj"}
+
+
+def serve_quantized(net: torch.nn.Module, scheme, device: torch.device, tp=None) -> set[str]:
+    """Swap the attention and MLP projections of a block-FP8 checkpoint's dense layers for BlockFP8Linear
+    (its FP8 weights multiplied by kernels/fp8_gemm.py), where they run on CUDA in one process and every
+    packed part (q / k / v, gate / up) fills whole scale blocks; the others are dequantized at load.
+    Returns the swapped modules' names (net's, e.g. layers.0.self_attn.qkv_proj)."""
+    from flashdraft import settings
+    from flashdraft.models.layers import BlockFP8Linear, Linear
+
+    if not isinstance(scheme, BlockFP8) or device.type != "cuda" or tp is not None or not settings.FP8_GEMM:
+        return set()
+    swapped = set()
+    for name, parent in list(net.named_modules()):
+        for leaf, rows in (("qkv_proj", (getattr(parent, "q_size", 0), getattr(parent, "kv_size", 0))),
+                           ("o_proj", ()), ("gate_up_proj", (getattr(parent, "inter", 0),)), ("down_proj", ())):
+            mod = getattr(parent, leaf, None)
+            if type(mod) is not Linear or any(not r or r % scheme.block[0] for r in rows):
+                continue
+            full = f"{name}.{leaf}"
+            parts = [k for k, v in PACKED_PARTS.items() if v == leaf] or [leaf]
+            if any(_kept(f"model.{name}.{p}", scheme) for p in parts):
+                continue
+            setattr(parent, leaf, BlockFP8Linear(mod.in_features, mod.out_features, scheme.block, mod.bias is not None))
+            swapped.add(full)
+    return swapped
+
+
+def _served(module: str, served: set[str]) -> bool:
+    """Whether a checkpoint module (model.layers.0.self_attn.q_proj) is a part of a swapped one."""
+    prefix, _, leaf = module.removeprefix("model.").rpartition(".")
+    return f"{prefix}.{PACKED_PARTS.get(leaf, leaf)}" in served
