@@ -51,16 +51,15 @@ def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, CHUNK, stride_xm, strid
 
 def fp8_tiles(M: int, N: int, K: int, block: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, SUB, split, MPAD, num_warps): K-tiles inside one scale block (BLOCK_K divides BK_Q),
-    SUB of them in flight a loop, x^T tiles of 16 / 32 / 64 rows; K split over programs where there are
-    fewer than about two strips an SM."""
+    two of them in flight a loop, x^T tiles of 16 / 32 / 64 rows, strips of 64 weight rows; K split over 4
+    programs where there are fewer than 256 strips. The best of a sweep on Qwen3-8B's GEMMs at M = 1 and 32
+    (H200, benchmarks/device/fp8_gemm.py --sweep) on every shape (qkv at 32 rows: within 1%)."""
     bk = next(t for t in (128, 64, 32, 16) if block[1] % t == 0)
     mpad = 16 if M <= 16 else 32 if M <= 32 else 64
-    bn = 32
-    strips = -(-N // bn)
-    split = 1 if strips >= 256 else 2 if strips >= 128 else 4
+    split = 1 if -(-N // 64) >= 256 else 4
     while split > 1 and K // split < 2 * bk:
         split //= 2
-    return bn, bk, 4, split, mpad, 4
+    return 64, bk, 2, split, mpad, 4
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
