@@ -18,6 +18,7 @@ log = logging.getLogger("flashdraft")
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names (fp8: e4m3)
 # max_num_batched_tokens' defaults. A CPU step's time grows with its tokens (SmolLM2 on 2 cores: one forward of
 # 512 / 2048 / 4000 prompt tokens takes 0.7 / 6.3 / 22 s; the last 512-token chunk of a 4000-token prompt 4.2 s),
 # and the engine reads stops and aborts between steps, so on a CPU a long prompt is cut finer.
@@ -96,6 +97,11 @@ class EngineConfig:
     quantization: str | None = flag(
         None, "the checkpoint's quantization method, as vLLM names it (fp8, compressed-tensors, awq, gptq, mxfp4; "
               "default: what its config.json says); one that differs from the checkpoint's is refused")
+    # the KV pages' dtype (memory.py, attention/torch_ref.py): fp8 pages hold twice the tokens
+    kv_cache_dtype: str = flag(
+        "auto", "the KV pages' dtype, vLLM's: auto (the model's), fp8 / fp8_e4m3 (float8 e4m3, scale 1, values "
+                "saturated at +-448; target and drafter; the CPU reference attention only, for now)",
+        choices=KV_CACHE_DTYPES)
     # engine/block_manager.py; off for hybrid targets, whose recurrent state pages cannot restore
     enable_prefix_caching: bool | None = flag(
         None, "share the KV pages (and the drafter's context) of prompt prefixes between requests (default: on, "
@@ -145,6 +151,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}; choose auto, torch or triton")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported; choose "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {self.load_format!r}; choose auto or dummy")
         if self.max_graph_batch < 1:
@@ -240,6 +249,16 @@ class EngineConfig:
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} requested but CUDA is not available")
         return dev
+
+    def resolved_kv_dtype(self, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+        """The KV pages' dtype: the model's, or float8 e4m3 (refused on CUDA: its attention kernels and the
+        fused K/V store do not read or write FP8 pages yet)."""
+        if self.kv_cache_dtype == "auto":
+            return dtype
+        if device.type == "cuda":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported on CUDA yet (the CPU "
+                             "reference attention reads FP8 pages; the GPU kernels do not)")
+        return torch.float8_e4m3fn
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype is None:

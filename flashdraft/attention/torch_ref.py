@@ -32,10 +32,28 @@ def store_plan(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return src, dst, valid[src][:, None, None]
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value: what is stored is saturated there (vLLM's cast)
+
+
+def to_pages(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V rows in the pages' dtype: FP8 pages (kv_cache_dtype fp8, scale 1) take them saturated."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8) if dtype == FP8 and x.dtype != FP8 else x.to(dtype)
+
+
+def from_pages(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered K or V rows in the queries' dtype (FP8 pages widen exactly)."""
+    return x.to(dtype) if x.dtype == FP8 else x
+
+
 def store_rows(k_cache, v_cache, k, v, plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
     src, dst, keep = plan
     for cache, new in ((k_cache, k), (v_cache, v)):
         flat = cache.view(-1, *cache.shape[2:])
+        if flat.dtype == FP8:  # (torch.where does not take float8: select on the bytes)
+            rows = to_pages(new[src], FP8).view(torch.uint8)
+            flat.view(torch.uint8).index_copy_(0, dst, torch.where(keep, rows, flat.view(torch.uint8)[dst]))
+            continue
         flat.index_copy_(0, dst, torch.where(keep, new[src].to(flat.dtype), flat[dst]))
 
 
@@ -143,8 +161,11 @@ class TorchAttention(AttentionBackend):
     def store_kv(self, k_cache, v_cache, k, v, batch):
         slots = batch.slot_mapping
         if slots.device.type == "cpu" and bool((slots >= 0).all()):
-            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k)
-            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v)
+            for cache, new in ((k_cache, k), (v_cache, v)):
+                flat, rows = cache.view(-1, *cache.shape[2:]), to_pages(new, cache.dtype)
+                if flat.dtype == FP8:  # (index_copy_ does not take float8 on a CPU: copy the bytes)
+                    flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+                flat.index_copy_(0, slots, rows)
         else:  # padding rows (slot -1: placeholder steps, padded eager steps on a GPU) store nothing
             store_rows(k_cache, v_cache, k, v, store_plan(slots))
 
@@ -161,8 +182,8 @@ class TorchAttention(AttentionBackend):
         for s in self.looped:
             a, b = batch.query_start_loc[s], batch.query_start_loc[s + 1]
             q_len = b - a
-            k = k_flat.index_select(0, self.slots[s]).transpose(0, 1)  # [n_kv, L, hd]
-            v = v_flat.index_select(0, self.slots[s]).transpose(0, 1)
+            k = from_pages(k_flat.index_select(0, self.slots[s]), q.dtype).transpose(0, 1)  # [n_kv, L, hd]
+            v = from_pages(v_flat.index_select(0, self.slots[s]), q.dtype).transpose(0, 1)
             # rows ordered (group member, query row) inside each kv head
             qg = q[a:b].view(q_len, n_kv, group, hd).permute(1, 2, 0, 3).reshape(n_kv, group * q_len, hd)
             scores = torch.matmul(qg, k.transpose(1, 2))
@@ -178,8 +199,8 @@ class TorchAttention(AttentionBackend):
         group = q.shape[1] // n_kv
         S, L = self.key_slots.shape
         Q = self.q_max
-        k = k_cache.view(-1, n_kv, hd)[self.key_slots].permute(0, 2, 1, 3)  # [S, n_kv, L, hd]
-        v = v_cache.view(-1, n_kv, hd)[self.key_slots]
+        k = from_pages(k_cache.view(-1, n_kv, hd)[self.key_slots], q.dtype).permute(0, 2, 1, 3)  # [S, n_kv, L, hd]
+        v = from_pages(v_cache.view(-1, n_kv, hd)[self.key_slots], q.dtype)
         # padding keys point at other sequences' pages: zero them so a non-finite value there
         # cannot leak through a zero attention weight (0 * inf = nan)
         v = torch.where(self.key_valid[:, :, None, None], v, 0).permute(0, 2, 1, 3)
@@ -269,9 +290,10 @@ class StaticTorchAttention(AttentionBackend):
             self._plan = self._build_plan(q.device, group) | {"group": group}
         p = self._plan
         S, Q = p["S"], p["Q"]
-        k = k_cache.view(-1, n_kv, hd)[p["key_slots"]].permute(0, 2, 1, 3)  # [S, n_kv, L, hd]
+        k = from_pages(k_cache.view(-1, n_kv, hd)[p["key_slots"]], q.dtype).permute(0, 2, 1, 3)  # [S, n_kv, L, hd]
         # keys past seq_len are other pages' data: zero V so a non-finite value cannot leak
-        v = torch.where(p["key_valid"], v_cache.view(-1, n_kv, hd)[p["key_slots"]], 0).permute(0, 2, 1, 3)
+        v = torch.where(p["key_valid"], from_pages(v_cache.view(-1, n_kv, hd)[p["key_slots"]], q.dtype), 0
+                        ).permute(0, 2, 1, 3)
         qp = q[p["q_gather"]].view(S, Q, n_kv, group, hd).permute(0, 2, 3, 1, 4).reshape(S, n_kv, group * Q, hd)
         scores = torch.matmul(qp, k.transpose(-1, -2))  # [S, n_kv, group*Q, L]
         scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale

@@ -28,14 +28,15 @@ def local_heads(model: DecoderLM) -> tuple[int, int]:
 
 
 def make_caches(model: DecoderLM, num_blocks: int, block_size: int, num_slots: int, device: torch.device,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict, list]:
+                dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, dict, list]:
     """(k pages, v pages) of the paged layers [layers, blocks, page, KV heads, head dim] (this process's KV
     heads), a hybrid target's recurrent states of num_slots sequences (layer -> state), and per layer what
-    its forward takes: its (k, v) pages or its state."""
+    its forward takes: its (k, v) pages or its state. kv_dtype: the pages' (default: dtype)."""
     paged = kv_layers(model)
     shape = (len(paged), num_blocks, block_size, local_heads(model)[1], model.head_dim)
-    k_cache = torch.zeros(shape, device=device, dtype=dtype)
-    v_cache = torch.zeros(shape, device=device, dtype=dtype)
+    k_cache = torch.zeros(shape, device=device, dtype=kv_dtype or dtype)
+    v_cache = torch.zeros(shape, device=device, dtype=kv_dtype or dtype)
     states = model.make_states(num_slots, device, dtype) if hasattr(model, "make_states") else {}
     kv = [states.get(i) for i in range(model.config.num_hidden_layers)]
     for j, i in enumerate(paged):
@@ -108,7 +109,7 @@ def plan_num_blocks(config: EngineConfig, model: DecoderLM, device: torch.device
                     max_model_len: int) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_bytes_per_token(model, dtype) * config.kv_block_size
+    per_block = kv_bytes_per_token(model, config.resolved_kv_dtype(device, dtype)) * config.kv_block_size
     # never more than every running sequence at full length could use
     ceiling = config.max_num_seqs * -(-max_model_len // config.kv_block_size)
     budget = memory_budget(config, device) - config.max_num_seqs * state_bytes_per_seq(model, dtype)

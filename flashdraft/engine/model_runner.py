@@ -44,6 +44,7 @@ class ModelRunner:
                  num_blocks: int, max_model_len: int):
         self.model = model
         self.device, self.dtype = device, dtype
+        self.kv_dtype = config.resolved_kv_dtype(device, dtype)  # the KV pages' (the drafter's context too)
         self.block_size = config.kv_block_size
         self.backend_name = config.resolved_attention_backend(device)
         self.attn = make_backend(self.backend_name)
@@ -77,7 +78,8 @@ class ModelRunner:
         # max_model_len plus room for draft slots past the end of a sequence
         model.setup_rope(max_model_len + 64)
         self.k_cache, self.v_cache, self.states, self.kv = make_caches(model, num_blocks, self.block_size,
-                                                                       config.max_num_seqs, device, dtype)
+                                                                       config.max_num_seqs, device, dtype,
+                                                                       self.kv_dtype)
         if self.backend_name == "triton" and device.type == "cuda":  # no kernel compiles once serving
             from flashdraft.kernels.attention import compile_variants
 

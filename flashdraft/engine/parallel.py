@@ -341,7 +341,8 @@ def worker(rank: int, size: int, init: str, config: dict, device_name: str, cont
                            config.quantization).model
         _, blocks, max_len, slots = _receive(control)  # rank 0's plan
         model.setup_rope(max_len + 64)
-        k_cache, v_cache, states, kv = make_caches(model, blocks, config.kv_block_size, slots, device, dtype)
+        k_cache, v_cache, states, kv = make_caches(model, blocks, config.kv_block_size, slots, device, dtype,
+                                                   config.resolved_kv_dtype(device, dtype))
         name = config.resolved_attention_backend(device)
         # steps built on the host, and steps described by device tensors (graphed ones): on a CPU the
         # latter need the torch backend's static variant (the triton backend reads both)

@@ -28,8 +28,8 @@ class DrafterContext:
         c = drafter.config
         shape = (c.num_hidden_layers, runner.k_cache.shape[1], runner.block_size, c.num_key_value_heads,
                  drafter.head_dim)  # the target's pages: a position's draft K/V lies at its target slot
-        self.k_cache = torch.zeros(shape, device=runner.device, dtype=runner.dtype)
-        self.v_cache = torch.zeros(shape, device=runner.device, dtype=runner.dtype)
+        self.k_cache = torch.zeros(shape, device=runner.device, dtype=runner.kv_dtype)
+        self.v_cache = torch.zeros(shape, device=runner.device, dtype=runner.kv_dtype)
         self.kv = [(self.k_cache[i], self.v_cache[i]) for i in range(c.num_hidden_layers)]
         masks = drafter.spec.layer_masks
         if masks and any(m != (False, None) for m in masks):  # causal or sliding-window drafter layers
