@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from flashdraft import LLM, SamplingParams
 
 BLOCK = [16, 32]  # (rows, columns) of a block: unequal, so a transposed scale shows
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "out_proj")  # (and GDN's projections)
 
 
 def _write_fp8(src, dst, keep=("model.layers.0.mlp.down_proj",)):
@@ -323,3 +324,27 @@ def test_vllm_s_quantization_flag_is_checked_against_the_checkpoint(fp8, tiny_ll
         LLM(str(model), draft=None, device="cpu", dtype="float32", quantization="bitsandbytes")
     args = build_parser().parse_args(["generate", "hi", "--quantization", "gptq_marlin"])
     assert args.quantization == "gptq_marlin"
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_next"])
+def test_block_fp8_of_experts_and_hybrid_projections(kind, tmp_path):
+    """Block FP8 where every family keeps its weights: a MoE's experts (stacked at load) and a hybrid
+    target's GDN projections and shared expert; the tokens of the float64 dequantization, plain and with
+    DFlash."""
+    from fixtures import build_random_drafter, build_tiny_model
+
+    src = build_tiny_model(tmp_path / "src", kind)
+    model, ref = _write_fp8(src, tmp_path / "fp8", keep=())
+    weights = load_file(model / "model.safetensors")
+    quantized = [n for n, w in weights.items() if w.dtype == torch.float8_e4m3fn]
+    assert any(".experts." in n for n in quantized)
+    if kind == "qwen3_next":
+        assert any("in_proj_qkvz" in n for n in quantized) and any("shared_expert." in n for n in quantized)
+    draft = build_random_drafter(tmp_path / "draft", src, block_size=4)
+    prompts = [[1, 5, 9, 14, 20], [1, 7, 7, 30]]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(ref), draft=None, device="cpu", dtype="float32").generate(prompts, params)]
+    assert [o.token_ids for o in LLM(str(model), draft=None, device="cpu", dtype="float32").generate(
+        prompts, params)] == want
+    assert [o.token_ids for o in LLM(str(model), draft=str(draft), device="cpu", dtype="float32").generate(
+        prompts, params)] == want
