@@ -6,6 +6,7 @@ Every module but dispatch.py needs triton to import (this package itself imports
     attention         paged attention over the KV cache, and the K/V store
     attention_splits  attention's split-K partitions: how many, their workspace, the merge of their partials
     skinny_gemm       few-row GEMMs (decode, verify and draft blocks), split-K and the silu * up epilogue
+    fp8_gemm          few-row GEMMs of block-scaled FP8 weights and bf16 activations (W8A16)
     layer_ops         a decoder layer's elementwise work: add + RMSNorm, q/k norm + RoPE + K/V store, silu * up
     token_ops         a step's token work: embedding, argmax, top-k, DFlash acceptance, graphed block slots
     gdn_ops           Gated DeltaNet layers: the causal conv, the recurrence, the gated norm
