@@ -152,6 +152,7 @@ def main() -> None:
     ap.add_argument("--formats", default=",".join(CONFIGS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    info = run_info("cpu")  # (the commit the run starts at)
     base = resolve_model_dir(None)  # the embedded SmolLM2 (its GGUF dequantized to float32 once)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     ref_llm = LLM(str(base), draft=DRAFT, device="cpu", dtype="float32")
@@ -180,7 +181,7 @@ def main() -> None:
                    "dflash_equals_plain": sum(a == b for a, b in zip(spec_out, got))}
             rows.append(row)
             log(json.dumps(row))
-    record = {"run": run_info("cpu"), "prompts": len(ids), "tokens": args.tokens, "rows": rows}
+    record = {"run": info, "prompts": len(ids), "tokens": args.tokens, "rows": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1))
     print(json.dumps(record))
