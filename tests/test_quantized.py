@@ -16,6 +16,21 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
            "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "out_proj")  # (and GDN's projections)
 
 
+PROMPTS = [[1, 5, 9, 14, 20], [1, 7, 7, 30]]
+
+
+def _same_tokens(model, ref, draft, max_tokens=20):
+    """The quantized checkpoint `model` gives the greedy tokens of its dequantization `ref`, plain and with
+    DFlash (drafter folder `draft`)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(ref), draft=None, device="cpu", dtype="float32").generate(PROMPTS, params)]
+    assert [o.token_ids for o in LLM(str(model), draft=None, device="cpu", dtype="float32").generate(
+        PROMPTS, params)] == want
+    spec = LLM(str(model), draft=str(draft), device="cpu", dtype="float32")
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == want
+    return spec
+
+
 def _write_fp8(src, dst, keep=("model.layers.0.mlp.down_proj",)):
     """src's checkpoint in HF's fine-grained FP8 layout (each block's amax to 448, the factor stored as
     weight_scale_inv), but the modules in `keep`; and the float64 dequantization of the same weights, as a
@@ -54,14 +69,8 @@ def fp8(tiny_llama, tmp_path_factory):
 
 def test_block_fp8_gives_its_dequantized_tokens(fp8, drafter):
     model, ref = fp8
-    prompts = [[1, 5, 9, 14, 20], [1, 7, 7, 30]]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    want = [o.token_ids for o in LLM(str(ref), draft=None, device="cpu", dtype="float32").generate(prompts, params)]
-    got = LLM(str(model), draft=None, device="cpu", dtype="float32").generate(prompts, params)
-    assert [o.token_ids for o in got] == want
-    spec = LLM(str(model), draft=str(drafter), device="cpu", dtype="float32")
-    outs = spec.generate(prompts, params)
-    assert [o.token_ids for o in outs] == want and spec.engine.spec_totals()["num_drafts"] > 0
+    spec = _same_tokens(model, ref, drafter, max_tokens=24)
+    assert spec.engine.spec_totals()["num_drafts"] > 0
 
 
 def test_the_dequantization_is_not_a_no_op(fp8, tiny_llama):
@@ -175,13 +184,7 @@ def test_compressed_tensors_give_the_library_s_dequantized_tokens(kind, tiny_lla
     fmt, weights, quantize = COMPRESSED[kind]
     compressor = PackedQuantizationCompressor if fmt == "pack-quantized" else FloatQuantizationCompressor
     model, ref = _write_compressed(tiny_llama, tmp_path / "model", fmt, weights, compressor, quantize)
-    prompts = [[1, 5, 9, 14, 20], [1, 7, 7, 30]]
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
-    want = [o.token_ids for o in LLM(str(ref), draft=None, device="cpu", dtype="float32").generate(prompts, params)]
-    assert [o.token_ids for o in LLM(str(model), draft=None, device="cpu", dtype="float32").generate(
-        prompts, params)] == want
-    spec = LLM(str(model), draft=str(drafter), device="cpu", dtype="float32")
-    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    _same_tokens(model, ref, drafter)
 
 
 def test_unpacking_matches_the_library():
@@ -284,13 +287,7 @@ def _write_int4(src, dst, method, group=16, checkpoint_format="gptq"):
 @pytest.mark.parametrize("method, fmt", [("awq", None), ("gptq", "gptq"), ("gptq", "gptq_v2")])
 def test_awq_and_gptq_give_their_dequantized_tokens(method, fmt, tiny_llama, drafter, tmp_path):
     model, ref = _write_int4(tiny_llama, tmp_path / "model", method, checkpoint_format=fmt or "gptq")
-    prompts = [[1, 5, 9, 14, 20], [1, 7, 7, 30]]
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
-    want = [o.token_ids for o in LLM(str(ref), draft=None, device="cpu", dtype="float32").generate(prompts, params)]
-    assert [o.token_ids for o in LLM(str(model), draft=None, device="cpu", dtype="float32").generate(
-        prompts, params)] == want
-    spec = LLM(str(model), draft=str(drafter), device="cpu", dtype="float32")
-    assert [o.token_ids for o in spec.generate(prompts, params)] == want
+    _same_tokens(model, ref, drafter)
 
 
 @pytest.mark.parametrize("method, change, match", [
@@ -341,10 +338,4 @@ def test_block_fp8_of_experts_and_hybrid_projections(kind, tmp_path):
     if kind == "qwen3_next":
         assert any("in_proj_qkvz" in n for n in quantized) and any("shared_expert." in n for n in quantized)
     draft = build_random_drafter(tmp_path / "draft", src, block_size=4)
-    prompts = [[1, 5, 9, 14, 20], [1, 7, 7, 30]]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    want = [o.token_ids for o in LLM(str(ref), draft=None, device="cpu", dtype="float32").generate(prompts, params)]
-    assert [o.token_ids for o in LLM(str(model), draft=None, device="cpu", dtype="float32").generate(
-        prompts, params)] == want
-    assert [o.token_ids for o in LLM(str(model), draft=str(draft), device="cpu", dtype="float32").generate(
-        prompts, params)] == want
+    _same_tokens(model, ref, draft, max_tokens=16)
