@@ -63,3 +63,24 @@ def test_what_is_not_implemented_is_refused():
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' is not supported"):
         EngineConfig(kv_cache_dtype="fp8_e5m2")
     assert EngineConfig().resolved_kv_dtype(torch.device("cpu"), torch.float32) == torch.float32
+
+
+def test_a_checkpoint_s_kv_scales(tiny_llama, plain, tmp_path):
+    """An FP8-KV checkpoint's k_scale / v_scale: with the model's own KV dtype they change nothing and are
+    skipped (vLLM ignores them too), with FP8 pages they would scale them, which is not read yet: refused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "kv-scales"
+    shutil.copytree(tiny_llama, folder)
+    weights = load_file(folder / "model.safetensors")
+    for i in range(3):
+        weights[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.5)
+        weights[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.25)
+    save_file(weights, folder / "model.safetensors")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    got = LLM(str(folder), draft=None, device="cpu", dtype="float32").generate(PROMPTS, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain.generate(PROMPTS, params)]
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.k_scale: the checkpoint's FP8 KV-cache scales"):
+        LLM(str(folder), draft=None, device="cpu", dtype="float32", kv_cache_dtype="fp8")

@@ -43,7 +43,8 @@ class LLMEngine:
             self.ranks = Ranks(config, self.device)
         try:
             loaded = load_model(config.model, self.device, self.dtype, config.load_format, config.revision,
-                                self.ranks.tp if self.ranks is not None else None, config.quantization)
+                                self.ranks.tp if self.ranks is not None else None, config.quantization,
+                                config.kv_cache_dtype)
         except BaseException:
             self.shutdown()
             raise

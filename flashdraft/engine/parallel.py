@@ -338,7 +338,7 @@ def worker(rank: int, size: int, init: str, config: dict, device_name: str, cont
     try:
         dtype = config.resolved_dtype(device)
         model = load_model(config.model, device, dtype, config.load_format, config.revision, tp,
-                           config.quantization).model
+                           config.quantization, config.kv_cache_dtype).model
         _, blocks, max_len, slots = _receive(control)  # rank 0's plan
         model.setup_rope(max_len + 64)
         k_cache, v_cache, states, kv = make_caches(model, blocks, config.kv_block_size, slots, device, dtype,
