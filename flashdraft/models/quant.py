@@ -1,6 +1,7 @@
 """Quantized checkpoints: what a config's `quantization_config` says, and the weights it describes turned
-into the model's dtype at load (the reference path: every format is served dequantized for now, on every
-device, so its results are those of its dequantized weights).
+into the model's dtype at load (the reference path, and the default on every device: results are those of the
+dequantized weights); a block-FP8 checkpoint's dense layers may instead keep their FP8 weights on CUDA
+(serve_quantized, settings.FP8_GEMM).
 
 Formats: HF fine-grained FP8 (`quant_method: "fp8"`, Qwen's `-FP8` checkpoints: float8_e4m3fn weights in
 `weight_block_size` blocks, each block's `weight_scale_inv` the factor that restores it; the modules of
@@ -15,6 +16,7 @@ one, any other method or format, or a field this reader does not know is refused
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +38,14 @@ METHOD_NAMES = {"fp8": "fp8", "compressed-tensors": "compressed-tensors", "compr
                 "awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq", "mxfp4": "mxfp4"}
 
 
+def _config_dict(cfg) -> dict:
+    """The config's quantization_config as a dict ({} without one)."""
+    quant = getattr(cfg, "quantization_config", None)
+    if not quant:
+        return {}
+    return quant if isinstance(quant, dict) else quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
+
+
 def check_method(cfg, asked: str | None) -> None:
     """vLLM's --quantization against the checkpoint's quant_method: refused when they differ, or when the
     checkpoint is not quantized (quantizing at load is not supported)."""
@@ -43,9 +53,7 @@ def check_method(cfg, asked: str | None) -> None:
         return
     if asked not in METHOD_NAMES:
         raise ValueError(f"quantization {asked!r} is not supported (supported: {', '.join(sorted(METHOD_NAMES))})")
-    quant = getattr(cfg, "quantization_config", None)
-    q = {} if not quant else quant if isinstance(quant, dict) else quant.to_dict()
-    method = q.get("quant_method")
+    method = _config_dict(cfg).get("quant_method")
     if method is None:
         raise ValueError(f"quantization {asked!r}: the checkpoint is not quantized, and quantizing at load is not "
                          "supported")
@@ -56,10 +64,9 @@ def check_method(cfg, asked: str | None) -> None:
 def scheme_of(cfg):
     """The quantization a config declares (BlockFP8, CompressedTensors; None: none, or GPT-OSS's MXFP4
     experts, which moe.py reads); ValueError naming what is not supported."""
-    quant = getattr(cfg, "quantization_config", None)
-    if not quant:
+    q = _config_dict(cfg)
+    if not q:
         return None
-    q = quant if isinstance(quant, dict) else quant.to_dict() if hasattr(quant, "to_dict") else vars(quant)
     method = q.get("quant_method")
     if method == "mxfp4" and getattr(cfg, "model_type", None) == "gpt_oss":
         return None
@@ -99,8 +106,12 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     if tuple(scale_inv.shape) != want:
         raise ValueError(f"{name}_scale_inv has shape {tuple(scale_inv.shape)}; {name} {tuple(weight.shape)} in "
                          f"{bn} x {bk} blocks needs {want}")
-    full = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return weight.float() * full
+    return weight.float() * _spread(scale_inv.float(), bn, bk, n, k)
+
+
+def _spread(scale: torch.Tensor, rows: int, cols: int, n: int, k: int) -> torch.Tensor:
+    """One factor per [rows, cols] block -> one per element of an [n, k] matrix (the last blocks cut)."""
+    return scale.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :k]
 
 
 CT_FIELDS = {"quant_method", "format", "config_groups", "ignore", "quantization_status", "kv_cache_scheme",
@@ -134,7 +145,7 @@ def _compressed_tensors(q: dict) -> CompressedTensors:
         if q.get(name):
             raise ValueError(f"compressed-tensors {name} is not supported")
     groups = q.get("config_groups") or {}
-    schemes = {json_key(g.get("weights")) for g in groups.values() if isinstance(g, dict)}
+    schemes = {json.dumps(g.get("weights"), sort_keys=True) for g in groups.values() if isinstance(g, dict)}
     if len(groups) < 1 or len(schemes) != 1:
         raise ValueError("compressed-tensors config_groups must hold one weight scheme (mixed schemes are not "
                          "supported)")
@@ -164,12 +175,6 @@ def _compressed_tensors(q: dict) -> CompressedTensors:
     if strategy == "group" and not (isinstance(group, int) and group > 0):
         raise ValueError(f"compressed-tensors group_size must be a positive integer, got {group!r}")
     return CompressedTensors(fmt, bits, strategy, group, bool(w.get("symmetric", True)), tuple(q.get("ignore") or ()))
-
-
-def json_key(value) -> str:
-    import json
-
-    return json.dumps(value, sort_keys=True)
 
 
 def _parts(scheme) -> tuple[str, ...]:
@@ -229,8 +234,8 @@ def _dequantize(scheme, t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         raise ValueError(f"{name}_packed has {q.shape[0]} rows; {name}_shape says {n}")
     if not scheme.symmetric:
         zp = unpack_int32(t["weight_zero_point"].t().contiguous(), scheme.bits, n).t()  # (packed along rows)
-        q = q - zp.repeat_interleave(group, 1)[:, :k]
-    return q.float() * scale.repeat_interleave(group, 1)[:, :k]
+        q = q - _spread(zp, 1, group, n, k)
+    return q.float() * _spread(scale, 1, group, n, k)
 
 
 def dequantized(pairs: Iterable[tuple[str, torch.Tensor]], scheme, served: set[str] = frozenset()
@@ -253,17 +258,13 @@ def dequantized(pairs: Iterable[tuple[str, torch.Tensor]], scheme, served: set[s
             continue
         if _kept(module, scheme):
             raise ValueError(f"{name} is quantized, but the config keeps {module} unquantized")
-        if served and _served(module, served):
-            if part == "weight" and w.dtype != torch.float8_e4m3fn:
-                raise ValueError(f"{name} is {w.dtype}: float8_e4m3fn expected")
+        if served and _served(module, served):  # (a "weight" here is float8: others went by above)
             yield name, w.view(torch.uint8) if part == "weight" else w.float().view(torch.int32)
             continue
         have = waiting.setdefault(module, {})
         have[part] = w
         if len(have) == len(parts):
             del waiting[module]
-            if "weight" in have and have["weight"].dtype != torch.float8_e4m3fn:
-                raise ValueError(f"{module}.weight is {have['weight'].dtype}: float8_e4m3fn expected")
             yield module + ".weight", _dequantize(scheme, have, module + ".weight")
     if waiting:
         module = sorted(waiting)[0]
