@@ -99,8 +99,9 @@ class EngineConfig:
               "default: what its config.json says); one that differs from the checkpoint's is refused")
     # the KV pages' dtype (memory.py, attention/torch_ref.py): fp8 pages hold twice the tokens
     kv_cache_dtype: str = flag(
-        "auto", "the KV pages' dtype, vLLM's: auto (the model's), fp8 / fp8_e4m3 (float8 e4m3, scale 1, values "
-                "saturated at +-448; target and drafter; the CPU reference attention only, for now)",
+        "auto", "the KV pages' dtype, vLLM's: auto (the model's), fp8 / fp8_e4m3 (float8 e4m3, values saturated at "
+                "+-448, scaled by the checkpoint's k_scale / v_scale where it has them; target and drafter; the CPU "
+                "reference attention only, for now)",
         choices=KV_CACHE_DTYPES)
     # engine/block_manager.py; off for hybrid targets, whose recurrent state pages cannot restore
     enable_prefix_caching: bool | None = flag(

@@ -364,3 +364,24 @@ def wait_until(done, guard_s: float, what: str = "a condition", every_s: float =
     while not done():
         assert time.monotonic() < deadline, f"hang guard expired waiting for {what}"
         time.sleep(every_s)
+
+
+def engine_logits(llm, ids: list[int], prefill: int) -> torch.Tensor:
+    """Logits at every position: one prefill forward over ids[:prefill], then one token a step."""
+    import random
+
+    from flashdraft import SamplingParams
+    from flashdraft.engine.sequence import Sequence
+
+    eng = llm.engine
+    random.Random(0).shuffle(eng.block_manager.free_blocks)  # pages out of order on purpose
+    seq = Sequence(ids[:prefill], SamplingParams())
+    chunks = [ids[:prefill]] + [[t] for t in ids[prefill:]]
+    rows = []
+    for chunk in chunks:
+        eng.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + len(chunk))
+        hidden, _, _ = eng.runner.forward([seq], [chunk], eng.block_manager)
+        rows.append(eng.runner.model.compute_logits(hidden))
+        seq.num_computed_tokens += len(chunk)
+    eng.block_manager.free(seq.seq_id)
+    return torch.cat(rows)

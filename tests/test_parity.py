@@ -3,30 +3,11 @@ the paged cache, on tiny random Llama (llama3 rope scaling) and Qwen3 configs.""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from fixtures import hf_model
+from fixtures import engine_logits, hf_model
 
 from flashdraft import LLM, SamplingParams
-from flashdraft.engine.sequence import Sequence
-
-
-def engine_logits(llm: LLM, ids: list[int], prefill: int) -> torch.Tensor:
-    """Logits at every position: one prefill forward over ids[:prefill], then one token a step."""
-    eng = llm.engine
-    random.Random(0).shuffle(eng.block_manager.free_blocks)  # pages out of order on purpose
-    seq = Sequence(ids[:prefill], SamplingParams())
-    chunks = [ids[:prefill]] + [[t] for t in ids[prefill:]]
-    rows = []
-    for chunk in chunks:
-        eng.block_manager.allocate(seq.seq_id, seq.num_computed_tokens + len(chunk))
-        hidden, _, _ = eng.runner.forward([seq], [chunk], eng.block_manager)
-        rows.append(eng.runner.model.compute_logits(hidden))
-        seq.num_computed_tokens += len(chunk)
-    eng.block_manager.free(seq.seq_id)
-    return torch.cat(rows)
 
 
 @pytest.mark.parametrize("kind", ["tiny_llama", "tiny_qwen3"])

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch
+from flashdraft.attention.kv_scales import store_and_attend
 from flashdraft.kernels.dispatch import fused_enabled
 from flashdraft.models.gdn import GatedDeltaNet, RecurrentState
 from flashdraft.models.layers import MLP, Embedding, Linear, activation
@@ -64,6 +65,7 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(self.n_heads * self.head_dim, h, bias=bias)
         self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.kv_scale = (1.0, 1.0)  # FP8 pages' (k_scale, v_scale): attention/kv_scales.py
 
     def forward(self, x, positions, rope: RotaryTable, k_cache, v_cache, attn: AttentionBackend,
                 batch: AttentionBatch, parts: bool = False):
@@ -89,8 +91,7 @@ class GatedAttention(nn.Module):
         r = self.rotary_dim
         q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], -1)
         k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], -1)
-        attn.store_kv(k_cache, v_cache, k, v, batch)
-        o = attn.forward(q.contiguous(), k_cache, v_cache, batch, self.scale)
+        o = store_and_attend(attn, q.contiguous(), k, v, k_cache, v_cache, batch, self.scale, self.kv_scale)
         o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(-1, self.n_heads * self.head_dim))
 

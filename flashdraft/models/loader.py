@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from flashdraft.attention.kv_scales import apply_kv_scales, read_kv_scales
 from flashdraft.hub import local_path
 from flashdraft.models.checks import check_config, check_finite, check_vocab_size, safetensors_header
 from flashdraft.models.gguf_convert import convert_gguf
 from flashdraft.models.hybrid import HYBRID_MODEL_TYPES, HybridLM, text_config
-from flashdraft.models.quant import check_method, dequantized, scheme_of, serve_quantized, without_kv_scales
+from flashdraft.models.quant import check_method, dequantized, scheme_of, serve_quantized
 from flashdraft.models.transformer import SUPPORTED_MODEL_TYPES, DecoderLM
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -192,14 +193,16 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
     """tp: a tensor-parallel rank's TPGroup (models/parallel.py): the model is split before its weights
     are placed, so the device holds this rank's share only (the checkpoint is read one tensor at a time).
     quantization: vLLM's --quantization, checked against the checkpoint's (models/quant.py); kv_cache_dtype:
-    the pages' (a checkpoint's FP8 KV-cache scales are skipped with the model's own, refused with FP8 pages)."""
+    the pages' (a checkpoint's FP8 KV-cache scales are skipped with the model's own, read with FP8 pages)."""
     folder = resolve_model_dir(model, revision, weights=load_format != "dummy")
     cfg = load_config(folder)
     check_method(cfg, quantization)
     tokenizer = load_tokenizer(folder)
     hybrid = cfg.model_type in HYBRID_MODEL_TYPES
     scheme = scheme_of(cfg)
-    stream = None if load_format == "dummy" else without_kv_scales(stream_weights(folder), kv_cache_dtype)
+    kv_scales: dict[str, dict[str, float]] = {}  # (FP8 pages: the checkpoint's k_scale / v_scale, if any)
+    stream = None if load_format == "dummy" else \
+        read_kv_scales(stream_weights(folder), kv_cache_dtype != "auto", kv_scales)
     # (the tokenizer's base vocabulary: added tokens past vocab_size are the checkpoint's own business)
     check_vocab_size(text_config(cfg).vocab_size, repr(str(folder / "config.json")),
                      getattr(tokenizer, "vocab_size", None) or len(tokenizer),
@@ -218,5 +221,6 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
         dummy_weights(net)
     else:
         net.load_hf_state_dict(weights)
+        apply_kv_scales(net, kv_scales)
     net.eval().requires_grad_(False)
     return LoadedModel(folder, cfg, net, tokenizer, eos_token_ids(folder, cfg, tokenizer))

@@ -391,26 +391,3 @@ def _served(module: str, served: set[str]) -> bool:
     """Whether a checkpoint module (model.layers.0.self_attn.q_proj) is a part of a swapped one."""
     prefix, _, leaf = module.removeprefix("model.").rpartition(".")
     return f"{prefix}.{PACKED_PARTS.get(leaf, leaf)}" in served
-
-
-KV_SCALES = (".k_scale", ".v_scale")  # an attention layer's FP8 KV-cache scales (vLLM reads them with fp8 pages)
-
-
-def without_kv_scales(pairs: Iterable[tuple[str, torch.Tensor]], kv_cache_dtype: str
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors less its FP8 KV-cache scales: with the model's own KV dtype they change nothing
-    (vLLM ignores them too: logged once); with FP8 pages they would scale them, which is not read yet (refused)."""
-    import logging
-
-    logged = False
-    for name, w in pairs:
-        if name.endswith(KV_SCALES):
-            if kv_cache_dtype != "auto":
-                raise ValueError(f"{name}: the checkpoint's FP8 KV-cache scales are not read yet, and kv_cache_dtype "
-                                 f"{kv_cache_dtype!r} would need them (pages use scale 1); use kv_cache_dtype 'auto'")
-            if not logged:
-                logging.getLogger(__name__).info("%s and the other KV-cache scales are ignored: the KV pages are "
-                                                 "in the model's dtype", name)
-                logged = True
-            continue
-        yield name, w

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch, layer_backend
+from flashdraft.attention.kv_scales import store_and_attend
 from flashdraft.kernels.dispatch import fused_enabled
 from flashdraft.models.layers import MLP, Embedding, Linear, RMSNorm, activation, linear
 from flashdraft.models.moe import GptOssMoE, MoE, gpt_oss_experts, is_moe_layer, stack_experts
@@ -35,6 +36,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.sinks = nn.Parameter(torch.empty(self.n_heads)) if sinks else None  # attention/base.py
+        self.kv_scale = (1.0, 1.0)  # FP8 pages' (k_scale, v_scale): attention/kv_scales.py
 
     def forward(self, x, cos, sin, k_cache, v_cache, attn: AttentionBackend, batch: AttentionBatch):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -44,8 +46,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn.store_kv(k_cache, v_cache, k, v, batch)
-        o = attn.forward(q, k_cache, v_cache, batch, self.scale, self.sinks)
+        o = store_and_attend(attn, q, k, v, k_cache, v_cache, batch, self.scale, self.kv_scale, self.sinks)
         return self.o_proj(o.reshape(-1, self.q_size))
 
     def forward_fused(self, x, positions, rope: RotaryTable, k_cache, v_cache, attn: AttentionBackend, batch,
