@@ -100,8 +100,7 @@ class EngineConfig:
     # the KV pages' dtype (memory.py, attention/torch_ref.py): fp8 pages hold twice the tokens
     kv_cache_dtype: str = flag(
         "auto", "the KV pages' dtype, vLLM's: auto (the model's), fp8 / fp8_e4m3 (float8 e4m3, values saturated at "
-                "+-448, scaled by the checkpoint's k_scale / v_scale where it has them; target and drafter; the CPU "
-                "reference attention only, for now)",
+                "+-448, scaled by the checkpoint's k_scale / v_scale where it has them; target and drafter)",
         choices=KV_CACHE_DTYPES)
     # engine/block_manager.py; off for hybrid targets, whose recurrent state pages cannot restore
     enable_prefix_caching: bool | None = flag(
@@ -252,14 +251,8 @@ class EngineConfig:
         return dev
 
     def resolved_kv_dtype(self, device: torch.device, dtype: torch.dtype) -> torch.dtype:
-        """The KV pages' dtype: the model's, or float8 e4m3 (refused on CUDA: its attention kernels and the
-        fused K/V store do not read or write FP8 pages yet)."""
-        if self.kv_cache_dtype == "auto":
-            return dtype
-        if device.type == "cuda":
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported on CUDA yet (the CPU "
-                             "reference attention reads FP8 pages; the GPU kernels do not)")
-        return torch.float8_e4m3fn
+        """The KV pages' dtype: the model's, or float8 e4m3."""
+        return dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype is None:

@@ -1,7 +1,9 @@
-"""kv_cache_dtype="fp8" (vLLM's): the target's and the drafter's KV pages in float8 e4m3 (scale 1, values
-saturated at +-448), read back widened by the CPU reference attention. DFlash with FP8 pages gives the
-tokens of plain decoding with FP8 pages (chains and trees, greedy and seeded, batched); the same memory
-holds four times the float32 pages; what is not implemented (CUDA, other fp8 kinds) is refused by name."""
+"""kv_cache_dtype="fp8" (vLLM's): the target's and the drafter's KV pages in float8 e4m3 (values saturated at
++-448; divided by the checkpoint's per-layer k_scale / v_scale where it has them), read back widened by the
+CPU reference attention (the Triton kernels: tests/gpu). DFlash with FP8 pages gives the tokens of plain
+decoding with FP8 pages (chains and trees, greedy and seeded, batched); the same memory holds four times the
+float32 pages; the scaled pages give HF transformers' logits over fake-quantized keys and values; other fp8
+kinds and bad scales are refused by name."""
 
 import pytest
 import torch
@@ -57,9 +59,9 @@ def test_stored_values_saturate_and_widen_exactly():
     assert from_pages(y, torch.float32)[1].item() == torch.tensor(-3.3).to(torch.float8_e4m3fn).float().item()
 
 
-def test_what_is_not_implemented_is_refused():
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' is not supported on CUDA yet"):
-        EngineConfig(kv_cache_dtype="fp8").resolved_kv_dtype(torch.device("cuda"), torch.bfloat16)
+def test_fp8_pages_on_every_device_and_other_kinds_refused():
+    assert EngineConfig(kv_cache_dtype="fp8").resolved_kv_dtype(torch.device("cuda"), torch.bfloat16) == \
+        torch.float8_e4m3fn
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' is not supported"):
         EngineConfig(kv_cache_dtype="fp8_e5m2")
     assert EngineConfig().resolved_kv_dtype(torch.device("cpu"), torch.float32) == torch.float32

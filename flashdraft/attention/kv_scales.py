@@ -73,10 +73,14 @@ def store_and_attend(attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_
                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """attn.store_kv then attn.forward, the pages holding k / k_scale and v / v_scale (see above)."""
     ks, vs = kv_scale
-    if ks != 1.0:
-        k = k.float() / ks
+    if ks != 1.0:  # (times the inverse, as the fused store kernel takes it: layer_ops.qk_norm_rope_store)
+        k = k.float() * (1.0 / ks)
     if vs != 1.0:
-        v = v.float() / vs
+        v = v.float() * (1.0 / vs)
     attn.store_kv(k_cache, v_cache, k, v, batch)
-    o = attn.forward(q, k_cache, v_cache, batch, scale * ks, sinks)
-    return o if vs == 1.0 else (o.float() * vs).to(o.dtype)
+    return scaled_output(attn.forward(q, k_cache, v_cache, batch, scale * ks, sinks), kv_scale)
+
+
+def scaled_output(o: torch.Tensor, kv_scale: tuple[float, float]) -> torch.Tensor:
+    """An attention output over FP8 pages that hold v / v_scale, times v_scale."""
+    return o if kv_scale[1] == 1.0 else (o.float() * kv_scale[1]).to(o.dtype)

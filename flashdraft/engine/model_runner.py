@@ -85,7 +85,7 @@ class ModelRunner:
 
             for _, window in dict.fromkeys(model.layer_masks):
                 compile_variants(*local_heads(model), model.head_dim, self.block_size,
-                                 dtype, device, window=window, sinks=model.has_sinks)
+                                 dtype, device, window=window, sinks=model.has_sinks, kv_dtype=self.kv_dtype)
         with torch.inference_mode():  # the sampler's greedy kernels, both logits dtypes
             if device.type == "cuda" and fused_enabled(self.k_cache):
                 for dt in {dtype, torch.float32}:

@@ -67,6 +67,15 @@ INTERPRET = settings.interpreted()
 
 
 @triton.jit
+def to_page(x, inv_scale, dt: tl.constexpr):
+    """A K or V value as its page stores it: FP8 pages (kv_cache_dtype fp8) hold x * inv_scale (1 / the layer's
+    k_scale or v_scale) saturated at +-448, as attention/torch_ref.py's to_pages; others x in their dtype."""
+    if dt == tl.float8e4nv:
+        return tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0).to(dt)
+    return x.to(dt)
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
                      stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
@@ -87,9 +96,9 @@ def _store_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
     pdl_trigger(USE_PDL)
     tl.store(kc_ptr + page * stride_kcb + off * stride_kcs + h * stride_kch + d,
-             k.to(kc_ptr.dtype.element_ty), mask=mask)
+             to_page(k, 1.0, kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + page * stride_vcb + off * stride_vcs + h * stride_vch + d,
-             v.to(vc_ptr.dtype.element_ty), mask=mask)
+             to_page(v, 1.0, vc_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -119,7 +128,9 @@ def _attend(q, k, v, key, key_ok, pos, tree, ctx, m_i, l_i, acc, scale_log2, CAU
     """One key tile of the online softmax (base 2): the updated (running max, running sum, acc).
     TREE: rows with a non-zero ancestor mask `tree` see the keys before `ctx` and key ctx + j iff
     bit j is set (token trees, base.py), instead of the causal rule. WINDOW > 0: a sliding window
-    (base.py)."""
+    (base.py). FP8 pages' k and v widen to q's dtype (exactly)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = _dot(q, tl.trans(k), F32_DOT) * scale_log2
     visible = key_ok[None, :]
     if CAUSAL:
@@ -385,21 +396,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def compile_variants(n_heads: int, n_kv: int, head_dim: int, page: int, dtype: torch.dtype, device: torch.device,
-                     causal: bool = True, tree: bool = False, window: int | None = None, sinks: bool = False) -> int:
+                     causal: bool = True, tree: bool = False, window: int | None = None, sinks: bool = False,
+                     kv_dtype: torch.dtype | None = None) -> int:
     """Compile, before serving, every attention variant an eager step (prefill, mixed prefill +
     decode) can pick: each query-tile height (from the step's longest query, 16 to the cap rows)
     without split-K, with it merged in the kernel and with it merged by `_reduce_kernel` (tree: the
     variants with token-tree masks, for steps that verify trees), and that merge both per query head
     and per kv head (below and above the token count that fills the GPU). Otherwise the first step
     that needs one compiles it mid-run, a stall of a second or so. Returns how many variants were
-    launched."""
+    launched. kv_dtype: the pages' (default: dtype)."""
     group = n_heads // n_kv
     heights = {}
     for q_len in (1 << i for i in range(12)):
         heights.setdefault(_tiles(head_dim, group, q_len)[1], q_len)
     merge_rows = triton.cdiv(sm_count(device), n_kv)  # the fewest tokens whose merge takes a kv head a program
     pages = triton.cdiv(max(*heights.values(), merge_rows), page) + 1
-    k = torch.zeros(pages, page, n_kv, head_dim, device=device, dtype=dtype)
+    k = torch.zeros(pages, page, n_kv, head_dim, device=device, dtype=kv_dtype or dtype)
     v = torch.zeros_like(k)
     launched = 0
     for q_len in (*heights.values(), merge_rows):

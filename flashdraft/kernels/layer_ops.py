@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from flashdraft import settings
+from flashdraft.kernels.attention import to_page
 from flashdraft.kernels.launch import launch_kwargs, pdl_enter, pdl_trigger
 
 SILU_BLOCK = 1024  # columns per silu_mul program
@@ -118,7 +119,7 @@ def _cos_sin(pos_ptr, cos_ptr, sin_ptr, t, stride_cos, stride_sin, d, ROT: tl.co
 
 @triton.jit
 def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
-                               eps, stride_t, stride_cos, stride_sin, stride_qt, stride_qh,
+                               eps, k_inv, v_inv, stride_t, stride_cos, stride_sin, stride_qt, stride_qh,
                                stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
                                N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
                                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
@@ -167,10 +168,11 @@ def _qk_norm_rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_pt
     off = slot % PAGE
     j = (r - N_HEADS)[:, None]
     v = tl.load(row + N_KV * HEAD_DIM + d[None, :], mask=keep, other=0.0)
+    # (FP8 pages: the k row rounded to the activations' dtype first, as the unfused path stores it)
     tl.store(kc_ptr + page * stride_kcb + off * stride_kcs + j * stride_kch + d[None, :],
-             out.to(kc_ptr.dtype.element_ty), mask=keep)
+             to_page(out.to(q_ptr.dtype.element_ty), k_inv, kc_ptr.dtype.element_ty), mask=keep)
     tl.store(vc_ptr + page * stride_vcb + off * stride_vcs + j * stride_vch + d[None, :],
-             v.to(vc_ptr.dtype.element_ty), mask=keep)
+             to_page(v, v_inv, vc_ptr.dtype.element_ty), mask=keep)
 
 
 @triton.jit
@@ -227,9 +229,9 @@ def _context_kv_kernel(kv_ptr, pos_ptr, cos_ptr, sin_ptr, kw_ptr, kc_ptr, vc_ptr
     off = slot % PAGE
     pdl_trigger(USE_PDL)
     tl.store(kc_ptr + lay * stride_kcl + page * stride_kcb + off * stride_kcs + j * stride_kch + d[None, :],
-             k.to(kc_ptr.dtype.element_ty), mask=mask)
+             to_page(k.to(kv_ptr.dtype.element_ty), 1.0, kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + lay * stride_vcl + page * stride_vcb + off * stride_vcs + j * stride_vch + d[None, :],
-             v.to(vc_ptr.dtype.element_ty), mask=mask)
+             to_page(v, 1.0, vc_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- wrappers -------------------------------------------------------------------------------------
@@ -293,13 +295,14 @@ def _check_rope(cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> None:
 def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None, eps: float,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       gated: bool = False, offset: bool = False) -> torch.Tensor:
+                       gated: bool = False, offset: bool = False, kv_scale: tuple[float, float] = (1.0, 1.0)
+                       ) -> torch.Tensor:
     """qkv: [T, (H + 2 * KV) * D] packed projection (q heads, k heads, v heads; gated: each q head
     followed by its output gate, [T, (2 H + 2 KV) * D]); cos/sin: full tables [max_len, R]
     (RotaryTable.cos/.sin, R <= D the rotary dims) read at `positions` [T]; caches [blocks, page, KV,
     D]. Returns q [T, H, D] after q_norm (when given; offset: (1 + w) norms) and RoPE; K (k_norm,
-    RoPE) and V are stored at slot_mapping [T] (< 0: skipped). q_norm_w and k_norm_w are both given
-    or both None."""
+    RoPE) and V are stored at slot_mapping [T] (< 0: skipped); FP8 pages hold them divided by kv_scale
+    (attention/kv_scales.py). q_norm_w and k_norm_w are both given or both None."""
     n_kv, hd = k_cache.shape[2], k_cache.shape[3]
     T = qkv.shape[0]
     q_width = 2 * hd if gated else hd
@@ -323,7 +326,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Te
     block_h = _heads_per_program(n_heads + n_kv, block_d)
     _qk_norm_rope_store_kernel[(T, triton.cdiv(n_heads + n_kv, block_h))](
         qkv, positions, cos, sin, q_norm_w if has_norm else qkv, k_norm_w if has_norm else qkv, q, k_cache, v_cache,
-        slot_mapping, eps, qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
+        slot_mapping, eps, 1.0 / kv_scale[0], 1.0 / kv_scale[1], qkv.stride(0), cos.stride(0), sin.stride(0),
+        q.stride(0), q.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], N_HEADS=n_heads, N_KV=n_kv, HEAD_DIM=hd, BLOCK_H=block_h,
         BLOCK_D=block_d, PAGE=k_cache.shape[1], HAS_NORM=has_norm, num_warps=4, ROT=rotary, Q_WIDTH=q_width,
         OFFSET=offset, **launch_kwargs(qkv))

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch
-from flashdraft.attention.kv_scales import store_and_attend
+from flashdraft.attention.kv_scales import scaled_output, store_and_attend
 from flashdraft.kernels.dispatch import fused_enabled
 from flashdraft.models.gdn import GatedDeltaNet, RecurrentState
 from flashdraft.models.layers import MLP, Embedding, Linear, activation
@@ -78,8 +78,8 @@ class GatedAttention(nn.Module):
 
             q = layer_ops.qk_norm_rope_store(proj, positions, rope.cos, rope.sin, self.q_norm.weight,
                                              self.k_norm.weight, self.q_norm.eps, k_cache, v_cache,
-                                             batch.slot_mapping, gated=True, offset=True)
-            o = attn.forward(q, k_cache, v_cache, batch, self.scale)
+                                             batch.slot_mapping, gated=True, offset=True, kv_scale=self.kv_scale)
+            o = scaled_output(attn.forward(q, k_cache, v_cache, batch, self.scale * self.kv_scale[0]), self.kv_scale)
             o = layer_ops.sigmoid_gate(o, gate)
             return self.o_proj(o.reshape(-1, self.n_heads * self.head_dim), parts=parts)
         _, k, v = proj.split(self.splits, dim=-1)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from flashdraft.attention.base import AttentionBackend, AttentionBatch, layer_backend
-from flashdraft.attention.kv_scales import store_and_attend
+from flashdraft.attention.kv_scales import scaled_output, store_and_attend
 from flashdraft.kernels.dispatch import fused_enabled
 from flashdraft.models.layers import MLP, Embedding, Linear, RMSNorm, activation, linear
 from flashdraft.models.moe import GptOssMoE, MoE, gpt_oss_experts, is_moe_layer, stack_experts
@@ -58,8 +58,10 @@ class Attention(nn.Module):
         norm = self.q_norm is not None
         q = layer_ops.qk_norm_rope_store(self.qkv_proj(x), positions, rope.cos, rope.sin,
                                          self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                                         self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch))
-        o = attn.forward(q, k_cache, v_cache, batch, self.scale, self.sinks)
+                                         self.q_norm.eps if norm else 0.0, k_cache, v_cache, step_slots(attn, batch),
+                                         kv_scale=self.kv_scale)
+        o = scaled_output(attn.forward(q, k_cache, v_cache, batch, self.scale * self.kv_scale[0], self.sinks),
+                          self.kv_scale)
         return self.o_proj(o.reshape(-1, self.q_size), parts=parts)
 
 

@@ -112,11 +112,13 @@ class StepGraphs:
             c = drafter.config
             for causal, window in dict.fromkeys(drafter.spec.layer_masks or [(False, None)]):
                 compile_variants(c.num_attention_heads, c.num_key_value_heads, drafter.head_dim,
-                                 runner.block_size, runner.dtype, dev, causal=causal, window=window)
+                                 runner.block_size, runner.dtype, dev, causal=causal, window=window,
+                                 kv_dtype=runner.kv_dtype)
             if capture_trees is not None:  # the target's attention under tree masks
                 t = runner.model.config
                 compile_variants(t.num_attention_heads, t.num_key_value_heads, runner.model.head_dim,
-                                 runner.block_size, runner.dtype, dev, tree=True, sinks=runner.model.has_sinks)
+                                 runner.block_size, runner.dtype, dev, tree=True, sinks=runner.model.has_sinks,
+                                 kv_dtype=runner.kv_dtype)
         with torch.inference_mode():  # the acceptance kernel is compiled now, not mid-serving
             z = torch.zeros(1, num_draft + 1, dtype=torch.long, device=dev)
             accepted_lengths(z[:, 1:], z)

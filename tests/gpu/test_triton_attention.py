@@ -20,7 +20,7 @@ if not INTERPRET and not torch.cuda.is_available():
 
 from flashdraft import settings  # noqa: E402
 from flashdraft.attention.base import AttentionBatch, DeviceMeta  # noqa: E402
-from flashdraft.attention.torch_ref import TorchAttention  # noqa: E402
+from flashdraft.attention.torch_ref import FP8, TorchAttention, to_pages  # noqa: E402
 from flashdraft.attention.triton_backend import TritonAttention  # noqa: E402
 from flashdraft.kernels import attention, attention_splits  # noqa: E402
 from flashdraft.kernels.attention import paged_attention, store_kv  # noqa: E402
@@ -31,9 +31,10 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
 def make_case(q_lens, ctx, *, n_kv=2, group=2, hd=64, page=16, dtype=torch.float32, causal=True, pad_rows=0,
-              seed=0, n_blocks=None, window=None):
+              seed=0, n_blocks=None, window=None, kv_dtype=None):
     """Random caches with shuffled pages; sequence s has ctx[s] cached keys and q_lens[s] new rows.
-    A (0, 0) entry is a padding sequence; pad_rows extra rows at the end have slot -1."""
+    A (0, 0) entry is a padding sequence; pad_rows extra rows at the end have slot -1. kv_dtype: the
+    pages' (default dtype; FP8 pages hold the random values as to_pages stores them)."""
     g = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     seq_lens = [c + q for q, c in zip(q_lens, ctx)]
@@ -50,8 +51,12 @@ def make_case(q_lens, ctx, *, n_kv=2, group=2, hd=64, page=16, dtype=torch.float
     def rand(*shape):
         return torch.randn(*shape, generator=g).to(DEVICE, dtype)
 
+    def pages():
+        return rand(n_blocks, page, n_kv, hd) if kv_dtype in (None, dtype) else \
+            to_pages(rand(n_blocks, page, n_kv, hd), kv_dtype)
+
     return dict(
-        k_cache=rand(n_blocks, page, n_kv, hd), v_cache=rand(n_blocks, page, n_kv, hd),
+        k_cache=pages(), v_cache=pages(),
         q=rand(T, n_kv * group, hd), k=rand(T, n_kv, hd), v=rand(T, n_kv, hd),
         batch=AttentionBatch(torch.tensor(slots + [-1] * pad_rows, device=DEVICE), qsl, seq_lens, tables, page,
                              causal, window=window),
@@ -80,13 +85,26 @@ def run_triton(c, num_splits=None, meta=None):
     return kc, vc, out[: c["rows"]]
 
 
-def check(c, **kw):
+def same_pages(got, want):
+    """Equal pages (FP8 ones bytewise)."""
+    if got.dtype == FP8:
+        return torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    return torch.equal(got, want)
+
+
+def on_fp8_grid(x):
+    """Under the interpreter, whose float8 cast does not round to nearest (0.49 -> 0.25): x's values below
+    448 moved onto e4m3's grid, so that storing them needs no rounding (those past 448 still saturate)."""
+    return torch.where(x.abs() > 448, x, to_pages(x, FP8).to(x.dtype)) if INTERPRET else x
+
+
+def check(c, tol=None, **kw):
     want_k, want_v, want = reference(c)
     got_k, got_v, got = run_triton(c, **kw)
-    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert same_pages(got_k, want_k) and same_pages(got_v, want_v)
     assert got.dtype == c["q"].dtype
     err = (got.float() - want.float()).abs().max().item() if want.numel() else 0.0
-    assert err < TOL[c["q"].dtype], err
+    assert err < (tol or TOL[c["q"].dtype]) * max(1.0, want.abs().max().item() if want.numel() else 0.0), err
 
 
 SCENARIOS = {  # q_lens, ctx, causal, pad_rows
@@ -113,6 +131,38 @@ def test_matches_torch(scenario, config):
     n_kv, group, hd, page, dtype = config
     check(make_case(q_lens, ctx, n_kv=n_kv, group=group, hd=hd, page=page, dtype=dtype, causal=causal,
                     pad_rows=pad_rows))
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_pages(scenario, dtype):
+    """kv_cache_dtype fp8: K/V stored saturated in float8 e4m3 pages (some new rows past +-448) and read
+    widened, in every scenario, against the torch backend over the same pages."""
+    q_lens, ctx, causal, pad_rows = SCENARIOS[scenario]
+    c = make_case(q_lens, ctx, n_kv=2, group=3, hd=64, dtype=dtype, causal=causal, pad_rows=pad_rows, seed=12,
+                  kv_dtype=FP8)
+    c["k"][::5, :, :2] = 600.0  # key values past 448 (saturated), in dims the queries leave out: huge logits
+    c["k"][2::5, :, 5] = -900.0  # would be rounded apart (bf16 scores)
+    c["q"][:, :, [0, 1, 5]] = 0.0
+    c["v"][1::4] *= 500
+    c["k"], c["v"] = on_fp8_grid(c["k"]), on_fp8_grid(c["v"])
+    check(c)
+    if scenario == "verify":
+        check(c, num_splits=4)
+
+
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_fp8_pages_under_tree_masks_and_windows(num_splits):
+    from flashdraft.speculative.tree import ancestor_masks
+
+    c = make_case([16, 1, 40], [70, 33, 9], n_kv=2, group=2, hd=64, dtype=torch.bfloat16, seed=13, kv_dtype=FP8)
+    mask = ancestor_masks(torch.tensor([[0, 0, 1, 1, 2, 2, 3, 4, 5, 3, 9, 10, 6, 12, 7]]), 15)[0].tolist()
+    c["batch"].tree_mask = torch.tensor(mask + [0] * 41, device=DEVICE)
+    c["k"], c["v"] = on_fp8_grid(c["k"]), on_fp8_grid(c["v"])
+    check(c, num_splits=num_splits)
+    c = make_case([1, 16, 40], [90, 37, 20], n_kv=2, group=3, hd=64, window=7, seed=14, kv_dtype=FP8)
+    c["k"], c["v"] = on_fp8_grid(c["k"]), on_fp8_grid(c["v"])
+    check(c, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
