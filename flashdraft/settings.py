@@ -75,11 +75,15 @@ GRAMMAR_DRAFTS = os.environ.get("FLASHDRAFT_GRAMMAR_DRAFTS", "1") != "0"
 # on the host and its drafts walked (FLASHDRAFT_GRAMMAR_CHECK=0, A/B runs). Read at every step.
 GRAMMAR_CHECK = os.environ.get("FLASHDRAFT_GRAMMAR_CHECK", "1") != "0"
 
-# FLASHDRAFT_FP8_GEMM=1: a block-FP8 checkpoint's dense layers keep their FP8 weights on CUDA (half the weight
-# memory), multiplied by kernels/fp8_gemm.py (models/quant.py serve_quantized). Off by default: that kernel
-# still runs at 2-5x its weight bytes' roofline, slower than the bf16 GEMMs of the dequantized weights (H200,
-# Qwen3-8B shapes, benchmarks/device/fp8_gemm.py; docs/performance.md section 6). Read when a model loads.
+# FLASHDRAFT_FP8_GEMM=1: an FP8 checkpoint's dense layers (block-scaled, compressed-tensors per channel or
+# tensor) keep their FP8 weights (half the weight memory), multiplied by kernels/fp8_gemm.py on CUDA
+# (models/quant_serve.py). Off by default: that kernel still runs at 2-5x its weight bytes' roofline, slower
+# than the bf16 GEMMs of the dequantized weights (H200, Qwen3-8B shapes, benchmarks/device/fp8_gemm.py;
+# docs/performance.md section 6). FLASHDRAFT_INT4_GEMM=1: the same for 4-bit checkpoints (AWQ, GPTQ,
+# compressed-tensors pack-quantized; a quarter of the memory) through kernels/int4_gemm.py, which has not been
+# timed on a GPU yet. Read when a model loads.
 FP8_GEMM = os.environ.get("FLASHDRAFT_FP8_GEMM", "0") == "1"
+INT4_GEMM = os.environ.get("FLASHDRAFT_INT4_GEMM", "0") == "1"
 
 # The kernels (flashdraft/kernels/): each switch is read when a launch or a dispatch asks for it, so a test
 # or a sweep sets `settings.NAME` between calls. CUDA graphs keep what they were captured with.

@@ -65,10 +65,10 @@ class Linear(nn.Linear):
 
 
 class BlockFP8Linear(nn.Module):
-    """A linear layer whose weight stays in its checkpoint's block-scaled FP8 (models/quant.py), multiplied
-    by kernels/fp8_gemm.py on CUDA: half the bytes of a bf16 weight. The float8_e4m3fn weight [N, K] and its
-    blocks' float32 factors are held as their bits, uint8 and int32 parameters, so that casting the model to
-    its dtype leaves them as they are."""
+    """A linear layer whose weight stays in its checkpoint's FP8 (models/quant_serve.py): float8_e4m3fn [N, K] in
+    `block` blocks, each block's float32 factor in weight_scale_inv (per channel: blocks of (1, K)), multiplied
+    by kernels/fp8_gemm.py on CUDA: half the bytes of a bf16 weight. Both are held as their bits, uint8 and int32
+    parameters, so that casting the model to its dtype leaves them as they are."""
 
     def __init__(self, in_features: int, out_features: int, block: tuple[int, int], bias: bool):
         super().__init__()
@@ -80,12 +80,55 @@ class BlockFP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor:
         """parts: accepted for the callers of Linear; the result is always whole."""
-        from flashdraft.kernels.fp8_gemm import fp8_linear
-
+        w, s = self.weight.view(torch.float8_e4m3fn), self.weight_scale_inv.view(torch.float32)
         flat = x.reshape(-1, x.shape[-1])
-        half = flat if flat.dtype in (torch.bfloat16, torch.float16) else flat.to(torch.bfloat16)
-        y = fp8_linear(half, self.weight.view(torch.float8_e4m3fn), self.weight_scale_inv.view(torch.float32),
-                       self.block).to(x.dtype)
+        if x.device.type == "cuda":
+            from flashdraft.kernels.fp8_gemm import fp8_linear
+
+            half = flat if flat.dtype in (torch.bfloat16, torch.float16) else flat.to(torch.bfloat16)
+            y = fp8_linear(half, w, s, self.block).to(x.dtype)
+        else:  # (dequantized at each call, then Linear's GEMM: the tests' check of the layout)
+            from flashdraft.models.quant import dequantize_block_fp8
+
+            y = linear(flat, dequantize_block_fp8(w, s, self.block, "weight").to(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(nn.Module):
+    """A linear layer whose weight stays at 4 bits (models/quant_serve.py): kernels/int4_layout.py's qweight
+    [N, K / 8] int32 and a float32 scale and zero point a group of `group` input columns (held as int32 bits),
+    multiplied by kernels/int4_gemm.py on CUDA: a quarter of the bytes of a bf16 weight."""
+
+    def __init__(self, in_features: int, out_features: int, group: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features, self.group = in_features, out_features, group
+        groups = -(-in_features // group)
+        self.qweight = nn.Parameter(torch.empty(out_features, in_features // 8, dtype=torch.int32), requires_grad=False)
+        self.scales = nn.Parameter(torch.empty(out_features, groups, dtype=torch.int32), requires_grad=False)
+        self.zeros = nn.Parameter(torch.empty(out_features, groups, dtype=torch.int32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [N, K]: (q - zero) * scale."""
+        words = self.qweight.to(torch.int64) & 0xFFFFFFFF
+        q = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], -1).reshape(self.out_features, -1)
+        idx = torch.arange(self.in_features, device=q.device) // self.group
+        scale, zero = self.scales.view(torch.float32), self.zeros.view(torch.float32)
+        return (q.float() - zero[:, idx]) * scale[:, idx]
+
+    def forward(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor:
+        """parts: accepted for the callers of Linear; the result is always whole."""
+        flat = x.reshape(-1, x.shape[-1])
+        if x.device.type == "cuda":
+            from flashdraft.kernels.int4_gemm import int4_linear
+
+            half = flat if flat.dtype in (torch.bfloat16, torch.float16) else flat.to(torch.bfloat16)
+            y = int4_linear(half, self.qweight, self.scales.view(torch.float32), self.zeros.view(torch.float32),
+                            self.group).to(x.dtype)
+        else:  # (dequantized at each call, then Linear's GEMM: the tests' check of the layout)
+            y = linear(flat, self.dequantized().to(x.dtype))
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)

@@ -19,7 +19,8 @@ from flashdraft.hub import local_path
 from flashdraft.models.checks import check_config, check_finite, check_vocab_size, safetensors_header
 from flashdraft.models.gguf_convert import convert_gguf
 from flashdraft.models.hybrid import HYBRID_MODEL_TYPES, HybridLM, text_config
-from flashdraft.models.quant import check_method, dequantized, scheme_of, serve_quantized
+from flashdraft.models.quant import check_method, dequantized, scheme_of
+from flashdraft.models.quant_serve import serve_quantized
 from flashdraft.models.transformer import SUPPORTED_MODEL_TYPES, DecoderLM
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -213,9 +214,9 @@ def load_model(model: str | os.PathLike | None, device: torch.device, dtype: tor
         from flashdraft.models.parallel import shard_decoder
 
         shard_decoder(net, tp)
-    # a quantized checkpoint's weights: the FP8 kernel's kept, the others dequantized as they stream in
-    served = serve_quantized(net, scheme, device, tp)
-    weights = None if stream is None else dequantized(stream, scheme, served)
+    # a quantized checkpoint's weights: those its kernels take kept (quant_serve.py), the others dequantized
+    serving = serve_quantized(net, scheme, tp)
+    weights = None if stream is None else dequantized(stream, scheme, serving)
     net = net.to_empty(device=device).to(dtype)
     if weights is None:
         dummy_weights(net)

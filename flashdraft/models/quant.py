@@ -1,7 +1,7 @@
 """Quantized checkpoints: what a config's `quantization_config` says, and the weights it describes turned
 into the model's dtype at load (the reference path, and the default on every device: results are those of the
 dequantized weights); a block-FP8 checkpoint's dense layers may instead keep their FP8 weights on CUDA
-(serve_quantized, settings.FP8_GEMM).
+(quant_serve.py).
 
 Formats: HF fine-grained FP8 (`quant_method: "fp8"`, Qwen's `-FP8` checkpoints: float8_e4m3fn weights in
 `weight_block_size` blocks, each block's `weight_scale_inv` the factor that restores it; the modules of
@@ -188,7 +188,7 @@ def _parts(scheme) -> tuple[str, ...]:
     return ("weight_packed", "weight_scale", "weight_shape") + (() if scheme.symmetric else ("weight_zero_point",))
 
 
-def _kept(module: str, scheme) -> bool:
+def kept_unquantized(module: str, scheme) -> bool:
     """Whether the config says this module is stored unquantized."""
     name = module.removeprefix("model.")
     if isinstance(scheme, (BlockFP8, Int4)):
@@ -211,16 +211,41 @@ def unpack_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 def _dequantize(scheme, t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if isinstance(scheme, BlockFP8):
         return dequantize_block_fp8(t["weight"], t["weight_scale_inv"], scheme.block, name)
+    if scheme_format(scheme) == "float-quantized":
+        return t["weight"].float() * channel_scales(t, name)
+    q, zero, scale, group = int_values(scheme, t, name)
+    n, k = q.shape
+    return (q - _spread(zero, 1, group, n, k)).float() * _spread(scale, 1, group, n, k)
+
+
+def scheme_format(scheme) -> str:
+    """'fp8-block', 'float-quantized' (FP8 per channel or tensor) or 'int' (AWQ, GPTQ, pack-quantized)."""
+    if isinstance(scheme, BlockFP8):
+        return "fp8-block"
+    return "int" if isinstance(scheme, Int4) or scheme.format == "pack-quantized" else "float-quantized"
+
+
+def int_bits(scheme) -> int:
+    return 4 if isinstance(scheme, Int4) else scheme.bits
+
+
+def channel_scales(t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """A compressed-tensors FP8 weight's scales as one float32 per row [N, 1] (a per-tensor one repeated)."""
+    w, scale = t["weight"], t["weight_scale"].float()
+    n = w.shape[0]
+    if scale.numel() not in (1, n):
+        raise ValueError(f"{name}_scale has {scale.numel()} values; {name} {tuple(w.shape)} needs 1 (per tensor) "
+                         f"or {n} (per channel)")
+    return scale.reshape(-1, 1).expand(n, 1).contiguous()
+
+
+def int_values(scheme, t: dict[str, torch.Tensor], name: str
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """An int-quantized module's (q [N, K] int32, unsigned: 0 .. 2^bits - 1, zero [N, G] and scale [N, G]
+    float32, group): w = (q - zero) * scale over groups of `group` input columns."""
     if isinstance(scheme, Int4):
-        return _dequantize_int4(scheme, t, name)
+        return _int4_values(scheme, t, name)
     scale = t["weight_scale"].float()
-    if scheme.format == "float-quantized":
-        w = t["weight"]
-        n = w.shape[0]
-        if scale.numel() not in (1, n):
-            raise ValueError(f"{name}_scale has {scale.numel()} values; {name} {tuple(w.shape)} per "
-                             f"{scheme.strategy} needs {1 if scheme.strategy == 'tensor' else n}")
-        return w.float() * scale.reshape(-1, 1)
     shape = [int(v) for v in t["weight_shape"].tolist()]
     if len(shape) != 2:
         raise ValueError(f"{name}_shape must hold two sizes, got {shape}")
@@ -232,18 +257,19 @@ def _dequantize(scheme, t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     q = unpack_int32(t["weight_packed"], scheme.bits, k)
     if q.shape[0] != n:
         raise ValueError(f"{name}_packed has {q.shape[0]} rows; {name}_shape says {n}")
-    if not scheme.symmetric:
-        zp = unpack_int32(t["weight_zero_point"].t().contiguous(), scheme.bits, n).t()  # (packed along rows)
-        q = q - _spread(zp, 1, group, n, k)
-    return q.float() * _spread(scale, 1, group, n, k)
+    mid = 1 << (scheme.bits - 1)  # (stored signed: q + mid unsigned, the symmetric zero point mid)
+    if scheme.symmetric:
+        zero = torch.full((n, groups), float(mid))
+    else:
+        zero = unpack_int32(t["weight_zero_point"].t().contiguous(), scheme.bits, n).t().float() + mid  # (by rows)
+    return q + mid, zero, scale, group
 
 
-def dequantized(pairs: Iterable[tuple[str, torch.Tensor]], scheme, served: set[str] = frozenset()
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantized(pairs: Iterable[tuple[str, torch.Tensor]], scheme, serving=None) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's (name, tensor) pairs with each quantized module's tensors (in any order, in any file)
-    turned into one float32 `weight`; others as they come. The modules of `served` (serve_quantized) keep
-    theirs, as the bits BlockFP8Linear holds. A module left without one of its tensors, or a quantized tensor
-    in a module the config keeps unquantized, is an error naming it."""
+    turned into one float32 `weight`; others as they come. A module that `serving` takes (quant_serve.py) gets
+    its tensors in the layout its quantized layer holds instead. A module left without one of its tensors, or a
+    quantized tensor in a module the config keeps unquantized, is an error naming it."""
     if scheme is None:
         yield from pairs
         return
@@ -252,20 +278,20 @@ def dequantized(pairs: Iterable[tuple[str, torch.Tensor]], scheme, served: set[s
     for name, w in pairs:
         module, _, part = name.rpartition(".")
         if part not in parts or (part == "weight" and w.dtype != torch.float8_e4m3fn):
-            if served and part == "weight" and _served(module, served):
+            if serving is not None and part == "weight" and serving.takes(module):
                 raise ValueError(f"{name} is {w.dtype}, but the config quantizes it: float8_e4m3fn expected")
             yield name, w
             continue
-        if _kept(module, scheme):
+        if kept_unquantized(module, scheme):
             raise ValueError(f"{name} is quantized, but the config keeps {module} unquantized")
-        if served and _served(module, served):  # (a "weight" here is float8: others went by above)
-            yield name, w.view(torch.uint8) if part == "weight" else w.float().view(torch.int32)
-            continue
         have = waiting.setdefault(module, {})
         have[part] = w
         if len(have) == len(parts):
             del waiting[module]
-            yield module + ".weight", _dequantize(scheme, have, module + ".weight")
+            if serving is not None and serving.takes(module):
+                yield from serving.tensors(module, have)
+            else:
+                yield module + ".weight", _dequantize(scheme, have, module + ".weight")
     if waiting:
         module = sorted(waiting)[0]
         missing = [p for p in parts if p not in waiting[module]]
@@ -333,7 +359,8 @@ def _nibbles(words: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range
     return vals.reshape(words.shape[0], words.shape[1] * 8).to(torch.int32)
 
 
-def _dequantize_int4(scheme: Int4, t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+def _int4_values(scheme: Int4, t: dict[str, torch.Tensor], name: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     scales = t["scales"].float()  # [G, N]
     groups, n = scales.shape
     if scheme.method == "awq":
@@ -353,41 +380,4 @@ def _dequantize_int4(scheme: Int4, t: dict[str, torch.Tensor], name: str) -> tor
         raise ValueError(f"{name}: qweight {tuple(t['qweight'].shape)}, qzeros {tuple(t['qzeros'].shape)} and "
                          f"scales {tuple(scales.shape)} do not describe one {scheme.method} matrix in groups of "
                          f"{group}")
-    idx = torch.arange(k) // group
-    return ((q - z[idx]).float() * scales[idx]).t().contiguous()  # [N, K], as nn.Linear stores it
-
-
-PACKED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-                "up_proj": "gate_up_proj"}
-
-
-def serve_quantized(net: torch.nn.Module, scheme, device: torch.device, tp=None) -> set[str]:
-    """Swap the attention and MLP projections of a block-FP8 checkpoint's dense layers for BlockFP8Linear
-    (its FP8 weights multiplied by kernels/fp8_gemm.py), where they run on CUDA in one process and every
-    packed part (q / k / v, gate / up) fills whole scale blocks; the others are dequantized at load.
-    Returns the swapped modules' names (net's, e.g. layers.0.self_attn.qkv_proj)."""
-    from flashdraft import settings
-    from flashdraft.models.layers import BlockFP8Linear, Linear
-
-    if not isinstance(scheme, BlockFP8) or device.type != "cuda" or tp is not None or not settings.FP8_GEMM:
-        return set()
-    swapped = set()
-    for name, parent in list(net.named_modules()):
-        for leaf, rows in (("qkv_proj", (getattr(parent, "q_size", 0), getattr(parent, "kv_size", 0))),
-                           ("o_proj", ()), ("gate_up_proj", (getattr(parent, "inter", 0),)), ("down_proj", ())):
-            mod = getattr(parent, leaf, None)
-            if type(mod) is not Linear or any(not r or r % scheme.block[0] for r in rows):
-                continue
-            full = f"{name}.{leaf}"
-            parts = [k for k, v in PACKED_PARTS.items() if v == leaf] or [leaf]
-            if any(_kept(f"model.{name}.{p}", scheme) for p in parts):
-                continue
-            setattr(parent, leaf, BlockFP8Linear(mod.in_features, mod.out_features, scheme.block, mod.bias is not None))
-            swapped.add(full)
-    return swapped
-
-
-def _served(module: str, served: set[str]) -> bool:
-    """Whether a checkpoint module (model.layers.0.self_attn.q_proj) is a part of a swapped one."""
-    prefix, _, leaf = module.removeprefix("model.").rpartition(".")
-    return f"{prefix}.{PACKED_PARTS.get(leaf, leaf)}" in served
+    return q.t().contiguous(), z.t().float().contiguous(), scales.t().contiguous(), group  # [N, K], as nn.Linear

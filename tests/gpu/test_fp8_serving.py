@@ -1,7 +1,8 @@
-"""A block-FP8 checkpoint served on CUDA at its own bytes (models/quant.py serve_quantized, models/layers.py
-BlockFP8Linear over kernels/fp8_gemm.py): its dense projections keep their FP8 weights (a module the config
-keeps unquantized stays bf16), its greedy tokens start as those of the same weights dequantized at load,
-and DFlash on it equals its plain decoding. Runs on CUDA only."""
+"""Quantized checkpoints served on CUDA at their own bytes (models/quant_serve.py): a block-FP8 one through
+BlockFP8Linear over kernels/fp8_gemm.py, an AWQ one through Int4Linear over kernels/int4_gemm.py. Their dense
+projections keep their quantized weights (a module the config keeps unquantized stays bf16), their greedy tokens
+start as those of the same weights dequantized at load, and DFlash on them equals their plain decoding. Runs on
+CUDA only."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from test_quantized import _write_fp8  # noqa: E402
+from test_quantized import _write_fp8, _write_int4  # noqa: E402
 
 from flashdraft import LLM, SamplingParams, settings  # noqa: E402
-from flashdraft.models.layers import BlockFP8Linear, Linear  # noqa: E402
+from flashdraft.models.layers import BlockFP8Linear, Int4Linear, Linear  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 14, 20], [1, 7, 7, 30], [1, 11, 3]]
 
@@ -46,3 +47,20 @@ def test_fp8_weights_are_served_by_the_kernel(fp8, drafter, monkeypatch):
     off = LLM(str(model), draft=None, device="cuda", dtype="bfloat16")
     assert type(off.engine.runner.model.layers[0].self_attn.qkv_proj) is Linear
     assert [o.token_ids for o in off.generate(PROMPTS, params)] == want
+
+
+def test_awq_weights_are_served_by_the_int4_kernel(tiny_llama, drafter, tmp_path, monkeypatch):
+    model, _ = _write_int4(tiny_llama, tmp_path / "awq", "awq")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(model), draft=None, device="cuda", dtype="bfloat16").generate(PROMPTS, params)]
+    monkeypatch.setattr(settings, "INT4_GEMM", True)
+    llm = LLM(str(model), draft=None, device="cuda", dtype="bfloat16")
+    net = llm.engine.runner.model
+    assert isinstance(net.layers[0].self_attn.qkv_proj, Int4Linear) and isinstance(net.layers[2].mlp.down_proj,
+                                                                                  Int4Linear)
+    got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    # (the kernel rounds each dequantized weight to bf16 as the load path does; the sums' order differs)
+    assert [g[:8] for g in got] == [w[:8] for w in want]
+    spec = LLM(str(model), draft=str(drafter), device="cuda", dtype="bfloat16")
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == got
+    assert spec.engine.spec_totals()["num_drafts"] > 0
