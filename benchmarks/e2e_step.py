@@ -26,7 +26,9 @@ GPU's: the bytes rank 0 reads (its share of every layer and of the LM head) over
     python benchmarks/e2e_step.py --target qwen3.5-0.8b --out e2e.json        # a GPU
     python benchmarks/e2e_step.py --target qwen3-8b -tp 2 --out e2e-tp2.json  # two GPUs
     python benchmarks/e2e_step.py --target tiny-hybrid --device cpu            # smoke test, anywhere
-    python benchmarks/e2e_step.py --target qwen3-8b --fp8-block --arms plain   # FP8 weights (Qwen's layout)
+    FLASHDRAFT_FP8_GEMM=1 python benchmarks/e2e_step.py --target qwen3-8b --quantized fp8-block --arms plain
+    FLASHDRAFT_INT4_GEMM=1 python benchmarks/e2e_step.py --target qwen3-8b --quantized awq --arms plain
+    python benchmarks/e2e_step.py --target qwen3-8b --kv-cache-dtype fp8      # FP8 KV pages
 
 Prints a table of every arm's steps and one JSON line (also written to --out)."""
 
@@ -98,7 +100,16 @@ TARGETS = {
 }
 
 
-FP8_BLOCK = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+# the target's quantization_config (its weights random: load_format dummy); with FLASHDRAFT_FP8_GEMM=1 /
+# FLASHDRAFT_INT4_GEMM=1 its dense projections keep the format's bytes (models/quant_serve.py), else bf16
+QUANTIZED = {
+    "fp8-block": {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                  "weight_block_size": [128, 128]},
+    "fp8-channel": {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}},
+        "ignore": ["lm_head"]},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+}
 
 
 def write_folders(root: Path, target: dict, draft_layers: int, block: int, quantization: dict | None = None
@@ -146,7 +157,7 @@ def step_bytes(llm: LLM, batch: int, context: int, experts: list[int] | None = N
     head), the K/V of `context` tokens per sequence, and each sequence's recurrent state, read and
     written; of a mixture of experts only the experts each MoE layer's routing picked (`experts`, one
     count per layer, from experts_read; None: no figure)."""
-    model, dtype = llm.engine.runner.model, llm.engine.dtype
+    model, dtype, kv_dtype = llm.engine.runner.model, llm.engine.dtype, llm.engine.runner.kv_dtype
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if moes and experts is None:
         return None
@@ -157,7 +168,7 @@ def step_bytes(llm: LLM, batch: int, context: int, experts: list[int] | None = N
         weights += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     for n, m in zip(experts or [], moes):  # an expert's share of each stacked tensor (dim 0: experts)
         weights += n * sum(p[0].numel() * p.element_size() for p in m.experts.parameters())
-    return weights + batch * (context * kv_bytes_per_token(model, dtype) + 2 * state_bytes_per_seq(model, dtype))
+    return weights + batch * (context * kv_bytes_per_token(model, kv_dtype) + 2 * state_bytes_per_seq(model, dtype))
 
 
 def _keeping(route, rows: int, keep):
@@ -324,14 +335,18 @@ def main() -> None:
                     help="seconds idle after an engine is built (its dummy weights written), before any timing: "
                          "a GPU's graph replays have run ~10%% slower for seconds after heavy work "
                          "(docs/performance.md section 12)")
-    ap.add_argument("--fp8-block", action="store_true",
-                    help="the target as a block-FP8 checkpoint (128 x 128, Qwen's -FP8 layout): on CUDA its dense "
-                         "projections keep FP8 weights (kernels/fp8_gemm.py); FLASHDRAFT_FP8_GEMM=0 dequantizes")
+    ap.add_argument("--quantized", choices=sorted(QUANTIZED), default=None,
+                    help="the target as a quantized checkpoint of this format: with FLASHDRAFT_FP8_GEMM=1 (FP8) or "
+                         "FLASHDRAFT_INT4_GEMM=1 (awq) its dense projections keep the format's bytes, else bf16")
+    ap.add_argument("--fp8-block", action="store_const", const="fp8-block", dest="quantized",
+                    help="--quantized fp8-block")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the KV pages' dtype (auto, fp8)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
     conc = [int(c) for c in args.concurrency.split(",")]
-    result = {"target": args.target, "shape": TARGETS[args.target], "fp8_block": args.fp8_block,
+    result = {"target": args.target, "shape": TARGETS[args.target], "quantized": args.quantized,
+              "kv_cache_dtype": args.kv_cache_dtype, "fp8_gemm": settings.FP8_GEMM, "int4_gemm": settings.INT4_GEMM,
               "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "tensor_parallel_size": args.tensor_parallel_size,
               "disable_custom_all_reduce": args.disable_custom_all_reduce,
@@ -350,7 +365,7 @@ def main() -> None:
         arms = []
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = write_folders(Path(tmp), TARGETS[args.target], args.draft_layers, args.block,
-                                      FP8_BLOCK if args.fp8_block else None)
+                                      QUANTIZED.get(args.quantized))
         for arm in arms:
             gate = {"speculative_min_acceptance_length": None} if arm in ("dflash", "dflash-sync") else {}
             llm = LLM(str(target), draft=str(draft) if arm.startswith("dflash") else None, device=args.device,
@@ -358,7 +373,7 @@ def main() -> None:
                       max_model_len=args.prompt_len + args.new_tokens + 64,
                       async_scheduling=False if arm.endswith("-sync") else None,
                       enable_prefix_caching=False, tensor_parallel_size=args.tensor_parallel_size,
-                      disable_custom_all_reduce=args.disable_custom_all_reduce,
+                      disable_custom_all_reduce=args.disable_custom_all_reduce, kv_cache_dtype=args.kv_cache_dtype,
                       **gate)  # each timed run prefills its prompts alike
             if args.router_std > 0:
                 spread_routers(llm, args.router_std)

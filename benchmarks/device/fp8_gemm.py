@@ -1,7 +1,8 @@
-"""Few-row GEMMs of a Qwen3-8B decoder with FP8 block-scaled weights (128 x 128) against bf16, on one GPU:
-bf16 cuBLAS (F.linear), bf16 Triton (kernels/skinny_gemm.py), FP8 W8A16 Triton (kernels/fp8_gemm.py), and
-torch._scaled_mm with 128 x 128 weight and 1 x 128 activation block scales (W8A8, where this torch and GPU
-take it; its activation quantization not timed), at M = 1, 8, 32 rows. Each GEMM is timed inside one CUDA
+"""Few-row GEMMs of a Qwen3-8B decoder with FP8 block-scaled weights (128 x 128) and 4-bit ones (groups of 128)
+against bf16, on one GPU: bf16 cuBLAS (F.linear), bf16 Triton (kernels/skinny_gemm.py), FP8 W8A16 Triton
+(kernels/fp8_gemm.py), torch._scaled_mm with 128 x 128 weight and 1 x 128 activation block scales (W8A8, where
+this torch and GPU take it; its activation quantization not timed), and int4 W4A16 Triton (kernels/int4_gemm.py),
+at M = 1, 8, 32 rows. Each GEMM is timed inside one CUDA
 graph that cycles through enough weight copies to overflow L2 (a decode step reads each weight once,
 cold). Reported: us per call and the ratio to the weight bytes' roofline (bytes / the copy bandwidth
 measured in the same run).
@@ -25,10 +26,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from timing import Clock, copy_bandwidth, graph_ms, log, run_info, short_error  # noqa: E402
 
 from flashdraft.kernels.fp8_gemm import fp8_linear  # noqa: E402
+from flashdraft.kernels.int4_gemm import int4_linear  # noqa: E402
 from flashdraft.kernels.skinny_gemm import skinny_linear  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 BLOCK = (128, 128)
+GROUP = 128  # int4: input columns a scale and zero point
 L2_BYTES = 256 << 20  # copies of a weight cycled through: more bytes than any L2 holds
 
 
@@ -42,7 +45,7 @@ def cycled(make, nbytes):
     return take, len(copies)
 
 
-def arms(x, bf16, fp8, N, K, sn, sk):
+def arms(x, bf16, fp8, int4, N, K, sn, sk):
     """Each arm's call and the weight bytes it reads, for activations x [M, K]."""
     xq = x.float().clamp(-448, 448).to(torch.float8_e4m3fn)
     xs = torch.ones(x.shape[0], sk, device=x.device)
@@ -61,7 +64,8 @@ def arms(x, bf16, fp8, N, K, sn, sk):
     return {"bf16 cuBLAS": (lambda: F.linear(x, bf16()), N * K * 2),
             "bf16 Triton": (lambda: skinny_linear(x, bf16()), N * K * 2),
             "fp8 W8A16 Triton": (lambda: fp8_linear(x, *fp8(), BLOCK), N * K + sn * sk * 4),
-            "fp8 W8A8 _scaled_mm": (scaled, N * K + sn * sk * 4)}
+            "fp8 W8A8 _scaled_mm": (scaled, N * K + sn * sk * 4),
+            "int4 W4A16 Triton": (lambda: int4_linear(x, *int4(), GROUP), N * K // 2 + N * (K // GROUP) * 8)}
 
 
 def sweep(name, N, K, M, fp8, clock, bw, dev) -> list[dict]:
@@ -89,10 +93,13 @@ def time_shape(name, N, K, ms, clock, bw, dev, do_sweep=False) -> list[dict]:
     bf16, _ = cycled(lambda: torch.randn(N, K, device=dev, dtype=torch.bfloat16) * 0.02, N * K * 2)
     fp8, _ = cycled(lambda: ((torch.randn(N, K, device=dev) * 100).clamp(-448, 448).to(torch.float8_e4m3fn),
                              torch.rand(sn, sk, device=dev) * 1e-3), N * K)
+    int4, _ = cycled(lambda: (torch.randint(-2**31, 2**31 - 1, (N, K // 8), device=dev, dtype=torch.int32),
+                              torch.rand(N, K // GROUP, device=dev) * 1e-3,
+                              torch.randint(0, 16, (N, K // GROUP), device=dev).float()), N * K // 2)
     rows = []
     for M in ms:
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-        for arm, (fn, nbytes) in arms(x, bf16, fp8, N, K, sn, sk).items():
+        for arm, (fn, nbytes) in arms(x, bf16, fp8, int4, N, K, sn, sk).items():
             base = {"gemm": name, "N": N, "K": K, "M": M, "arm": arm}
             try:
                 t = graph_ms(fn, clock)
