@@ -94,3 +94,31 @@ def test_nothing_is_swapped_with_the_switch_off_or_under_tensor_parallelism(tiny
     serving = serve_quantized(net, scheme_of(cfg))
     assert serving.takes("model.layers.2.self_attn.k_proj") and serving.takes("model.layers.0.mlp.up_proj")
     assert not serving.takes("lm_head")
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_next"])
+def test_block_fp8_experts_kept_in_fp8(kind, tmp_path, monkeypatch):
+    """A block-FP8 mixture of experts: each layer's experts stacked as FP8Experts (their weights' bits and
+    block factors), the shared expert and the attention as BlockFP8Linear; the dequantized tokens, plain
+    and with DFlash."""
+    from fixtures import build_random_drafter, build_tiny_model
+
+    from flashdraft.models.moe import FP8Experts
+
+    src = build_tiny_model(tmp_path / "src", kind)
+    model, _ = _write_fp8(src, tmp_path / "fp8", keep=())
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    _switches(monkeypatch, False)
+    want = [o.token_ids for o in LLM(str(model), draft=None, device="cpu", dtype="float32").generate(PROMPTS, params)]
+    _switches(monkeypatch, True)
+    llm = LLM(str(model), draft=None, device="cpu", dtype="float32")
+    net = llm.engine.runner.model
+    experts = [m for name, m in net.named_modules() if name.endswith("mlp.experts")]
+    assert experts and all(type(m) is FP8Experts for m in experts)
+    assert experts[0].gate_up_proj.dtype == torch.uint8 and experts[0].down_proj_scale_inv.dtype == torch.int32
+    if kind == "qwen3_next":
+        assert any(type(m) is BlockFP8Linear for name, m in net.named_modules() if "shared_expert" in name)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+    spec = LLM(str(model), draft=str(build_random_drafter(tmp_path / "d", src, block_size=4)), device="cpu",
+               dtype="float32")
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == want

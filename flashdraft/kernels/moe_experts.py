@@ -57,6 +57,14 @@ if settings.MOE_TILES:
 
 
 @triton.jit
+def _dot(a, b, F32_DOT: tl.constexpr):
+    """F32_DOT: full float32 products (float32 data, and the interpreter, whose bf16 dot is not to be trusted)."""
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _block_rows(b, rows_ptr, block_expert_ptr, BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
     """Program b's expert, its BLOCK_M rows of h and their slots (token * k + j; -1: padding).
     Sorted: block b of the expert-sorted rows (expert -1: past the last block). DIRECT: routed row b
@@ -71,6 +79,7 @@ def _block_rows(b, rows_ptr, block_expert_ptr, BLOCK_M: tl.constexpr, DIRECT: tl
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, b_ptr, h_ptr, rows_ptr, block_expert_ptr, K, INTER, k_slots, stride_x,
                     stride_we, stride_wn, stride_be, stride_h, alpha, limit, logits_ptr, route_w_ptr, E, stride_l,
+                    s_ptr, stride_se, stride_sn, SCALED: tl.constexpr, BQ_N: tl.constexpr, BQ_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr,
                     BIAS: tl.constexpr, OAI: tl.constexpr, DIRECT: tl.constexpr, ROUTE: tl.constexpr,
                     TOP_K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr, SOFTMAX_ALL: tl.constexpr,
@@ -110,12 +119,15 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, h_ptr, rows_ptr, block_expert_ptr, K, I
         wg = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         wu = tl.load(w_base + (INTER + n)[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None],
                      other=0.0)
-        if F32_DOT:
-            acc_g += tl.dot(a.to(tl.float32), wg.to(tl.float32), input_precision="ieee")
-            acc_u += tl.dot(a.to(tl.float32), wu.to(tl.float32), input_precision="ieee")
+        if SCALED:  # FP8 weights: each K-tile inside one scale block, its columns' factors after the dot
+            s_base = s_ptr + e.to(tl.int64) * stride_se + k0 // BQ_K
+            sg = tl.load(s_base + (n // BQ_N) * stride_sn, mask=n_ok, other=0.0)
+            su = tl.load(s_base + ((INTER + n) // BQ_N) * stride_sn, mask=n_ok, other=0.0)
+            acc_g += _dot(a, wg.to(a.dtype), F32_DOT) * sg[None, :]
+            acc_u += _dot(a, wu.to(a.dtype), F32_DOT) * su[None, :]
         else:
-            acc_g += tl.dot(a, wg)
-            acc_u += tl.dot(a, wu)
+            acc_g += _dot(a, wg, F32_DOT)
+            acc_u += _dot(a, wu, F32_DOT)
     dt = h_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     u = acc_u.to(dt).to(tl.float32)
@@ -138,7 +150,8 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, h_ptr, rows_ptr, block_expert_ptr, K, I
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, b_ptr, y_ptr, rows_ptr, block_expert_ptr, weight_ptr, K, N, stride_h, stride_we,
-                 stride_wn, stride_be, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 stride_wn, stride_be, stride_y, s_ptr, stride_se, stride_sn, SCALED: tl.constexpr,
+                 BQ_N: tl.constexpr, BQ_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, BIAS: tl.constexpr, DIRECT: tl.constexpr,
                  USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
@@ -157,10 +170,12 @@ def _down_kernel(h_ptr, w_ptr, b_ptr, y_ptr, rows_ptr, block_expert_ptr, weight_
         k_ok = kk < K
         a = tl.load(h_ptr + m[:, None] * stride_h + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if F32_DOT:
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        if SCALED:
+            sd = tl.load(s_ptr + e.to(tl.int64) * stride_se + (n // BQ_N) * stride_sn + k0 // BQ_K, mask=n_ok,
+                         other=0.0)
+            acc += _dot(a, w.to(a.dtype), F32_DOT) * sd[None, :]
         else:
-            acc += tl.dot(a, w)
+            acc += _dot(a, w, F32_DOT)
     dt = y_ptr.dtype.element_ty
     wt = tl.load(weight_ptr + tl.where(valid, slot, 0), mask=valid, other=0.0).to(tl.float32)
     acc = acc.to(dt).to(tl.float32)
@@ -247,13 +262,16 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, block: int = BLOCK_M,
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor | None,
               ids: torch.Tensor | None, act: tuple = ("silu",), b_gate_up: torch.Tensor | None = None,
-              b_down: torch.Tensor | None = None, slots: bool = False, route: tuple | None = None) -> torch.Tensor:
+              b_down: torch.Tensor | None = None, slots: bool = False, route: tuple | None = None,
+              scales: tuple | None = None) -> torch.Tensor:
     """x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], routing weights and expert ids [T, k], biases
     [E, 2I] and [E, H] or None -> [T, H]; slots: the k weighted expert outputs [T, k, H] unsummed
     (layer_ops.add_rmsnorm sums them in slot order, saving a launch). act: ("silu",) or
     ("swiglu_oai", alpha, limit). route (logits, k, softmax_all, norm) instead of weights and ids: the
     router's logits (or its float32 parts [T, P, E], norm_router's) routed as route_topk routes them;
-    on the direct path inside the gate_up kernel (no top-k launch)."""
+    on the direct path inside the gate_up kernel (no top-k launch). scales (gate_up's, down's, block): FP8
+    weights (float8_e4m3fn) in [bn, bk] blocks, each block's float32 factor in scales [E, rows / bn, cols / bk]
+    (gate and up each a whole number of blocks), applied to each K-tile's float32 product."""
     if act[0] not in ("silu", "swiglu_oai"):
         raise NotImplementedError(f"the Triton expert kernels have no activation {act[0]!r}")
     oai = act[0] == "swiglu_oai"
@@ -286,6 +304,19 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
         rows, block_expert = sort_by_expert(ids, E)
         nb = rows.shape[0] // BLOCK_M
         bn, bk, stages = bn_d, bk_d, stages_d = SMALL_TILES if T * k <= SMALL_ROWS else TILES
+    if scales is not None:
+        s_gu, s_d, (bq_n, bq_k) = scales
+        if w_gate_up.dtype != torch.float8_e4m3fn or inter % bq_n or bq_k % 16:
+            raise ValueError(f"fused_moe: FP8 experts need float8_e4m3fn weights, gate and up of whole {bq_n}-row "
+                             f"blocks and blocks of a multiple of 16 columns, got {w_gate_up.dtype}, {inter} rows, "
+                             f"{bq_k} columns")
+        fit = bq_k & -bq_k  # (the largest power of two dividing the block's columns: K-tiles inside one block)
+        bk, bk_d = min(bk, fit), min(bk_d, fit)
+        scaled = dict(SCALED=True, BQ_N=bq_n, BQ_K=bq_k)
+        gu_s, d_s = (s_gu, s_gu.stride(0), s_gu.stride(1)), (s_d, s_d.stride(0), s_d.stride(1))
+    else:
+        scaled = dict(SCALED=False, BQ_N=1, BQ_K=1)
+        gu_s = d_s = (x, 0, 0)  # (placeholders)
     h = torch.empty(nb * (1 if direct else BLOCK_M), inter, device=x.device, dtype=x.dtype)
     y = torch.empty(T * k, H, device=x.device, dtype=x.dtype)
     f32 = INTERPRET or x.dtype == torch.float32  # the interpreter's bf16 dot is not to be trusted
@@ -298,10 +329,11 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
                        PARTS=lparts if in_kernel else 0)
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
         x, w_gate_up, bg, h, rows, block_expert, H, inter, k, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        bg.stride(0), h.stride(0), alpha, limit, *route_args, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, F32_DOT=f32,
+        bg.stride(0), h.stride(0), alpha, limit, *route_args, *gu_s, **scaled, BLOCK_M=BLOCK_M, BLOCK_N=bn,
+        BLOCK_K=bk, F32_DOT=f32,
         BIAS=bias, OAI=oai, DIRECT=direct, **route_flags, num_warps=4, num_stages=stages, **launch_kwargs(x))
     _down_kernel[(nb, triton.cdiv(H, bn_d))](
         h, w_down, bd, y, rows, block_expert, weights, inter, H, h.stride(0), w_down.stride(0),
-        w_down.stride(1), bd.stride(0), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=bn_d, BLOCK_K=bk_d,
+        w_down.stride(1), bd.stride(0), y.stride(0), *d_s, **scaled, BLOCK_M=BLOCK_M, BLOCK_N=bn_d, BLOCK_K=bk_d,
         F32_DOT=f32, BIAS=bias, DIRECT=direct, num_warps=4, num_stages=stages_d, **launch_kwargs(x))
     return y.view(T, k, H) if slots else y.view(T, k, H).sum(1)

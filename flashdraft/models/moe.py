@@ -50,6 +50,47 @@ class Experts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter)) if bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if bias else None
 
+    def weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, H], down [H, I]) in `dtype` (the torch path)."""
+        return self.gate_up_proj[e], self.down_proj[e]
+
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        """(gate_up, down, scales) as moe_experts.fused_moe takes them."""
+        return self.gate_up_proj, self.down_proj, None
+
+
+class FP8Experts(Experts):
+    """Experts whose weights stay in their checkpoint's block-scaled FP8 (models/quant_serve.py): the stacked
+    float8_e4m3fn matrices as uint8 bits and their blocks' float32 factors as int32 bits (gate_up_proj_scale_inv
+    [E, 2I / bn, H / bk], down_proj_scale_inv [E, H / bn, I / bk]), so that casting the model leaves them; the
+    kernels scale each K-tile's product, the torch path dequantizes the experts a step hits."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, block: tuple[int, int]):
+        nn.Module.__init__(self)
+        self.block = block
+        bn, bk = block
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=torch.uint8),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=torch.uint8), requires_grad=False)
+        self.gate_up_proj_scale_inv = nn.Parameter(torch.empty(num_experts, -(-2 * inter // bn), -(-hidden // bk),
+                                                               dtype=torch.int32), requires_grad=False)
+        self.down_proj_scale_inv = nn.Parameter(torch.empty(num_experts, -(-hidden // bn), -(-inter // bk),
+                                                            dtype=torch.int32), requires_grad=False)
+        self.gate_up_proj_bias = self.down_proj_bias = None
+
+    def weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        from flashdraft.models.quant import dequantize_block_fp8
+
+        return tuple(dequantize_block_fp8(w[e].view(torch.float8_e4m3fn), s[e].view(torch.float32), self.block,
+                                          "expert").to(dtype)
+                     for w, s in ((self.gate_up_proj, self.gate_up_proj_scale_inv),
+                                  (self.down_proj, self.down_proj_scale_inv)))
+
+    def kernel_args(self) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+        return (self.gate_up_proj.view(torch.float8_e4m3fn), self.down_proj.view(torch.float8_e4m3fn),
+                (self.gate_up_proj_scale_inv.view(torch.float32), self.down_proj_scale_inv.view(torch.float32),
+                 self.block))
+
 
 class MoE(nn.Module):
     tp = None  # tensor parallelism: this rank's models.parallel.TPGroup (its experts' outputs are partial sums)
@@ -92,10 +133,11 @@ class MoE(nn.Module):
 
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
         ex = self.experts
-        gate_up = F.linear(x, ex.gate_up_proj[e])
+        w_gate_up, w_down = ex.weights(e, x.dtype)
+        gate_up = F.linear(x, w_gate_up)
         if ex.gate_up_proj_bias is not None:  # added after the product's rounding, as transformers adds it
             gate_up = gate_up + ex.gate_up_proj_bias[e]
-        out = F.linear(self.glu(*gate_up.chunk(2, dim=-1)), ex.down_proj[e])
+        out = F.linear(self.glu(*gate_up.chunk(2, dim=-1)), w_down)
         return out if ex.down_proj_bias is None else out + ex.down_proj_bias[e]
 
     def kernel_act(self) -> tuple | None:
@@ -129,9 +171,11 @@ class MoE(nn.Module):
             return self.forward_fused(x, slots=True), residual
         x, residual, logits = moe_routing.norm_router(a, residual, norm.weight, norm.eps, weight, bias)
         ex = self.experts
-        return self._summed(moe_experts.fused_moe(x, ex.gate_up_proj, ex.down_proj, None, None, act,
-                                                  ex.gate_up_proj_bias, ex.down_proj_bias, slots=self.tp is None,
-                                                  route=(logits, self.top_k, softmax_all, renorm))), residual
+        w_gate_up, w_down, scales = ex.kernel_args()
+        return self._summed(moe_experts.fused_moe(x, w_gate_up, w_down, None, None, act, ex.gate_up_proj_bias,
+                                                  ex.down_proj_bias, slots=self.tp is None,
+                                                  route=(logits, self.top_k, softmax_all, renorm),
+                                                  scales=scales)), residual
 
     def forward_fused(self, x: torch.Tensor, slots: bool = False) -> torch.Tensor:
         """The kernel path: [T, H], or with slots the k weighted expert outputs [T, k, H] for the next
@@ -144,8 +188,9 @@ class MoE(nn.Module):
             return self.forward(x)  # (all-reduced there)
         w, idx = self.route_fused(x)
         ex = self.experts
-        return self._summed(fused_moe(x, ex.gate_up_proj, ex.down_proj, w, idx, act, ex.gate_up_proj_bias,
-                                      ex.down_proj_bias, slots=slots and self.tp is None))
+        w_gate_up, w_down, scales = ex.kernel_args()
+        return self._summed(fused_moe(x, w_gate_up, w_down, w, idx, act, ex.gate_up_proj_bias, ex.down_proj_bias,
+                                      slots=slots and self.tp is None, scales=scales))
 
 
 class GptOssMoE(MoE):
@@ -213,7 +258,8 @@ def gpt_oss_experts(weights: Iterable[Named], dtype: torch.dtype) -> Iterator[Na
         raise ValueError(f"MXFP4 expert weight {base!r} needs both {base}_blocks and {base}_scales")
 
 
-_EXPERT = re.compile(r"(.*mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# (a served FP8 checkpoint's experts keep their weight_scale_inv beside their weight: quant_serve.py)
+_EXPERT = re.compile(r"(.*mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
 
 
 def stack_experts(weights: Mapping[str, torch.Tensor] | Iterable[Named],
@@ -227,20 +273,27 @@ def stack_experts(weights: Mapping[str, torch.Tensor] | Iterable[Named],
             yield name, w
             continue
         parts = per.setdefault(m.group(1), {})
-        parts.setdefault(m.group(3), {})[int(m.group(2))] = w
-        if num_experts and all(len(parts.get(k, ())) == num_experts for k in ("gate_proj", "up_proj", "down_proj")):
+        parts.setdefault(m.group(3) + ("" if m.group(4) == "weight" else "_scale_inv"), {})[int(m.group(2))] = w
+        if num_experts and all(len(parts.get(k, ())) == num_experts for k in _kinds(parts)):
             parts = w = None  # (held here, the layer's experts would outlive their stacking until the next layer's)
             yield from _stacked(m.group(1), per.pop(m.group(1)), num_experts)
     for prefix, parts in per.items():
         yield from _stacked(prefix, parts, num_experts)
 
 
+def _kinds(parts: dict) -> tuple[str, ...]:
+    """The per-expert tensors a layer needs: the three weights, and their FP8 scales once any came."""
+    scaled = any(k.endswith("_scale_inv") for k in parts)
+    return ("gate_proj", "up_proj", "down_proj") + (("gate_proj_scale_inv", "up_proj_scale_inv",
+                                                     "down_proj_scale_inv") if scaled else ())
+
+
 def _stacked(prefix: str, parts: dict[str, dict[int, torch.Tensor]], n: int | None) -> Iterator[Named]:
     n = n or 1 + max(max(p) for p in parts.values())
-    missing = [f"{prefix}.{e}.{k}" for k in ("gate_proj", "up_proj", "down_proj") for e in range(n)
-               if e not in parts.get(k, {})]
+    missing = [f"{prefix}.{e}.{k}" for k in _kinds(parts) for e in range(n) if e not in parts.get(k, {})]
     if missing:
         raise ValueError(f"checkpoint is missing expert weights: {', '.join(missing[:4])}")
-    yield f"{prefix}.gate_up_proj", torch.stack([torch.cat([parts["gate_proj"][e], parts["up_proj"][e]])
-                                                 for e in range(n)])
-    yield f"{prefix}.down_proj", torch.stack([parts["down_proj"][e] for e in range(n)])
+    for tail in ("", "_scale_inv") if "down_proj_scale_inv" in parts else ("",):
+        gate, up, down = (parts[k + tail] for k in ("gate_proj", "up_proj", "down_proj"))
+        yield f"{prefix}.gate_up_proj{tail}", torch.stack([torch.cat([gate[e], up[e]]) for e in range(n)])
+        yield f"{prefix}.down_proj{tail}", torch.stack([down[e] for e in range(n)])

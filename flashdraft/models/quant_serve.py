@@ -3,7 +3,8 @@ that keep their quantized weights, multiplied by kernels that dequantize in the 
 quant.py would otherwise dequantize them at load.
 
     FP8 (block-scaled, compressed-tensors per channel or tensor)  BlockFP8Linear, kernels/fp8_gemm.py
-        settings.FP8_GEMM (FLASHDRAFT_FP8_GEMM=1); per-tensor scales are held per channel
+        settings.FP8_GEMM (FLASHDRAFT_FP8_GEMM=1); per-tensor scales are held per channel; a block-FP8
+        mixture of experts' experts: FP8Experts (models/moe.py), kernels/moe_experts.py's scaled path
     4-bit int (AWQ, GPTQ, compressed-tensors pack-quantized)      Int4Linear, kernels/int4_gemm.py
         settings.INT4_GEMM (FLASHDRAFT_INT4_GEMM=1); every format repacked at load into the kernel's layout
 
@@ -13,6 +14,7 @@ dequantize at each call (the tests' check of the layouts; dequantizing at load i
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import torch
@@ -27,10 +29,16 @@ PACKED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"
 LEAVES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+_EXPERT = re.compile(r"(.*\.experts)\.\d+\.(?:gate_proj|up_proj|down_proj)")
+
+
 def _net_name(module: str) -> str:
     """A checkpoint module's name as this model's packed module (model.language_model.layers.0.mlp.up_proj ->
-    layers.0.mlp.gate_up_proj)."""
-    prefix, _, leaf = module.removeprefix("model.").removeprefix("language_model.").rpartition(".")
+    layers.0.mlp.gate_up_proj; an expert's projection -> its layer's stacked experts, layers.0.mlp.experts)."""
+    module = module.removeprefix("model.").removeprefix("language_model.")
+    if (m := _EXPERT.fullmatch(module)) is not None:
+        return m[1]
+    prefix, _, leaf = module.rpartition(".")
     return f"{prefix}.{PACKED_PARTS.get(leaf, leaf)}"
 
 
@@ -85,6 +93,24 @@ def _layer(mod: torch.nn.Linear, scheme, rows: tuple[int, ...]) -> torch.nn.Modu
     return Int4Linear(k, n, group, mod.bias is not None)
 
 
+def _swap_experts(parent, name: str, scheme) -> bool:
+    """A mixture of experts' stacked experts kept in block FP8 (FP8Experts, the grouped kernels' scaled path)
+    where gate and up each fill whole scale blocks and no expert is kept unquantized."""
+    from flashdraft.models.moe import Experts, FP8Experts
+
+    ex = getattr(parent, "experts", None)
+    if type(ex) is not Experts or ex.gate_up_proj_bias is not None:
+        return False
+    E, two_i, hidden = ex.gate_up_proj.shape
+    if (two_i // 2) % scheme.block[0] or scheme.block[1] % 16:
+        return False
+    if any(kept_unquantized(f"model.{name}.experts.{e}.{p}", scheme) for e in range(E)
+           for p in ("gate_proj", "up_proj", "down_proj")):
+        return False
+    parent.experts = FP8Experts(E, hidden, two_i // 2, scheme.block)
+    return True
+
+
 def serve_quantized(net: torch.nn.Module, scheme, tp=None) -> Serving | None:
     """Swap the dense attention and MLP projections of a quantized checkpoint for their quantized layers where
     its switch is on (see above), in one process. Returns what was swapped, for quant.dequantized; None when
@@ -98,6 +124,8 @@ def serve_quantized(net: torch.nn.Module, scheme, tp=None) -> Serving | None:
         return None
     swapped = set()
     for name, parent in list(net.named_modules()):
+        if kind == "fp8-block" and _swap_experts(parent, name, scheme):
+            swapped.add(f"{name}.experts")
         for leaf in LEAVES:
             mod = getattr(parent, leaf, None)
             if type(mod) is not Linear:

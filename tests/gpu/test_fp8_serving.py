@@ -64,3 +64,24 @@ def test_awq_weights_are_served_by_the_int4_kernel(tiny_llama, drafter, tmp_path
     spec = LLM(str(model), draft=str(drafter), device="cuda", dtype="bfloat16")
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == got
     assert spec.engine.spec_totals()["num_drafts"] > 0
+
+
+def test_fp8_experts_are_served_by_the_scaled_grouped_kernels(tmp_path, monkeypatch):
+    """A block-FP8 Qwen3-MoE: its experts kept in FP8 (FP8Experts through kernels/moe_experts.py's scaled path),
+    the greedy tokens of its dequantized weights to begin with, and DFlash on it equal to its plain decoding."""
+    from fixtures import build_random_drafter, build_tiny_model
+
+    from flashdraft.models.moe import FP8Experts
+
+    src = build_tiny_model(tmp_path / "src", "qwen3_moe")
+    model, _ = _write_fp8(src, tmp_path / "fp8", keep=())
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(model), draft=None, device="cuda", dtype="bfloat16").generate(PROMPTS, params)]
+    monkeypatch.setattr(settings, "FP8_GEMM", True)
+    llm = LLM(str(model), draft=None, device="cuda", dtype="bfloat16")
+    assert type(llm.engine.runner.model.layers[0].mlp.experts) is FP8Experts
+    got = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert [g[:8] for g in got] == [w[:8] for w in want]
+    spec = LLM(str(model), draft=str(build_random_drafter(tmp_path / "d", src, block_size=4)), device="cuda",
+               dtype="bfloat16")
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == got

@@ -275,3 +275,49 @@ def test_layer_after_attention_in_three_kernels(family, T, monkeypatch):
             torch.testing.assert_close(slots.sum(1), want, rtol=1e-4, atol=1e-4)
             outs.append(slots)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def _fp8_experts(m, block):
+    """m's experts quantized to block FP8 (each block's amax to 448): an FP8Experts in their place."""
+    from flashdraft.models.moe import FP8Experts
+
+    ex = m.experts
+    E, two_i, H = ex.gate_up_proj.shape
+    fp8 = FP8Experts(E, H, two_i // 2, block).to(DEVICE)
+    bn, bk = block
+    for name in ("gate_up_proj", "down_proj"):
+        w = getattr(ex, name).detach().float().cpu()
+        n, k = w.shape[1:]
+        pad = torch.nn.functional.pad(w, (0, -k % bk, 0, -n % bn)).view(E, -(-n // bn), bn, -(-k // bk), bk)
+        scale = pad.abs().amax(dim=(2, 4)) / 448.0
+        full = scale.repeat_interleave(bn, 1)[:, :n].repeat_interleave(bk, 2)[:, :, :k]
+        q = (w / full).to(torch.float8_e4m3fn)
+        getattr(fp8, name).data.copy_(q.view(torch.uint8).to(DEVICE))
+        getattr(fp8, name + "_scale_inv").data.copy_(scale.contiguous().view(torch.int32).to(DEVICE))
+    m.experts = fp8
+    return m
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (16, 6, 3), (70, 8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("direct", [None, 0])
+def test_fp8_experts_match_their_dequantized_torch_path(T, E, k, dtype, direct, monkeypatch):
+    """Block-FP8 experts (blocks of 16 x 32: the down projection's 80 columns end inside a block): the
+    grouped kernels' scaled path against the torch path over the same weights dequantized, direct and
+    sorted, through fused_moe and the layer's forward_fused."""
+    if direct is not None:
+        monkeypatch.setattr(settings, "MOE_DIRECT", direct)
+    m = _fp8_experts(moe(E=E, k=k, dtype=dtype, seed=T), (16, 32))
+    x = torch.randn(T, 96, generator=torch.Generator().manual_seed(T)).to(DEVICE, dtype) * 3
+    with torch.inference_mode():
+        want = m.forward(x)
+        w, idx = m.route(x)
+        got = fused_moe(x, *m.experts.kernel_args()[:2], w, idx, m.kernel_act(), scales=m.experts.kernel_args()[2])
+        whole = m.forward_fused(x) if dtype == torch.float32 else got
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for out in (got, whole):
+        err = (out.float() - want.float()).abs().max().item() / max(want.float().abs().max().item(), 1e-6)
+        assert err < tol, err
+    with pytest.raises(ValueError, match="FP8 experts need"):
+        fused_moe(x, *m.experts.kernel_args()[:2], w, idx, m.kernel_act(), scales=(*m.experts.kernel_args()[2][:2],
+                                                                                    (24, 32)))
