@@ -81,6 +81,10 @@ TARGETS = {
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                      tie_word_embeddings=False),
+    # the shipped pair's target (its GGUF is 4-bit Q4_1, dequantized at load): does a 4-bit step pay here?
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                         rope_theta=100000.0, tie_word_embeddings=True),
     # mixtures of experts: the roofline counts the experts one eager decode step of the batch reads
     # (experts_read); batches route apart with --sample and the redrawn routers (spread_routers). The
     # random drafter proposes one token in every slot, so a verify's rows route alike and read too few
@@ -109,6 +113,7 @@ QUANTIZED = {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}},
         "ignore": ["lm_head"]},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "awq-g32": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},  # (Q4_1's)
 }
 
 
