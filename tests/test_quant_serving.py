@@ -122,3 +122,100 @@ def test_block_fp8_experts_kept_in_fp8(kind, tmp_path, monkeypatch):
     spec = LLM(str(model), draft=str(build_random_drafter(tmp_path / "d", src, block_size=4)), device="cpu",
                dtype="float32")
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == want
+
+
+def _write_q4_gguf(folder, path):
+    """The tiny Llama folder as a GGUF file whose projections are Q4_0 (attention) and Q4_1 (MLP), as gguf's
+    quantizer writes them, but layer 0's q_proj in float32 (its packed qkv then stays dequantized)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    from test_families import GGUF_TOP, gguf_close, gguf_writer
+
+    w, cfg = gguf_writer(folder, path, "llama")
+    w.add_name("tiny")
+    w.add_rope_dimension_count(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+    def permute(a, heads):
+        return a.reshape(heads, 2, a.shape[0] // heads // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+    for key, t in load_file(str(folder / "model.safetensors")).items():
+        a = t.float().numpy()
+        if key in GGUF_TOP:
+            w.add_tensor(GGUF_TOP[key], a)
+            continue
+        _, _, layer, rest = key.split(".", 3)
+        stem, _, kind = rest.rpartition(".")
+        if stem in ("self_attn.q_proj", "self_attn.k_proj"):
+            a = permute(a, cfg["num_attention_heads" if stem.endswith("q_proj") else "num_key_value_heads"])
+        name = f"blk.{layer}.{names[stem]}.{kind}"
+        if kind != "weight" or "norm" in stem or (layer == "0" and stem == "self_attn.q_proj"):
+            w.add_tensor(name, np.ascontiguousarray(a))
+            continue
+        qtype = gguf.GGMLQuantizationType.Q4_0 if stem.startswith("self_attn") else gguf.GGMLQuantizationType.Q4_1
+        w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a), qtype), raw_dtype=qtype)
+    gguf_close(w)
+
+
+def test_gguf_4_bit_projections_kept_at_4_bits(tiny_llama, drafter, tmp_path, monkeypatch):
+    """A GGUF file's Q4_0 / Q4_1 projections cached at 4 bits (gguf_int4.py): dequantized at load they give
+    transformers' tokens for the file (its own dequantization); kept for Int4Linear the same tokens, plain and
+    with DFlash; a packed module with a part in another type stays dequantized."""
+    import json
+
+    from test_families import NEW, hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-q4.gguf"
+    _write_q4_gguf(tiny_llama, path)
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    with torch.no_grad():
+        want = [hf_greedy(ref, p) for p in PROMPTS]
+    _switches(monkeypatch, False)
+    plain = LLM(str(path), draft=None, device="cpu", dtype="float32")
+    assert [o.token_ids for o in plain.generate(PROMPTS, params)] == want
+    cfg = json.loads((next((tmp_path / "cache" / "gguf").iterdir()) / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "gguf" and "layers.0.self_attn.q_proj" not in cfg["modules"]
+    assert "layers.1.self_attn.q_proj" in cfg["modules"] and "layers.0.mlp.down_proj" in cfg["modules"]
+    _switches(monkeypatch, True)
+    llm = LLM(str(path), draft=None, device="cpu", dtype="float32", quantization="gguf")
+    layers = llm.engine.runner.model.layers
+    assert type(layers[0].self_attn.qkv_proj) is Linear and type(layers[1].self_attn.qkv_proj) is Int4Linear
+    assert type(layers[0].mlp.gate_up_proj) is Int4Linear and layers[0].mlp.gate_up_proj.offsets is not None
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+    spec = LLM(str(path), draft=str(drafter), device="cpu", dtype="float32")
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == want
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_4_bit_blocks_read_as_gguf_dequantizes_them(kind):
+    """gguf_int4.q4_layout's values, scales, zeros and offsets give gguf's own dequantization bit for bit
+    (float32): Q4_0 / Q4_1 from gguf's quantizer, Q4_K from random bytes (its 6-bit sub-block scales and
+    minimums included; gguf has no Q4_K quantizer for these shapes)."""
+    import gguf
+    import numpy as np
+
+    from flashdraft.models.gguf_int4 import q4_layout
+
+    rng = np.random.default_rng(0)
+    rows, cols = 6, 512
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    if kind == "Q4_K":
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        n = rows * cols // block
+        data = rng.integers(0, 256, (n, size), dtype=np.uint8)
+        for at in (0, 2):  # d and dmin: small positive fp16
+            data[:, at:at + 2] = (rng.random(n) * 0.01).astype(np.float16).view(np.uint8).reshape(n, 2)
+        data = data.reshape(rows, -1)
+    else:
+        data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+    want = torch.from_numpy(gguf.quants.dequantize(data, qtype).reshape(rows, cols).astype(np.float32))
+    t = q4_layout(data, kind, rows, cols)
+    idx = torch.arange(cols) // 32
+    got = (t["values"] - t["zeros"][:, idx]).float() * t["scales"][:, idx] + t["offsets"][:, idx]
+    assert torch.equal(got, want)

@@ -22,9 +22,10 @@ from flashdraft.kernels.int4_layout import check_int4_layout
 
 
 @triton.jit
-def _int4_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, CHUNK, stride_xm, stride_qn, stride_sn,
+def _int4_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, o_ptr, y_ptr, M, N, K, CHUNK, stride_xm, stride_qn, stride_sn,
                      stride_ym, stride_yp, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     MPAD: tl.constexpr, STAGES: tl.constexpr, PARTS: tl.constexpr, F32_DOT: tl.constexpr):
+                     MPAD: tl.constexpr, STAGES: tl.constexpr, PARTS: tl.constexpr, F32_DOT: tl.constexpr,
+                     OFFSET: tl.constexpr):
     dt = x_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1) * MPAD + tl.arange(0, MPAD)
@@ -44,7 +45,10 @@ def _int4_dot_kernel(x_ptr, q_ptr, s_ptr, z_ptr, y_ptr, M, N, K, CHUNK, stride_x
         vals = tl.reshape((packed[:, :, None] >> shifts) & 0xF, (BLOCK_N, BLOCK_K))
         scale = tl.load(s_ptr + g_rows + k0 // GROUP, mask=n_ok, other=0.0)
         zero = tl.load(z_ptr + g_rows + k0 // GROUP, mask=n_ok, other=0.0)
-        w = ((vals.to(tl.float32) - zero[:, None]) * scale[:, None]).to(dt)
+        w = (vals.to(tl.float32) - zero[:, None]) * scale[:, None]
+        if OFFSET:  # (GGUF's 4-bit types)
+            w += tl.load(o_ptr + g_rows + k0 // GROUP, mask=n_ok, other=0.0)[:, None]
+        w = w.to(dt)
         kk = k0 + k
         xt = tl.load(x_cols + kk[:, None], mask=m_ok[None, :] & (kk < k_hi)[:, None], other=0.0)
         if F32_DOT:  # (the interpreter multiplies bf16 bit patterns as integers in tl.dot)
@@ -71,9 +75,10 @@ def int4_tiles(M: int, N: int, K: int, group: int) -> tuple[int, int, int, int, 
 
 
 def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int,
-                tiles: tuple[int, int, int, int, int, int] | None = None) -> torch.Tensor:
-    """x [M, K] (bf16 or fp16) @ dequant(W)^T -> [M, N] in x's dtype; qweight [N, K / 8] int32, scale and zero
-    float32 [N, ceil(K / group)]. With K split, each part's float32 sum is added in a fixed order."""
+                offset: torch.Tensor | None = None, tiles: tuple[int, int, int, int, int, int] | None = None
+                ) -> torch.Tensor:
+    """x [M, K] (bf16 or fp16) @ dequant(W)^T -> [M, N] in x's dtype; qweight [N, K / 8] int32, scale, zero (and
+    offset) float32 [N, ceil(K / group)]. With K split, each part's float32 sum is added in a fixed order."""
     M, K = x.shape
     N = qweight.shape[0]
     why = check_int4_layout(N, K, group)
@@ -83,7 +88,7 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zer
     if qweight.dtype != torch.int32 or tuple(qweight.shape) != (N, K // 8):
         raise ValueError(f"int4_linear: qweight must be int32 [{N}, {K // 8}], got {qweight.dtype} "
                          f"{tuple(qweight.shape)}")
-    for name, t in (("scale", scale), ("zero", zero)):
+    for name, t in (("scale", scale), ("zero", zero)) + ((("offset", offset),) if offset is not None else ()):
         if t.dtype != torch.float32 or tuple(t.shape) != (N, groups):
             raise ValueError(f"int4_linear: {name} must be float32 [{N}, {groups}], got {t.dtype} {tuple(t.shape)}")
     if M == 0:
@@ -94,7 +99,9 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zer
     x, q = x.contiguous(), qweight.contiguous()
     y = torch.empty(split, M, N, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     grid = (triton.cdiv(N, bn), triton.cdiv(M, mpad), split)
-    _int4_dot_kernel[grid](x, q, scale.contiguous(), zero.contiguous(), y, M, N, K, chunk, x.stride(0), q.stride(0),
-                           scale.stride(0), y.stride(1), y.stride(0), GROUP=group, BLOCK_N=bn, BLOCK_K=bk, MPAD=mpad,
-                           STAGES=stages, PARTS=split > 1, F32_DOT=settings.interpreted(), num_warps=warps)
+    scale, zero = scale.contiguous(), zero.contiguous()
+    _int4_dot_kernel[grid](x, q, scale, zero, zero if offset is None else offset.contiguous(), y, M, N, K, chunk,
+                           x.stride(0), q.stride(0), scale.stride(0), y.stride(1), y.stride(0), GROUP=group,
+                           BLOCK_N=bn, BLOCK_K=bk, MPAD=mpad, STAGES=stages, PARTS=split > 1,
+                           F32_DOT=settings.interpreted(), OFFSET=offset is not None, num_warps=warps)
     return y[0] if split == 1 else y.sum(0).to(x.dtype)

@@ -1,6 +1,7 @@
 """The layout of 4-bit weights that kernels/int4_gemm.py reads (models/quant_serve.py repacks every int4 format
 into it at load): qweight [N, K / 8] int32, value i of word j at bits 4i (column 8j + i), values 0..15; a scale
-and a zero point a group of input columns, float32 [N, K / group]. Pure torch: no Triton needed to pack."""
+and a zero point a group of input columns, float32 [N, K / group] (and for GGUF's 4-bit types an offset:
+w = (q - zero) * scale + offset, the file's own arithmetic). Pure torch: no Triton needed to pack."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
     v = values.to(torch.int64).reshape(values.shape[0], -1, 8)
     word = sum(v[:, :, i] << (4 * i) for i in range(8))
     return (word - ((word >> 31) << 32)).to(torch.int32).contiguous()  # (the unsigned word as a signed int32)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """[N, K / 8] int32 in the kernel's layout -> [N, K] int32 values 0..15."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    return torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], -1).reshape(packed.shape[0], -1).to(torch.int32)
 
 
 def check_int4_layout(N: int, K: int, group: int) -> str | None:

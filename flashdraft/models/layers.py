@@ -101,22 +101,27 @@ class Int4Linear(nn.Module):
     [N, K / 8] int32 and a float32 scale and zero point a group of `group` input columns (held as int32 bits),
     multiplied by kernels/int4_gemm.py on CUDA: a quarter of the bytes of a bf16 weight."""
 
-    def __init__(self, in_features: int, out_features: int, group: int, bias: bool):
+    def __init__(self, in_features: int, out_features: int, group: int, bias: bool, offsets: bool = False):
         super().__init__()
         self.in_features, self.out_features, self.group = in_features, out_features, group
         groups = -(-in_features // group)
         self.qweight = nn.Parameter(torch.empty(out_features, in_features // 8, dtype=torch.int32), requires_grad=False)
         self.scales = nn.Parameter(torch.empty(out_features, groups, dtype=torch.int32), requires_grad=False)
         self.zeros = nn.Parameter(torch.empty(out_features, groups, dtype=torch.int32), requires_grad=False)
+        # (GGUF's 4-bit types: w = (q - zero) * scale + offset)
+        self.offsets = nn.Parameter(torch.empty(out_features, groups, dtype=torch.int32), requires_grad=False) \
+            if offsets else None
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def dequantized(self) -> torch.Tensor:
-        """The float32 weight [N, K]: (q - zero) * scale."""
-        words = self.qweight.to(torch.int64) & 0xFFFFFFFF
-        q = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], -1).reshape(self.out_features, -1)
+        """The float32 weight [N, K]: (q - zero) * scale (+ offset)."""
+        from flashdraft.kernels.int4_layout import unpack_int4
+
+        q = unpack_int4(self.qweight)
         idx = torch.arange(self.in_features, device=q.device) // self.group
         scale, zero = self.scales.view(torch.float32), self.zeros.view(torch.float32)
-        return (q.float() - zero[:, idx]) * scale[:, idx]
+        w = (q.float() - zero[:, idx]) * scale[:, idx]
+        return w if self.offsets is None else w + self.offsets.view(torch.float32)[:, idx]
 
     def forward(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor:
         """parts: accepted for the callers of Linear; the result is always whole."""
@@ -126,7 +131,8 @@ class Int4Linear(nn.Module):
 
             half = flat if flat.dtype in (torch.bfloat16, torch.float16) else flat.to(torch.bfloat16)
             y = int4_linear(half, self.qweight, self.scales.view(torch.float32), self.zeros.view(torch.float32),
-                            self.group).to(x.dtype)
+                            self.group, None if self.offsets is None else self.offsets.view(torch.float32)
+                            ).to(x.dtype)
         else:  # (dequantized at each call, then Linear's GEMM: the tests' check of the layout)
             y = linear(flat, self.dequantized().to(x.dtype))
         if self.bias is not None:

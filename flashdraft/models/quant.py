@@ -35,6 +35,7 @@ class BlockFP8:
 
 # vLLM's --quantization names of the methods read here (its kernel-specific names included)
 METHOD_NAMES = {"fp8": "fp8", "compressed-tensors": "compressed-tensors", "compressed_tensors": "compressed-tensors",
+                "gguf": "gguf",
                 "awq": "awq", "awq_marlin": "awq", "gptq": "gptq", "gptq_marlin": "gptq", "mxfp4": "mxfp4"}
 
 
@@ -74,6 +75,8 @@ def scheme_of(cfg):
         return _compressed_tensors(q)
     if method in ("awq", "gptq"):
         return _int4(q, method)
+    if method == "gguf":
+        return _gguf(q)
     if method != "fp8":
         raise ValueError(f"quantization_config with quant_method {method!r} is not supported (supported: 'fp8' "
                          "block-scaled, 'compressed-tensors', 'awq', 'gptq', GPT-OSS's 'mxfp4'); pass an unquantized "
@@ -177,8 +180,26 @@ def _compressed_tensors(q: dict) -> CompressedTensors:
     return CompressedTensors(fmt, bits, strategy, group, bool(w.get("symmetric", True)), tuple(q.get("ignore") or ()))
 
 
+@dataclass(frozen=True)
+class GGUF4:
+    """A GGUF file's 4-bit tensors (Q4_0, Q4_1, Q4_K) as gguf_convert.py caches them: kernels/int4_layout.py's
+    qweight, and a float32 scale, zero and offset a group of `group` columns: w = (q - zero) * scale + offset,
+    the file's own arithmetic. `modules`: those held so (the others are the file's other types, dequantized)."""
+    group: int
+    modules: tuple[str, ...]
+
+
+def _gguf(q: dict) -> GGUF4:
+    unknown = sorted(set(q) - {"quant_method", "bits", "group_size", "modules"})
+    if unknown or q.get("bits") != 4 or not isinstance(q.get("group_size"), int):
+        raise ValueError(f"quant_method 'gguf' config {q!r} is not one this version wrote: delete the cached folder")
+    return GGUF4(q["group_size"], tuple(q.get("modules") or ()))
+
+
 def _parts(scheme) -> tuple[str, ...]:
     """The tensors of one quantized module, by suffix."""
+    if isinstance(scheme, GGUF4):
+        return ("qweight", "scales", "zeros", "offsets")
     if isinstance(scheme, BlockFP8):
         return ("weight", "weight_scale_inv")
     if isinstance(scheme, Int4):
@@ -191,6 +212,8 @@ def _parts(scheme) -> tuple[str, ...]:
 def kept_unquantized(module: str, scheme) -> bool:
     """Whether the config says this module is stored unquantized."""
     name = module.removeprefix("model.")
+    if isinstance(scheme, GGUF4):
+        return name not in scheme.modules
     if isinstance(scheme, (BlockFP8, Int4)):
         return any(name.startswith(k.removeprefix("model.")) for k in scheme.keep)
     return any(re.fullmatch(k[3:], module) if k.startswith("re:") else k in (module, name) for k in scheme.ignore)
@@ -215,18 +238,19 @@ def _dequantize(scheme, t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         return t["weight"].float() * channel_scales(t, name)
     q, zero, scale, group = int_values(scheme, t, name)
     n, k = q.shape
-    return (q - _spread(zero, 1, group, n, k)).float() * _spread(scale, 1, group, n, k)
+    w = (q - _spread(zero, 1, group, n, k)).float() * _spread(scale, 1, group, n, k)
+    return w + _spread(t["offsets"].float(), 1, group, n, k) if isinstance(scheme, GGUF4) else w
 
 
 def scheme_format(scheme) -> str:
     """'fp8-block', 'float-quantized' (FP8 per channel or tensor) or 'int' (AWQ, GPTQ, pack-quantized)."""
     if isinstance(scheme, BlockFP8):
         return "fp8-block"
-    return "int" if isinstance(scheme, Int4) or scheme.format == "pack-quantized" else "float-quantized"
+    return "int" if isinstance(scheme, (Int4, GGUF4)) or scheme.format == "pack-quantized" else "float-quantized"
 
 
 def int_bits(scheme) -> int:
-    return 4 if isinstance(scheme, Int4) else scheme.bits
+    return 4 if isinstance(scheme, (Int4, GGUF4)) else scheme.bits
 
 
 def channel_scales(t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -245,6 +269,10 @@ def int_values(scheme, t: dict[str, torch.Tensor], name: str
     float32, group): w = (q - zero) * scale over groups of `group` input columns."""
     if isinstance(scheme, Int4):
         return _int4_values(scheme, t, name)
+    if isinstance(scheme, GGUF4):  # (offsets: GGUF4's own, beside these)
+        from flashdraft.kernels.int4_layout import unpack_int4
+
+        return unpack_int4(t["qweight"]), t["zeros"].float(), t["scales"].float(), scheme.group
     scale = t["weight_scale"].float()
     shape = [int(v) for v in t["weight_shape"].tolist()]
     if len(shape) != 2:

@@ -5,7 +5,7 @@ quant.py would otherwise dequantize them at load.
     FP8 (block-scaled, compressed-tensors per channel or tensor)  BlockFP8Linear, kernels/fp8_gemm.py
         settings.FP8_GEMM (FLASHDRAFT_FP8_GEMM=1); per-tensor scales are held per channel; a block-FP8
         mixture of experts' experts: FP8Experts (models/moe.py), kernels/moe_experts.py's scaled path
-    4-bit int (AWQ, GPTQ, compressed-tensors pack-quantized)      Int4Linear, kernels/int4_gemm.py
+    4-bit int (AWQ, GPTQ, pack-quantized, GGUF Q4_0 / Q4_1 / Q4_K)  Int4Linear, kernels/int4_gemm.py
         settings.INT4_GEMM (FLASHDRAFT_INT4_GEMM=1); every format repacked at load into the kernel's layout
 
 Both off by default: their kernels are not yet faster than the bf16 GEMMs of the dequantized weights
@@ -21,7 +21,7 @@ import torch
 
 from flashdraft import settings
 from flashdraft.kernels.int4_layout import check_int4_layout, pack_int4
-from flashdraft.models.quant import channel_scales, int_bits, int_values, kept_unquantized, scheme_format
+from flashdraft.models.quant import GGUF4, channel_scales, int_bits, int_values, kept_unquantized, scheme_format
 
 # a checkpoint's projections -> the packed one of this model that holds them (transformer.load_packed)
 PACKED_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
@@ -60,6 +60,8 @@ class Serving:
             yield module + ".qweight", pack_int4(q)
             yield module + ".scales", scale.float().contiguous().view(torch.int32)
             yield module + ".zeros", zero.float().contiguous().view(torch.int32)
+            if isinstance(self.scheme, GGUF4):
+                yield module + ".offsets", have["offsets"].float().contiguous().view(torch.int32)
             return
         scale = have["weight_scale_inv"] if kind == "fp8-block" else channel_scales(have, module + ".weight")
         yield module + ".weight", have["weight"].view(torch.uint8)
@@ -90,7 +92,7 @@ def _layer(mod: torch.nn.Linear, scheme, rows: tuple[int, ...]) -> torch.nn.Modu
     group = scheme.group if isinstance(getattr(scheme, "group", None), int) and scheme.group > 0 else k
     if int_bits(scheme) != 4 or check_int4_layout(n, k, group) is not None:
         return None
-    return Int4Linear(k, n, group, mod.bias is not None)
+    return Int4Linear(k, n, group, mod.bias is not None, offsets=isinstance(scheme, GGUF4))
 
 
 def _swap_experts(parent, name: str, scheme) -> bool:

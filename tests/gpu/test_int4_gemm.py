@@ -78,3 +78,19 @@ def test_refusals():
         int4_linear(x, q.float(), s, s, 16)
     with pytest.raises(ValueError, match="zero must be float32"):
         int4_linear(x, q, s, s.half(), 16)
+
+
+@pytest.mark.parametrize("M", [1, 9])
+def test_offsets_of_gguf_s_4_bit_types(M):
+    """w = (q - zero) * scale + offset (GGUF's Q4_1 and Q4_K: a minimum a group), against float64."""
+    gen = torch.Generator().manual_seed(M)
+    q, scale, zero = _weights(96, 256, 32, gen)
+    offset = torch.randn(96, 8, generator=gen) * 0.05
+    x = torch.randn(M, 256, generator=gen).to(torch.bfloat16)
+    idx = torch.arange(256) // 32
+    w = ((q.double() - zero.double()[:, idx]) * scale.double()[:, idx] + offset.double()[:, idx]).float()
+    want = x.double() @ w.to(torch.bfloat16).double().T
+    got = int4_linear(x.to(DEVICE), pack_int4(q).to(DEVICE), scale.to(DEVICE), zero.to(DEVICE), 32, offset.to(DEVICE))
+    assert ((got.double().cpu() - want).abs().max() / want.abs().max()) < 1e-2
+    plain = int4_linear(x.to(DEVICE), pack_int4(q).to(DEVICE), scale.to(DEVICE), zero.to(DEVICE), 32)
+    assert ((plain.double().cpu() - want).abs().max() / want.abs().max()) > 1e-2  # (the offsets count)
