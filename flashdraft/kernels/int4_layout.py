@@ -17,8 +17,8 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """[N, K / 8] int32 in the kernel's layout -> [N, K] int32 values 0..15."""
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    return torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], -1).reshape(packed.shape[0], -1).to(torch.int32)
+    words = packed.to(torch.int32)  # (an arithmetic shift: the mask drops the sign's copies)
+    return torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], -1).reshape(packed.shape[0], -1)
 
 
 def check_int4_layout(N: int, K: int, group: int) -> str | None:
