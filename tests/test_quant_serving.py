@@ -32,14 +32,19 @@ def _switches(monkeypatch, on: bool):
     monkeypatch.setattr(settings, "INT4_GEMM", on)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_served_layouts_give_the_dequantized_tokens(kind, tiny_llama, drafter, tmp_path, monkeypatch):
-    model, _ = _write(kind, tiny_llama, tmp_path / "model")
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
+def _dequantized_then_served(model, monkeypatch, max_tokens=16):
+    """(the tokens of `model` dequantized at load, the model loaded with its quantized layers kept, params)."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     _switches(monkeypatch, False)
     want = [o.token_ids for o in LLM(str(model), draft=None, device="cpu", dtype="float32").generate(PROMPTS, params)]
     _switches(monkeypatch, True)
-    llm = LLM(str(model), draft=None, device="cpu", dtype="float32")
+    return want, LLM(str(model), draft=None, device="cpu", dtype="float32"), params
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_served_layouts_give_the_dequantized_tokens(kind, tiny_llama, drafter, tmp_path, monkeypatch):
+    model, _ = _write(kind, tiny_llama, tmp_path / "model")
+    want, llm, params = _dequantized_then_served(model, monkeypatch, max_tokens=20)
     layer = llm.engine.runner.model.layers
     served = Int4Linear if kind.startswith(("w4", "awq", "gptq")) else BlockFP8Linear
     for mod in (layer[1].self_attn.qkv_proj, layer[1].self_attn.o_proj, layer[1].mlp.gate_up_proj,
@@ -64,11 +69,7 @@ def test_a_hybrid_s_gated_attention_and_mlp_at_4_bits(tmp_path, monkeypatch):
 
     src = build_tiny_model(tmp_path / "src", "qwen3_5_text")
     model, _ = _write("w4a16-zero-points", src, tmp_path / "model")
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    _switches(monkeypatch, False)
-    want = [o.token_ids for o in LLM(str(model), draft=None, device="cpu", dtype="float32").generate(PROMPTS, params)]
-    _switches(monkeypatch, True)
-    llm = LLM(str(model), draft=None, device="cpu", dtype="float32")
+    want, llm, params = _dequantized_then_served(model, monkeypatch)
     net = llm.engine.runner.model
     attn = [m for name, m in net.named_modules() if name.endswith("self_attn.qkv_proj")]
     assert attn and all(type(m) is Int4Linear for m in attn)
@@ -107,11 +108,7 @@ def test_block_fp8_experts_kept_in_fp8(kind, tmp_path, monkeypatch):
 
     src = build_tiny_model(tmp_path / "src", kind)
     model, _ = _write_fp8(src, tmp_path / "fp8", keep=())
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    _switches(monkeypatch, False)
-    want = [o.token_ids for o in LLM(str(model), draft=None, device="cpu", dtype="float32").generate(PROMPTS, params)]
-    _switches(monkeypatch, True)
-    llm = LLM(str(model), draft=None, device="cpu", dtype="float32")
+    want, llm, params = _dequantized_then_served(model, monkeypatch)
     net = llm.engine.runner.model
     experts = [m for name, m in net.named_modules() if name.endswith("mlp.experts")]
     assert experts and all(type(m) is FP8Experts for m in experts)
