@@ -153,7 +153,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     info = run_info("cpu")  # (the commit the run starts at)
-    base = resolve_model_dir(None)  # the embedded SmolLM2 (its GGUF dequantized to float32 once)
+    base = resolve_model_dir(None, four_bit=False)  # the embedded SmolLM2 (its GGUF dequantized to float32 once)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     ref_llm = LLM(str(base), draft=DRAFT, device="cpu", dtype="float32")
     _, ids, _ = tokenize(ref_llm.engine, load_prompts("mt-bench", args.prompts), True, args.tokens)

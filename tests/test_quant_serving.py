@@ -158,13 +158,16 @@ def _write_q4_gguf(folder, path):
 
 
 def test_gguf_4_bit_projections_kept_at_4_bits(tiny_llama, drafter, tmp_path, monkeypatch):
-    """A GGUF file's Q4_0 / Q4_1 projections cached at 4 bits (gguf_int4.py): dequantized at load they give
-    transformers' tokens for the file (its own dequantization); kept for Int4Linear the same tokens, plain and
-    with DFlash; a packed module with a part in another type stays dequantized."""
+    """With FLASHDRAFT_INT4_GEMM a GGUF file's Q4_0 / Q4_1 projections are cached at 4 bits (gguf_int4.py, a
+    folder of their own) and Int4Linear keeps them: transformers' tokens for the file (its own dequantization),
+    plain and with DFlash; that folder dequantized at load gives them too; a packed module with a part in
+    another type stays dequantized. Without the switch the folder is the dequantized one, as before."""
     import json
 
     from test_families import NEW, hf_greedy
     from transformers import AutoModelForCausalLM
+
+    from flashdraft.models.gguf_convert import convert_gguf
 
     monkeypatch.setenv("FLASHDRAFT_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "tiny-q4.gguf"
@@ -173,12 +176,6 @@ def test_gguf_4_bit_projections_kept_at_4_bits(tiny_llama, drafter, tmp_path, mo
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
     with torch.no_grad():
         want = [hf_greedy(ref, p) for p in PROMPTS]
-    _switches(monkeypatch, False)
-    plain = LLM(str(path), draft=None, device="cpu", dtype="float32")
-    assert [o.token_ids for o in plain.generate(PROMPTS, params)] == want
-    cfg = json.loads((next((tmp_path / "cache" / "gguf").iterdir()) / "config.json").read_text())["quantization_config"]
-    assert cfg["quant_method"] == "gguf" and "layers.0.self_attn.q_proj" not in cfg["modules"]
-    assert "layers.1.self_attn.q_proj" in cfg["modules"] and "layers.0.mlp.down_proj" in cfg["modules"]
     _switches(monkeypatch, True)
     llm = LLM(str(path), draft=None, device="cpu", dtype="float32", quantization="gguf")
     layers = llm.engine.runner.model.layers
@@ -187,6 +184,15 @@ def test_gguf_4_bit_projections_kept_at_4_bits(tiny_llama, drafter, tmp_path, mo
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
     spec = LLM(str(path), draft=str(drafter), device="cpu", dtype="float32")
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == want
+    four_bit = convert_gguf(path)
+    cfg = json.loads((four_bit / "config.json").read_text())["quantization_config"]
+    assert four_bit.name.endswith("-q4") and cfg["quant_method"] == "gguf"
+    assert "layers.0.self_attn.q_proj" not in cfg["modules"] and "layers.1.self_attn.q_proj" in cfg["modules"]
+    _switches(monkeypatch, False)
+    assert [o.token_ids for o in LLM(str(four_bit), draft=None, device="cpu", dtype="float32").generate(
+        PROMPTS, params)] == want
+    plain = convert_gguf(path)
+    assert plain != four_bit and "quantization_config" not in json.loads((plain / "config.json").read_text())
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])

@@ -75,7 +75,8 @@ def main() -> None:
     (Path(args.out) / "tokens.json").write_text(json.dumps({"prompts": ids, "arms": arms}))
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model_dir(args.gguf)), dtype=torch.float32).to(args.device)
+    folder = resolve_model_dir(args.gguf, four_bit=False)  # (the dequantized folder: HF reads it)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(args.device)
     hf.eval()
     result = {"bench": "bf16_divergence", "prompts": len(ids), "max_tokens": args.max_tokens, "pairs": {}}
     table = []

@@ -2,10 +2,10 @@
 cached under the user cache dir. Architectures: llama (Mistral models too, which llama.cpp writes as
 llama), qwen2, qwen3, qwen3moe, gpt-oss. Config and tokenizer come from transformers' GGUF readers; the
 weights are dequantised here with the `gguf` package (transformers would keep a quantizer marker
-that refuses to serialise), but for the attention and MLP projections held in Q4_0, Q4_1 or Q4_K, which
-are kept at 4 bits (gguf_int4.py; quant.py dequantizes them at load, bit for bit as gguf does, unless
-Int4Linear serves them). Qwen3-MoE files hold each layer's experts stacked (`ffn_*_exps`); they
-are written in flashdraft's stacked layout (models/moe.py), and the fields transformers' reader
+that refuses to serialise). With FLASHDRAFT_INT4_GEMM=1 the attention and MLP projections held in Q4_0, Q4_1
+or Q4_K are kept at 4 bits instead, in a folder of their own (gguf_int4.py; Int4Linear serves them, quant.py
+would dequantize them at load bit for bit as gguf does). Qwen3-MoE files hold each layer's experts stacked
+(`ffn_*_exps`); they are written in flashdraft's stacked layout (models/moe.py), and the fields transformers' reader
 leaves out are read here: the expert width, and the top-k renormalisation llama.cpp applies.
 
 GPT-OSS files (llama.cpp's `gpt-oss`: attention biases and sinks, the router's bias, experts split
@@ -56,7 +56,6 @@ _GPT_OSS_NAMES = {  # where llama.cpp's gpt-oss tensors differ from the table ab
 SUPPORTED_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss")
 # a layer's attention and MLP projections, kept at 4 bits when the file holds them in Q4_0 / Q4_1 / Q4_K
 _PROJECTION = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
-LAYOUT = "v2"  # the cached folder's layout (v2: 4-bit projections kept; older folders are converted again)
 # the GGUF fields of a model's sizes, as config.json names them (checked before transformers reads the file)
 _SIZE_FIELDS = {"embedding_length": "hidden_size", "block_count": "num_hidden_layers",
                 "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
@@ -96,13 +95,16 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def convert_gguf(path: str | os.PathLike, out_dir: Path | None = None) -> Path:
-    """Return a folder holding the dequantised model; builds it on the first call."""
+def convert_gguf(path: str | os.PathLike, out_dir: Path | None = None, four_bit: bool | None = None) -> Path:
+    """Return a folder holding the dequantised model; builds it on the first call. four_bit (default:
+    settings.INT4_GEMM): the Q4_0 / Q4_1 / Q4_K projections kept at 4 bits instead, in a folder of its own
+    (only flashdraft reads it: HF transformers, the trainer's target, reads the dequantised one)."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
 
     path = Path(path)
-    out = out_dir or settings.cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}-{LAYOUT}"
+    four_bit = settings.INT4_GEMM if four_bit is None else four_bit
+    out = out_dir or settings.cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}{'-q4' if four_bit else ''}"
     if (out / "model.safetensors").exists() and (out / "config.json").exists():
         return out
     reader = read_gguf(path)
@@ -133,13 +135,13 @@ def convert_gguf(path: str | os.PathLike, out_dir: Path | None = None) -> Path:
         config.norm_topk_prob = bool(norm.parts[-1][0]) if norm is not None else True
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
     tensors: dict[str, torch.Tensor] = {}
-    four_bit = []  # the projections kept at 4 bits (gguf_int4.py)
+    kept = []  # the projections kept at 4 bits (gguf_int4.py)
     for t in tqdm(reader.tensors, desc=f"dequantising {path.name}", unit="tensor"):
         name = hf_name(t.name, arch)
         shape = tuple(int(d) for d in reversed(t.shape))
         heads = n_head if name.endswith("q_proj.weight") else n_kv if name.endswith("k_proj.weight") else None
         kind = t.tensor_type.name
-        if kind in Q4_TYPES and _PROJECTION.search(name) and len(shape) == 2 and shape[1] % GROUP == 0:
+        if four_bit and kind in Q4_TYPES and _PROJECTION.search(name) and len(shape) == 2 and shape[1] % GROUP == 0:
             module = name.removesuffix(".weight")
             for part, v in q4_layout(t.data, kind, *shape).items():
                 v = v.numpy()
@@ -148,14 +150,14 @@ def convert_gguf(path: str | os.PathLike, out_dir: Path | None = None) -> Path:
                 v = torch.from_numpy(np.ascontiguousarray(v))
                 tensors[f"{module}.{part}"] = pack_int4(v) if part == "values" else v
             tensors[f"{module}.qweight"] = tensors.pop(f"{module}.values")
-            four_bit.append(module.removeprefix("model."))
+            kept.append(module.removeprefix("model."))
             continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shape)
         if arch == "llama" and heads is not None:
             w = _unpermute(w, heads)
         tensors[name] = torch.from_numpy(np.ascontiguousarray(w))
-    if four_bit:  # (read back by quant.py's GGUF4: dequantized at load, or kept for Int4Linear)
-        config.quantization_config = {"quant_method": "gguf", "bits": 4, "group_size": GROUP, "modules": four_bit}
+    if kept:  # (read back by quant.py's GGUF4: kept for Int4Linear, or dequantized at load)
+        config.quantization_config = {"quant_method": "gguf", "bits": 4, "group_size": GROUP, "modules": kept}
     if arch == "gpt-oss":
         _gpt_oss_experts(tensors)
     for key in [k for k in tensors if k.endswith("mlp.experts.gate_proj.weight")]:  # [E, I, H] each

@@ -39,16 +39,18 @@ def default_model_path() -> Path:
     return path
 
 
-def resolve_model_dir(model: str | os.PathLike | None, revision: str | None = None, weights: bool = True) -> Path:
+def resolve_model_dir(model: str | os.PathLike | None, revision: str | None = None, weights: bool = True,
+                      four_bit: bool | None = None) -> Path:
     """Return an HF-layout folder for `model`, converting a GGUF file on first use. revision: of a hub id;
-    weights=False: a hub id's weights are not fetched (load_format="dummy")."""
+    weights=False: a hub id's weights are not fetched (load_format="dummy"); four_bit: a GGUF's 4-bit
+    projections kept (gguf_convert.py; default settings.INT4_GEMM; False for a reader that is not flashdraft's)."""
     if model is None and revision is not None:
         raise ValueError(f"a revision ({revision!r}) pins a hub id, but no model was given (the embedded default)")
     path = default_model_path() if model is None else local_path(model, revision, "model", weights)
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass a GGUF file or an HF folder")
-        return convert_gguf(path)
+        return convert_gguf(path, four_bit=four_bit)
     return path
 
 

@@ -98,7 +98,7 @@ def train(cfg: TrainConfig) -> Path:
     rank, world, device = init_distributed(cfg)
     main = rank == 0
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
-    folder = resolve_model_dir(cfg.model)
+    folder = resolve_model_dir(cfg.model, four_bit=False)  # (HF transformers reads it below)
     target_cfg = load_config(folder)
     from flashdraft.models.loader import load_tokenizer
 
