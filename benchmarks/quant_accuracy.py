@@ -8,8 +8,9 @@ and DFlash's tau with the shipped (unquantized) drafter beside each target.
 
 Formats: fp8-block (HF fine-grained FP8, 128 x 128), fp8-channel (compressed-tensors float-quantized), w4a16-g64
 (compressed-tensors pack-quantized, symmetric), awq-g64 and gptq-g64 (their layouts, asymmetric, fp16 scales;
-GPTQ's v1 zero points, which cannot hold 0: clamped to 1-15). Groups of 64, not the usual 128: SmolLM2's
-576-wide inputs are 4.5 groups of 128.
+GPTQ's v1 zero points, which cannot hold 0: clamped to 1-15); kv-fp8: the weights as they are, the KV pages
+(target and drafter) in FP8 e4m3 at scale 1, its KL over HF's cache holding the same FP8 values. Groups of
+64, not the usual 128: SmolLM2's 576-wide inputs are 4.5 groups of 128.
 Round-to-nearest only: AWQ's activation-aware scales and GPTQ's error feedback are calibration recipes not run
 here, so the int4 rows are those layouts' round-to-nearest accuracy, a lower bound on what the recipes give.
 
@@ -132,15 +133,31 @@ def write(src: Path, root: Path, kind: str) -> tuple[Path, Path]:
     return model, ref
 
 
-def distributions(folder: Path, seqs: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
-    """log-softmax of next-token logits (float64) at each generated position of each sequence, HF transformers."""
+def fp8_cache():
+    """An HF cache holding its keys and values as FP8 pages (scale 1) hold them: saturated e4m3, widened."""
+    from transformers import DynamicCache
+
+    from flashdraft.attention.torch_ref import to_pages
+
+    class Cache(DynamicCache):
+        def update(self, k, v, layer_idx, *args, **kwargs):
+            return super().update(to_pages(k, torch.float8_e4m3fn).to(k.dtype),
+                                  to_pages(v, torch.float8_e4m3fn).to(v.dtype), layer_idx, *args, **kwargs)
+    return Cache()
+
+
+def distributions(folder: Path, seqs: list[list[int]], starts: list[int], fp8_kv: bool = False
+                  ) -> list[torch.Tensor]:
+    """log-softmax of next-token logits (float64) at each generated position of each sequence, HF transformers
+    (fp8_kv: its keys and values through FP8 pages)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
         for s, start in zip(seqs, starts):
-            logits = model(torch.tensor([s])).logits[0, start - 1: len(s) - 1]
+            kw = {"past_key_values": fp8_cache()} if fp8_kv else {}
+            logits = model(torch.tensor([s]), **kw).logits[0, start - 1: len(s) - 1]
             out.append(logits.double().log_softmax(-1))
     return out
 
@@ -149,7 +166,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--formats", default=",".join(CONFIGS))
+    ap.add_argument("--formats", default=",".join(CONFIGS), help="of " + ", ".join(CONFIGS) + ", and kv-fp8 (the "
+                    "weights unquantized, the target's and drafter's KV pages in FP8)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     info = run_info("cpu")  # (the commit the run starts at)
@@ -165,15 +183,16 @@ def main() -> None:
     log(json.dumps(rows[0]))
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.formats.split(","):
-            model, deq = write(base, Path(tmp), kind)
-            plain = LLM(str(model), draft=None, device="cpu", dtype="float32")
+            kv = {"kv_cache_dtype": "fp8"} if kind == "kv-fp8" else {}  # (the weights as they are, FP8 pages)
+            model, deq = (base, base) if kv else write(base, Path(tmp), kind)
+            plain = LLM(str(model), draft=None, device="cpu", dtype="float32", **kv)
             got = [o.token_ids for o in plain.generate(ids, params)]
             del plain
-            spec = LLM(str(model), draft=DRAFT, device="cpu", dtype="float32")
+            spec = LLM(str(model), draft=DRAFT, device="cpu", dtype="float32", **kv)
             spec_out = [o.token_ids for o in spec.generate(ids, params)]
             tau = spec.engine.spec_totals().get("acceptance_length")
             del spec
-            kl = [(p.exp() * (p - q)).sum(-1) for p, q in zip(ref_logp, distributions(deq, seqs, starts))]
+            kl = [(p.exp() * (p - q)).sum(-1) for p, q in zip(ref_logp, distributions(deq, seqs, starts, bool(kv)))]
             same = sum(a == b for g, r in zip(got, ref_out) for a, b in zip(g, r))
             row = {"format": kind, "token_match": round(same / sum(len(r) for r in ref_out), 4),
                    "outputs_equal": sum(g == r for g, r in zip(got, ref_out)), "prompts": len(ids),
