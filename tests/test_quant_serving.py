@@ -222,3 +222,18 @@ def test_gguf_4_bit_blocks_read_as_gguf_dequantizes_them(kind):
     idx = torch.arange(cols) // 32
     got = (t["values"] - t["zeros"][:, idx]).float() * t["scales"][:, idx] + t["offsets"][:, idx]
     assert torch.equal(got, want)
+
+
+def test_a_plain_weight_where_the_config_quantizes_the_module_is_named(tiny_llama, tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    model, _ = _write("awq", tiny_llama, tmp_path / "model")
+    weights = load_file(model / "model.safetensors")
+    for part in ("qweight", "qzeros", "scales", "g_idx"):
+        weights.pop(f"model.layers.1.mlp.down_proj.{part}", None)
+    weights["model.layers.1.mlp.down_proj.weight"] = torch.zeros(64, 96)
+    save_file(weights, model / "model.safetensors")
+    _switches(monkeypatch, True)
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.down_proj.weight is a plain torch.float32 weight, but "
+                                         r"the config quantizes model.layers.1.mlp.down_proj \(.*qweight"):
+        LLM(str(model), draft=None, device="cpu", dtype="float32")

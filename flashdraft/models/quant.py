@@ -307,7 +307,8 @@ def dequantized(pairs: Iterable[tuple[str, torch.Tensor]], scheme, serving=None)
         module, _, part = name.rpartition(".")
         if part not in parts or (part == "weight" and w.dtype != torch.float8_e4m3fn):
             if serving is not None and part == "weight" and serving.takes(module):
-                raise ValueError(f"{name} is {w.dtype}, but the config quantizes it: float8_e4m3fn expected")
+                raise ValueError(f"{name} is a plain {w.dtype} weight, but the config quantizes {module} "
+                                 f"({', '.join(module + '.' + p for p in parts)} expected)")
             yield name, w
             continue
         if kept_unquantized(module, scheme):
