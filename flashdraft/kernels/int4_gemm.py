@@ -1,7 +1,8 @@
-"""4-bit weights times bf16 / fp16 activations (W4A16), for few rows: y = x @ dequant(W)^T with W held as
-models/quant.py's serving layout of AWQ, GPTQ and compressed-tensors' pack-quantized int4: `qweight` [N, K / 8]
-int32, eight 4-bit values 0..15 a word (value i at bits 4i: column 8j + i of word j), and per group of `group`
-input columns a `scale` and a `zero` [N, K / group] (float32): w = (q - zero) * scale.
+"""4-bit weights times bf16 / fp16 activations (W4A16), for few rows: y = x @ dequant(W)^T with W held in
+kernels/int4_layout.py's layout (AWQ, GPTQ, compressed-tensors' pack-quantized int4 and GGUF's 4-bit types,
+repacked at load by models/quant_serve.py): `qweight` [N, K / 8] int32, eight 4-bit values 0..15 a word, and per
+group of `group` input columns a `scale` and a `zero` (and for GGUF an `offset`) [N, K / group] (float32):
+w = (q - zero) * scale (+ offset).
 
 A decode or verify GEMM at these rows streams its weight: a 4-bit one reads a quarter of the bf16 bytes (plus
 8 bytes a group for its scale and zero). Each program streams a strip of BLOCK_N weight rows over the whole K

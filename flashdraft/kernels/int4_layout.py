@@ -28,3 +28,12 @@ def check_int4_layout(N: int, K: int, group: int) -> str | None:
     if group % 16 or (group > 128 and group % 128):
         return f"its groups of {group} columns are not a multiple of 16 (or, past 128, of 128)"
     return None
+
+
+def dequantize_int(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, group: int,
+                   offset: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 weight [N, K] of int values q [N, K] and a zero, scale (and offset) [N, ceil(K / group)] a
+    group of columns: (q - zero) * scale (+ offset), the arithmetic the kernel and every format's own follow."""
+    idx = torch.arange(q.shape[1], device=q.device) // group
+    w = (q.float() - zero.float()[:, idx]) * scale.float()[:, idx]
+    return w if offset is None else w + offset.float()[:, idx]

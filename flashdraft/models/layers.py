@@ -115,13 +115,11 @@ class Int4Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [N, K]: (q - zero) * scale (+ offset)."""
-        from flashdraft.kernels.int4_layout import unpack_int4
+        from flashdraft.kernels.int4_layout import dequantize_int, unpack_int4
 
-        q = unpack_int4(self.qweight)
-        idx = torch.arange(self.in_features, device=q.device) // self.group
-        scale, zero = self.scales.view(torch.float32), self.zeros.view(torch.float32)
-        w = (q.float() - zero[:, idx]) * scale[:, idx]
-        return w if self.offsets is None else w + self.offsets.view(torch.float32)[:, idx]
+        return dequantize_int(unpack_int4(self.qweight), self.zeros.view(torch.float32),
+                              self.scales.view(torch.float32), self.group,
+                              None if self.offsets is None else self.offsets.view(torch.float32))
 
     def forward(self, x: torch.Tensor, parts: bool = False) -> torch.Tensor:
         """parts: accepted for the callers of Linear; the result is always whole."""

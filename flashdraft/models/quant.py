@@ -236,10 +236,10 @@ def _dequantize(scheme, t: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         return dequantize_block_fp8(t["weight"], t["weight_scale_inv"], scheme.block, name)
     if scheme_format(scheme) == "float-quantized":
         return t["weight"].float() * channel_scales(t, name)
+    from flashdraft.kernels.int4_layout import dequantize_int
+
     q, zero, scale, group = int_values(scheme, t, name)
-    n, k = q.shape
-    w = (q - _spread(zero, 1, group, n, k)).float() * _spread(scale, 1, group, n, k)
-    return w + _spread(t["offsets"].float(), 1, group, n, k) if isinstance(scheme, GGUF4) else w
+    return dequantize_int(q, zero, scale, group, t["offsets"] if isinstance(scheme, GGUF4) else None)
 
 
 def scheme_format(scheme) -> str:
